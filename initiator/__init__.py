@@ -1,0 +1,1 @@
+"""The blockfabric host side: library, FUSE mount and CLI (installed as ``blockfabric.initiator``)."""

@@ -1,0 +1,149 @@
+"""``blockfabric``: the host-side command line, in the spirit of nvme-cli."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from blockfabric import __version__
+from blockfabric.cliutil import HelpFormatter, not_implemented
+
+DESCRIPTION = """\
+Use NVMe-oF RDMA subsystems exported by a blockfabric target (or by any NVMe-oF RDMA target,
+such as the Linux kernel's nvmet-rdma). Remote namespaces are mounted through FUSE as regular
+files (n1, n2, ...) that fio, dd, losetup and mkfs can use like local disk images.
+"""
+
+EPILOG = """\
+examples:
+  blockfabric discover -a 127.0.0.1
+  blockfabric connect -a 127.0.0.1 -n nqn.2026-12.io.blockfabric:ram0
+  blockfabric mount -a 127.0.0.1 -n nqn.2026-12.io.blockfabric:ram0 /mnt/ram0
+  blockfabric list
+  blockfabric umount /mnt/ram0
+  blockfabric bench -a 127.0.0.1 -n nqn.2026-12.io.blockfabric:ram0 --rw randread --bs 4k
+
+host identity:
+  --hostnqn, else /etc/nvme/hostnqn (as nvme-cli), else an NQN generated once and kept in
+  /etc/blockfabric/hostnqn.
+
+exit status:
+  0 success, 1 runtime failure, 2 usage error
+"""
+
+
+def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True) -> None:
+    """The flags nvme-cli uses for a fabrics connection, with the same names and units."""
+    p.add_argument("-a", "--traddr", required=True, metavar="ADDR",
+                   help="target transport address (IPv4 or IPv6)")
+    p.add_argument("-s", "--trsvcid", default="4420", metavar="PORT",
+                   help="target transport service id (port)")
+    if needs_nqn:
+        p.add_argument("-n", "--nqn", required=True, metavar="SUBNQN",
+                       help="NVMe qualified name of the subsystem")
+    p.add_argument("-q", "--hostnqn", metavar="HOSTNQN", help="this host's NQN")
+    p.add_argument("-I", "--hostid", metavar="UUID", help="this host's identifier")
+    p.add_argument("--provider", choices=("auto", "soft", "verbs"), default="auto",
+                   help="RDMA provider: verbs needs an RDMA device owning a local address on "
+                        "the route to the target; soft is software RDMA over TCP")
+    p.add_argument("-i", "--nr-io-queues", type=int, default=2, metavar="N",
+                   help="number of I/O queues")
+    p.add_argument("-Q", "--queue-size", type=int, default=128, metavar="N",
+                   help="I/O queue depth (16..1024)")
+    p.add_argument("-k", "--keep-alive-tmo", type=int, default=5, metavar="SEC",
+                   help="keep-alive timeout in seconds")
+    p.add_argument("-c", "--reconnect-delay", type=int, default=10, metavar="SEC",
+                   help="seconds between reconnect attempts")
+    p.add_argument("-l", "--ctrl-loss-tmo", type=int, default=600, metavar="SEC",
+                   help="seconds to keep reconnecting before failing I/O (-1: forever)")
+
+
+def add_output_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output-format", choices=("normal", "json"), default="normal",
+                   help="output format")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockfabric", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("discover", help="list the subsystems a discovery controller offers this host",
+                       formatter_class=HelpFormatter,
+                       description="Connect to the discovery controller "
+                                   "(nqn.2014-08.org.nvmexpress.discovery), read the discovery "
+                                   "log page and print its entries. Only subsystems this host "
+                                   "may use are listed.")
+    add_connection_flags(p, needs_nqn=False)
+    add_output_format(p)
+
+    p = sub.add_parser("connect", help="connect to a subsystem, print what was found, disconnect",
+                       formatter_class=HelpFormatter,
+                       description="A connectivity check: set up the admin queue and the I/O "
+                                   "queues exactly as a mount would, print the controller and "
+                                   "its namespaces, then disconnect. A controller lives as long "
+                                   "as the process holding it (a mount, a bench run).")
+    add_connection_flags(p)
+    add_output_format(p)
+
+    p = sub.add_parser("identify", help="print Identify Controller and Identify Namespace data",
+                       formatter_class=HelpFormatter)
+    add_connection_flags(p)
+    p.add_argument("--namespace-id", type=int, metavar="NSID",
+                   help="only this namespace (default: the controller and every active namespace)")
+    add_output_format(p)
+
+    p = sub.add_parser("mount", help="mount a subsystem's namespaces as files through FUSE",
+                       formatter_class=HelpFormatter,
+                       description="Connect, then mount a FUSE filesystem at MOUNTPOINT in "
+                                   "which namespace NSID is the file n<NSID> and .status "
+                                   "describes the controller. Runs in the background unless -f.")
+    add_connection_flags(p)
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    p.add_argument("-o", dest="options", default="", metavar="OPT[,OPT...]",
+                   help="mount options: ro, allow_other, direct_io, ...")
+    p.add_argument("--output-format", choices=("normal", "json"), default="normal",
+                   help="output format")
+
+    p = sub.add_parser("umount", help="unmount a blockfabric mount and disconnect its controller",
+                       formatter_class=HelpFormatter)
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    p = sub.add_parser("list", help="list active mounts and their controllers",
+                       formatter_class=HelpFormatter)
+    add_output_format(p)
+
+    p = sub.add_parser("disconnect", help="disconnect the controller of a mount (by subsystem NQN)",
+                       formatter_class=HelpFormatter)
+    p.add_argument("-n", "--nqn", required=True, metavar="SUBNQN", help="subsystem NQN")
+
+    p = sub.add_parser("bench", help="fio-style benchmark through the host library (no FUSE)",
+                       formatter_class=HelpFormatter)
+    add_connection_flags(p)
+    p.add_argument("--rw", default="randread",
+                   choices=("read", "write", "randread", "randwrite", "randrw"),
+                   help="I/O pattern")
+    p.add_argument("--bs", default="4k", help="block size")
+    p.add_argument("--iodepth", type=int, default=16, help="commands in flight per job")
+    p.add_argument("--numjobs", type=int, default=1, help="parallel jobs")
+    p.add_argument("--size", default="256M", help="region of the namespace to use")
+    p.add_argument("--runtime", type=float, default=10.0, help="seconds to run")
+    p.add_argument("--rwmixread", type=int, default=50, help="percentage of reads with randrw")
+    p.add_argument("--verify", choices=("crc32c",), help="verify data read back")
+    add_output_format(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return not_implemented(f"blockfabric {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

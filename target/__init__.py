@@ -1,0 +1,1 @@
+"""The blockfabric target daemon (installed as ``blockfabric.target``)."""

@@ -1,0 +1,86 @@
+"""``blockfabric-target``: the NVMe-oF target daemon and its tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from blockfabric import __version__
+from blockfabric.cliutil import HelpFormatter, not_implemented
+
+DEFAULT_CONFIG = "/etc/blockfabric/target.yaml"
+
+DESCRIPTION = """\
+Export file-, ramdisk- or null-backed volumes as NVMe namespaces over the NVMe-oF RDMA
+transport binding. Commands arrive as NVMe command capsules in RDMA SEND; data moves one-sided,
+with RDMA READ (host to target) and RDMA WRITE (target to host).
+
+Two RDMA providers serve the same code: "verbs" (pyverbs and rdma_cm on a real RDMA device:
+RoCE, InfiniBand, iWARP, rxe, siw) and "soft" (a software RDMA NIC over TCP, the default where
+no RDMA device owns the listener address).
+"""
+
+EPILOG = """\
+examples:
+  blockfabric-target run --config configs/target.yaml
+  blockfabric-target check --config /etc/blockfabric/target.yaml
+  blockfabric-target status
+
+files:
+  /etc/blockfabric/target.yaml   default configuration
+  /run/blockfabric/target.sock   control socket used by "status"
+
+exit status:
+  0 success, 1 runtime failure, 2 usage or configuration error
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockfabric-target", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="run the target in the foreground, logging to stderr",
+        formatter_class=HelpFormatter,
+        description="Load the configuration, register every volume, open every listener and "
+                    "serve until SIGTERM or SIGINT (drain, flush, exit 0). SIGHUP reloads the "
+                    "configuration without dropping healthy connections.")
+    run.add_argument("-C", "--config", default=DEFAULT_CONFIG, metavar="PATH",
+                     help="YAML configuration file")
+    run.add_argument("-v", "--verbose", action="count", default=0,
+                     help="more log detail (repeat for debug)")
+
+    check = sub.add_parser(
+        "check", help="validate a configuration and print the effective one",
+        formatter_class=HelpFormatter,
+        description="Load and validate the configuration without starting anything. On "
+                    "success print the effective configuration (defaults filled in) as YAML "
+                    "and exit 0; on error print one line naming the file, the key and what "
+                    "was expected, and exit 2.")
+    check.add_argument("-C", "--config", default=DEFAULT_CONFIG, metavar="PATH",
+                       help="YAML configuration file")
+
+    status = sub.add_parser(
+        "status", help="show listeners, subsystems, controllers and counters of a running target",
+        formatter_class=HelpFormatter)
+    status.add_argument("--socket", default="/run/blockfabric/target.sock", metavar="PATH",
+                        help="control socket of the running target")
+    status.add_argument("--output-format", choices=("normal", "json"), default="normal",
+                        help="output format")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return not_implemented(f"blockfabric-target {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

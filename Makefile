@@ -43,7 +43,7 @@ deps:
 
 $(STAMP): pyproject.toml | deps
 	@test -x $(PY) || $(PYTHON_SYS) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77" wheel
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 

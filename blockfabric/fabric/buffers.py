@@ -1,0 +1,64 @@
+"""Registered buffer pools: one memory region cut into fixed-size slots.
+
+Both ends of a queue need many small registered buffers (receive slots for capsules, send
+slots for responses, data buffers for I/O).  Registering each one separately would cost a
+registration per buffer and an MR lookup per work request; one slab per pool costs one.
+Slots are handed out LIFO so the hottest ones stay in cache.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+from blockfabric.rdma import PD, SGE, Access
+
+
+class BufferPool:
+    """``count`` slots of ``size`` bytes in one registered, page-aligned slab."""
+
+    def __init__(self, pd: PD, count: int, size: int,
+                 access: Access = Access.LOCAL_WRITE) -> None:
+        if count <= 0 or size <= 0:
+            raise ValueError(f"a buffer pool needs count > 0 and size > 0, got {count}x{size}")
+        self.count = count
+        self.size = size
+        self._slab = mmap.mmap(-1, count * size)
+        self.mr = pd.reg_mr(self._slab, access)
+        base = self.mr.buf
+        self.views: list[memoryview] = [base[i * size:(i + 1) * size] for i in range(count)]
+        self.addrs: list[int] = [self.mr.addr + i * size for i in range(count)]
+        self._free = list(range(count - 1, -1, -1))
+
+    @property
+    def lkey(self) -> int:
+        return self.mr.lkey
+
+    @property
+    def rkey(self) -> int:
+        return self.mr.rkey
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def get(self) -> int | None:
+        """A free slot index, or None when every slot is in use."""
+        return self._free.pop() if self._free else None
+
+    def put(self, index: int) -> None:
+        self._free.append(index)
+
+    def sge(self, index: int, length: int | None = None) -> SGE:
+        """The scatter/gather element for slot ``index`` (the first ``length`` bytes)."""
+        return SGE(self.addrs[index], self.size if length is None else length, self.mr.lkey)
+
+    def close(self) -> None:
+        for view in self.views:
+            view.release()
+        self.views = []
+        self.mr.close()
+        try:
+            self._slab.close()
+        except BufferError:
+            # A view still exported elsewhere keeps the slab alive until it is released.
+            pass

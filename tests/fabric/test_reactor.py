@@ -1,0 +1,65 @@
+"""The per-queue-group poll loop: readers, timers, cross-thread calls, fault isolation."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from blockfabric.fabric.reactor import Reactor
+
+
+def test_reader_timer_and_threadsafe_call_run_on_the_loop_thread():
+    reactor = Reactor("t")
+    r, w = os.pipe()
+    seen: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def on_read():
+        os.read(r, 10)
+        seen.append(("read", threading.current_thread().name))
+
+    def on_timer():
+        seen.append(("timer", threading.current_thread().name))
+        done.set()
+
+    reactor.add_reader(r, on_read)
+    reactor.start()
+    try:
+        reactor.call_soon_threadsafe(lambda: reactor.call_later(0.05, on_timer))
+        os.write(w, b"x")
+        assert done.wait(5)
+    finally:
+        reactor.stop()
+        reactor.join(5)
+        reactor.close()
+        os.close(r)
+        os.close(w)
+    assert ("read", "t") in seen and ("timer", "t") in seen
+    assert seen.index(("read", "t")) < seen.index(("timer", "t"))
+
+
+def test_cancelled_timer_never_runs_and_timers_run_in_order():
+    reactor = Reactor()
+    order: list[int] = []
+    reactor.call_later(0.03, lambda: order.append(3))
+    cancelled = reactor.call_later(0.01, lambda: order.append(99))
+    reactor.call_later(0.0, lambda: order.append(1))
+    reactor.call_later(0.02, lambda: order.append(2))
+    cancelled.cancel()
+    deadline = time.monotonic() + 2
+    while len(order) < 3 and time.monotonic() < deadline:
+        reactor.run_once(0.1)
+    reactor.close()
+    assert order == [1, 2, 3]
+
+
+def test_a_failing_callback_does_not_stop_the_loop(caplog):
+    reactor = Reactor("faulty")
+    ran: list[str] = []
+    reactor.call_later(0, lambda: 1 / 0)
+    reactor.call_later(0, lambda: ran.append("after"))
+    reactor.run_once(0.1)
+    reactor.close()
+    assert ran == ["after"]
+    assert "unhandled error" in caplog.text

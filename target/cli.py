@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from blockfabric import __version__
-from blockfabric.cliutil import HelpFormatter, not_implemented
+from blockfabric.cliutil import EXIT_USAGE, HelpFormatter, not_implemented
+from blockfabric.errors import ConfigError
+from blockfabric.target import config as config_model
 
 DEFAULT_CONFIG = "/etc/blockfabric/target.yaml"
 
@@ -60,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "success print the effective configuration (defaults filled in) as YAML "
                     "and exit 0; on error print one line naming the file, the key and what "
                     "was expected, and exit 2.")
-    check.add_argument("-C", "--config", default=DEFAULT_CONFIG, metavar="PATH",
-                       help="YAML configuration file")
+    check.add_argument("-C", "--config", metavar="PATH",
+                       help=f"YAML configuration file (default: {DEFAULT_CONFIG}, or the "
+                            "embedded default configuration where that file does not exist)")
 
     status = sub.add_parser(
         "status", help="show listeners, subsystems, controllers and counters of a running target",
@@ -79,7 +83,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "check":
+        return check(args.config)
     return not_implemented(f"blockfabric-target {args.command}")
+
+
+def check(path: str | None) -> int:
+    """Validate a configuration; print the effective one (exit 0) or one error line (exit 2)."""
+    try:
+        if path is None and not os.path.exists(DEFAULT_CONFIG):
+            config, shown = config_model.default_config(), "the embedded default"
+        else:
+            path = path or DEFAULT_CONFIG
+            config, shown = config_model.load(path), path
+    except ConfigError as exc:
+        print(f"blockfabric-target: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    sys.stdout.write(f"# effective configuration of {shown} (defaults filled in)\n")
+    sys.stdout.write(config.to_yaml())
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,632 @@
+"""The target's configuration: one model that loads from YAML, validates, and dumps back.
+
+In the manner of nvmetcli, each part of the configuration is a class (``Listener``,
+``Subsystem``, ``Namespace``, ``Limits``, ``KeepAlive``, ``Metrics``, ``TargetConfig``) that is
+built from a mapping and dumps itself back.  Each field is declared once, with its default and
+its *kind* (how a YAML value is read, checked and written back), so load and dump cannot drift
+apart and every default lives in exactly one place: the field declaration.
+
+A bad configuration fails at load with :class:`blockfabric.errors.ConfigError`, naming the file,
+the key path (``subsystems[0].namespaces[1].size``) and what was expected; nothing starts
+half-configured.  Unknown keys are errors (with a did-you-mean hint), because a misspelt
+optional key would otherwise be silently ignored.
+
+``to_dict()`` returns the *effective* configuration: defaults filled in and derived values
+(serial, namespace uuid/nguid) written out, so that what ``blockfabric-target check`` prints is
+what the daemon will run.  Keys whose value is unset (``None``) are left out.
+
+Semantics that are not obvious from the schema:
+
+- Listeners on port 8009 are ordinary listeners; the discovery subsystem is served on every
+  listener.  ``provider: auto`` picks verbs when an RDMA device owns the address, else soft.
+- ``subsystems[].listeners`` restricts which listeners expose a subsystem; each entry names a
+  listener by its ``name`` or by ``address:port`` (``[v6addr]:port``).  Absent: all listeners.
+- ``serial`` defaults to 20 hex digits derived from the NQN; a namespace's ``uuid`` and
+  ``nguid`` default to values derived from the subsystem NQN and the nsid.  They are therefore
+  stable across restarts (hosts key multipath and udev names on them) without being stored.
+- ``keep_alive.kas_ms`` is the keep-alive granularity the controller reports (Identify KAS, in
+  units of 100 ms); ``keep_alive.max_timeout_ms`` caps the keep-alive timeout a host may ask
+  for in Connect (a larger request is lowered to it).
+- ``metrics`` is off unless given; ``metrics.address`` defaults to loopback.
+- File backends need an absolute ``path``; two namespaces may not share one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import ipaddress
+import os
+import re
+import tempfile
+import uuid
+from dataclasses import dataclass, fields
+from importlib import resources
+from typing import Any, ClassVar, Iterable, NoReturn, TypeVar
+
+import yaml
+
+from blockfabric.errors import ConfigError
+from blockfabric.sizes import KiB, MiB, SIZE_SYNTAX, SizeError, format_size, parse_size
+
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+NVME_RDMA_PORT = 4420
+DISCOVERY_PORT = 8009
+MAX_NSID = 1024          # nvmet's default NN; also the length of the active namespace list
+MAX_NQN_BYTES = 223      # NVMe base spec: an NQN is at most 223 bytes of UTF-8
+BACKENDS = ("ramdisk", "file", "null")
+PROVIDERS = ("auto", "soft", "verbs")
+DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
+#: The embedded default configuration, shipped inside the package (same text as
+#: configs/target.yaml in the source tree).
+DEFAULT_CONFIG_RESOURCE = "default.yaml"
+
+# Stable derived identifiers: uuid5 under a fixed namespace of our own.
+_ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_DNS, "blockfabric.io")
+
+_NQN_RE = re.compile(r"nqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
+                     r"(:[^\s\x00-\x1f\x7f]+)?")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NGUID_RE = re.compile(r"[0-9a-fA-F]{32}")
+_UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                      r"[0-9a-fA-F]{12}")
+
+
+class _Plain(str):
+    """Text shown as-is after "got" in a ConfigError (``repr`` would add quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+_ABSENT = _Plain("nothing (the key is missing)")
+
+
+def _shown(value: object) -> object:
+    """What to print after "got": scalars as themselves, containers by their kind."""
+    if isinstance(value, dict):
+        return _Plain("a mapping")
+    if isinstance(value, list):
+        return _Plain(f"a list of {len(value)} items" if value else "an empty list")
+    if value is None:
+        return _Plain("null")
+    return value
+
+
+@dataclass(frozen=True)
+class Where:
+    """A place in a config file: the file and the key path down to the value."""
+
+    file: str
+    key: str = ""
+
+    def at(self, name: str) -> Where:
+        return Where(self.file, f"{self.key}.{name}" if self.key else name)
+
+    def index(self, i: int) -> Where:
+        return Where(self.file, f"{self.key}[{i}]")
+
+    def fail(self, expected: str, got: object = _ABSENT) -> NoReturn:
+        raise ConfigError(self.file, self.key or "(top level)", expected,
+                          got if got is _ABSENT else _shown(got))
+
+
+# --- kinds: how one YAML value is read, checked and written back ---------------------------
+
+class Kind:
+    """Reads one YAML value (``load``), failing with what was expected, and writes it back."""
+
+    expected = "a value"
+
+    def load(self, value: Any, where: Where) -> Any:
+        return value
+
+    def dump(self, value: Any) -> Any:
+        return value
+
+
+class Int(Kind):
+    def __init__(self, lo: int, hi: int, multiple_of: int = 1) -> None:
+        self.lo, self.hi, self.multiple_of = lo, hi, multiple_of
+        step = f" in steps of {multiple_of}" if multiple_of > 1 else ""
+        self.expected = f"an integer from {lo} to {hi}{step}"
+
+    def load(self, value: Any, where: Where) -> int:
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not self.lo <= value <= self.hi or value % self.multiple_of):
+            where.fail(self.expected, value)
+        return value
+
+
+class Bool(Kind):
+    expected = "true or false"
+
+    def load(self, value: Any, where: Where) -> bool:
+        if not isinstance(value, bool):
+            where.fail(self.expected, value)
+        return value
+
+
+class Choice(Kind):
+    def __init__(self, *choices: object) -> None:
+        self.choices = choices
+        self.expected = "one of " + ", ".join(str(c) for c in choices)
+
+    def load(self, value: Any, where: Where) -> Any:
+        if value is None and "null" in self.choices:
+            where.fail(f'{self.expected} (quote "null": bare null is YAML for no value)', value)
+        if isinstance(value, bool) or value not in self.choices:
+            where.fail(self.expected, value)
+        return value
+
+
+class Text(Kind):
+    """A string matching ``pattern`` (full match) and at most ``max_bytes`` of UTF-8."""
+
+    def __init__(self, expected: str, pattern: re.Pattern[str], max_bytes: int = 1 << 16,
+                 normalize: Any = None) -> None:
+        self.expected, self.pattern, self.max_bytes = expected, pattern, max_bytes
+        self.normalize = normalize
+
+    def load(self, value: Any, where: Where) -> str:
+        if not isinstance(value, str):
+            where.fail(f"{self.expected} (a string: quote it)", value)
+        if len(value.encode()) > self.max_bytes:
+            where.fail(self.expected, _Plain(f"{len(value.encode())} bytes ({value[:40]!r}...)"))
+        if not self.pattern.fullmatch(value):
+            where.fail(self.expected, value)
+        return self.normalize(value) if self.normalize else value
+
+
+class Address(Kind):
+    expected = "an IPv4 or IPv6 address literal"
+
+    def load(self, value: Any, where: Where) -> str:
+        if not isinstance(value, str):   # YAML 1.1 reads e.g. 2001:0:0:0:0:0:0:1 as a number
+            where.fail(f"{self.expected} (a string: quote IPv6 addresses)", value)
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            where.fail(self.expected, value)
+
+
+class AbsPath(Kind):
+    expected = "an absolute path"
+
+    def load(self, value: Any, where: Where) -> str:
+        if not isinstance(value, str) or not os.path.isabs(value) or "\0" in value:
+            where.fail(self.expected, value)
+        return os.path.normpath(value)
+
+
+class Size(Kind):
+    """A byte size (see blockfabric.sizes), dumped in its exact binary unit."""
+
+    def __init__(self, lo: int, hi: int | None = None, multiple_of: int = 1,
+                 power_of_two: bool = False) -> None:
+        self.lo, self.hi, self.multiple_of, self.power_of_two = lo, hi, multiple_of, power_of_two
+        rules = []
+        if lo:
+            rules.append(f"at least {format_size(lo)}")
+        if hi is not None:
+            rules.append(f"at most {format_size(hi)}")
+        if power_of_two:
+            rules.append("a power of two")
+        if multiple_of > 1:
+            rules.append(f"a multiple of {multiple_of}")
+        self.expected = f"a size ({', '.join(rules)})" if rules else "a size"
+
+    def load(self, value: Any, where: Where) -> int:
+        try:
+            size = parse_size(value)
+        except SizeError as exc:
+            where.fail(exc.expected, value)
+        if (size < self.lo or (self.hi is not None and size > self.hi) or size % self.multiple_of
+                or (self.power_of_two and size & (size - 1))):
+            where.fail(self.expected, value)
+        return size
+
+    def dump(self, value: int) -> str:
+        return format_size(value)
+
+
+class ListOf(Kind):
+    def __init__(self, item: Kind, min_items: int = 0) -> None:
+        self.item, self.min_items = item, min_items
+        least = f"at least {min_items} " if min_items else ""
+        self.expected = f"a list of {least}items, each {item.expected}"
+
+    def load(self, value: Any, where: Where) -> tuple:
+        if not isinstance(value, list) or len(value) < self.min_items:
+            where.fail(self.expected, value)
+        return tuple(self.item.load(v, where.index(i)) for i, v in enumerate(value))
+
+    def dump(self, value: tuple) -> list:
+        return [self.item.dump(v) for v in value]
+
+
+class Nested(Kind):
+    def __init__(self, model: type[Model]) -> None:
+        self.model = model
+        self.expected = f"a mapping ({model.WHAT})"
+
+    def load(self, value: Any, where: Where) -> Model:
+        return self.model.load_from(value, where)
+
+    def dump(self, value: Model) -> dict:
+        return value.to_dict()
+
+
+def _field(kind: Kind, default: Any = dataclasses.MISSING) -> Any:
+    """Declare a config field: its kind and (the one place for) its default."""
+    return dataclasses.field(default=default, metadata={"kind": kind})
+
+
+def _config_fields(obj: Any) -> list[dataclasses.Field]:
+    return [f for f in fields(obj) if "kind" in f.metadata]
+
+
+def _unique(entries: Iterable[tuple[Where, object, object]], what: str) -> None:
+    """Fail at the second of two entries with the same identity (``entries`` yields
+    ``(where, identity, value shown)``)."""
+    seen: dict[object, str] = {}
+    for where, identity, shown in entries:
+        if identity in seen:
+            where.fail(f"{what} not already used by {seen[identity]}", shown)
+        seen[identity] = where.key
+
+
+M = TypeVar("M", bound="Model")
+
+
+class Model:
+    """Base of the config classes: loading and dumping are driven by the declared fields."""
+
+    WHAT: ClassVar[str] = "a config section"
+
+    @classmethod
+    def load_from(cls: type[M], data: Any, where: Where) -> M:
+        if not isinstance(data, dict):
+            where.fail(f"a mapping ({cls.WHAT})", data)
+        specs = {f.name: f for f in _config_fields(cls)}
+        for key in data:
+            if key not in specs:
+                hint = difflib.get_close_matches(str(key), specs, n=1, cutoff=0.6)
+                tip = f" (did you mean {hint[0]!r}?)" if hint else ""
+                where.at(str(key)).fail(f"one of the keys of {cls.WHAT}: "
+                                        f"{', '.join(specs)}{tip}", _Plain(f"unknown key {key!r}"))
+        values = {}
+        for name, spec in specs.items():
+            kind: Kind = spec.metadata["kind"]
+            value = data.get(name)
+            if value is not None or (name in data and spec.default is not None):
+                values[name] = kind.load(value, where.at(name))
+            elif spec.default is dataclasses.MISSING:
+                where.at(name).fail(kind.expected)
+        return cls(**values)._finish(where)
+
+    def _finish(self: M, where: Where) -> M:
+        """Cross-field checks and derived defaults, once every field has loaded."""
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective configuration of this part; unset (None) fields are left out."""
+        out = {}
+        for spec in _config_fields(self):
+            value = getattr(self, spec.name)
+            if value is not None:
+                out[spec.name] = spec.metadata["kind"].dump(value)
+        return out
+
+
+# --- the configuration ---------------------------------------------------------------------
+
+NQN = Text(f"an NQN (nqn.yyyy-mm.reverse.domain[:name], at most {MAX_NQN_BYTES} bytes)",
+           _NQN_RE, MAX_NQN_BYTES)
+NAME = Text("a name of 1 to 64 letters, digits, '_', '.' or '-'", _NAME_RE)
+
+
+def _ascii(max_chars: int) -> Text:
+    return Text(f"1 to {max_chars} printable ASCII characters",
+                re.compile(f"[\\x20-\\x7e]{{1,{max_chars}}}"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Listener(Model):
+    """An address the target accepts RDMA connections on."""
+
+    WHAT: ClassVar[str] = "a listener"
+
+    transport: str = _field(Choice("rdma"), "rdma")
+    provider: str = _field(Choice(*PROVIDERS), "auto")
+    address: str = _field(Address())
+    port: int = _field(Int(1, 65535), NVME_RDMA_PORT)
+    name: str | None = _field(NAME, None)
+
+    @property
+    def endpoint(self) -> str:
+        """``address:port``, with an IPv6 address in brackets."""
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+    @property
+    def is_wildcard(self) -> bool:
+        return ipaddress.ip_address(self.address).is_unspecified
+
+
+@dataclass(frozen=True, kw_only=True)
+class Namespace(Model):
+    """A volume exported as an NVMe namespace."""
+
+    WHAT: ClassVar[str] = "a namespace"
+
+    nsid: int = _field(Int(1, MAX_NSID))
+    backend: str = _field(Choice(*BACKENDS))
+    size: int = _field(Size(1))
+    block_size: int = _field(Choice(512, 4096), 4096)
+    path: str | None = _field(AbsPath(), None)
+    read_only: bool = _field(Bool(), False)
+    uuid: str | None = _field(Text("a UUID (8-4-4-4-12 hex digits)", _UUID_RE,
+                                   normalize=str.lower), None)
+    nguid: str | None = _field(Text("an NGUID (32 hex digits, not all zero)", _NGUID_RE,
+                                    normalize=str.lower), None)
+
+    def _finish(self, where: Where) -> Namespace:
+        if self.backend == "file" and self.path is None:
+            where.at("path").fail("an absolute path (the file backend needs one)")
+        if self.backend != "file" and self.path is not None:
+            where.at("path").fail(f"no path for backend {self.backend} (only file uses one)",
+                                  self.path)
+        if self.size % self.block_size:
+            where.at("size").fail(f"a multiple of block_size {self.block_size}",
+                                  format_size(self.size))
+        if self.nguid is not None and int(self.nguid, 16) == 0:
+            where.at("nguid").fail("an NGUID that is not all zero (zero means none)", self.nguid)
+        return self
+
+    @property
+    def nblocks(self) -> int:
+        return self.size // self.block_size
+
+    def with_ids(self, subnqn: str) -> Namespace:
+        """This namespace with uuid/nguid filled in where unset, derived from the subsystem
+        NQN and the nsid so that they are the same on every start."""
+        name = f"{subnqn}/{self.nsid}"
+        ids = {}
+        if self.uuid is None:
+            ids["uuid"] = str(uuid.uuid5(_ID_NAMESPACE, name))
+        if self.nguid is None:
+            ids["nguid"] = hashlib.sha256(b"nguid\0" + name.encode()).hexdigest()[:32]
+        return dataclasses.replace(self, **ids) if ids else self
+
+
+@dataclass(frozen=True, kw_only=True)
+class Subsystem(Model):
+    """An NVM subsystem: an NQN, who may connect, and its namespaces."""
+
+    WHAT: ClassVar[str] = "a subsystem"
+
+    nqn: str = _field(NQN)
+    serial: str | None = _field(_ascii(20), None)
+    model: str = _field(_ascii(40), "blockfabric")
+    allow_any_host: bool = _field(Bool(), False)
+    hosts: tuple[str, ...] = _field(ListOf(NQN), ())
+    namespaces: tuple[Namespace, ...] = _field(ListOf(Nested(Namespace)), ())
+    listeners: tuple[str, ...] | None = _field(
+        ListOf(Text("a listener's name or address:port", re.compile(r"\S+"))), None)
+
+    def _finish(self, where: Where) -> Subsystem:
+        if self.nqn == DISCOVERY_NQN:
+            where.at("nqn").fail("an NQN other than the discovery NQN", self.nqn)
+        if self.allow_any_host and self.hosts:
+            where.at("hosts").fail("no hosts when allow_any_host is true (as nvmet refuses "
+                                   "them): drop one of the two", list(self.hosts))
+        _unique(((where.at("hosts").index(i), h, h) for i, h in enumerate(self.hosts)),
+                "a host NQN")
+        _unique(((where.at("namespaces").index(i).at("nsid"), ns.nsid, ns.nsid)
+                 for i, ns in enumerate(self.namespaces)), "an nsid")
+        serial = self.serial or hashlib.sha256(self.nqn.encode()).hexdigest()[:20]
+        return dataclasses.replace(self, serial=serial, namespaces=tuple(
+            ns.with_ids(self.nqn) for ns in self.namespaces))
+
+    def allows(self, hostnqn: str) -> bool:
+        """Whether a host may connect to this subsystem."""
+        return self.allow_any_host or hostnqn in self.hosts
+
+    def namespace(self, nsid: int) -> Namespace | None:
+        return next((ns for ns in self.namespaces if ns.nsid == nsid), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits(Model):
+    """Queue and transfer limits the controller advertises (defaults as the Linux target)."""
+
+    WHAT: ClassVar[str] = "the limits"
+
+    queue_size: int = _field(Int(16, 1024), 128)
+    max_io_queues: int = _field(Int(1, 128), 8)
+    inline_data_size: int = _field(Size(0, 16 * KiB, multiple_of=16), 4 * KiB)
+    # One keyed SGL descriptor moves at most 16 MiB - 1, so 8 MiB is the largest power of two.
+    mdts: int = _field(Size(4 * KiB, 8 * MiB, multiple_of=4 * KiB, power_of_two=True), MiB)
+    max_connections_per_host: int = _field(Int(1, 65535), 64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeepAlive(Model):
+    """Keep-alive granularity (Identify KAS) and the longest timeout a host may ask for."""
+
+    WHAT: ClassVar[str] = "the keep-alive settings"
+
+    kas_ms: int = _field(Int(100, 6_553_500, multiple_of=100), 1000)
+    max_timeout_ms: int = _field(Int(100, 3_600_000), 300_000)
+
+    def _finish(self, where: Where) -> KeepAlive:
+        if self.max_timeout_ms < self.kas_ms:
+            where.at("max_timeout_ms").fail(f"at least kas_ms ({self.kas_ms})",
+                                            self.max_timeout_ms)
+        return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class Metrics(Model):
+    """Where counters are served for scraping; off unless configured."""
+
+    WHAT: ClassVar[str] = "the metrics endpoint"
+
+    address: str = _field(Address(), "127.0.0.1")
+    port: int = _field(Int(1, 65535))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetConfig(Model):
+    """The whole target configuration."""
+
+    WHAT: ClassVar[str] = "a target configuration"
+
+    listeners: tuple[Listener, ...] = _field(ListOf(Nested(Listener), min_items=1))
+    subsystems: tuple[Subsystem, ...] = _field(ListOf(Nested(Subsystem)), ())
+    limits: Limits = _field(Nested(Limits), Limits())
+    keep_alive: KeepAlive = _field(Nested(KeepAlive), KeepAlive())
+    metrics: Metrics | None = _field(Nested(Metrics), None)
+    control_socket: str = _field(AbsPath(), DEFAULT_CONTROL_SOCKET)
+    #: The file this configuration came from (for messages; not part of the configuration).
+    source: str = dataclasses.field(default="<dict>", compare=False)
+
+    def _finish(self, where: Where) -> TargetConfig:
+        lst = where.at("listeners")
+        _unique(((lst.index(i), (ipaddress.ip_address(x.address), x.port), x.endpoint)
+                 for i, x in enumerate(self.listeners)), "an address:port")
+        _unique(((lst.index(i).at("name"), x.name, x.name)
+                 for i, x in enumerate(self.listeners) if x.name), "a listener name")
+        for i, x in enumerate(self.listeners):
+            for other in self.listeners[:i]:
+                if other.port == x.port and (other.is_wildcard or x.is_wildcard) and (
+                        ":" in other.address) == (":" in x.address):
+                    lst.index(i).fail(f"an address:port that does not overlap {other.endpoint} "
+                                      "(a wildcard address takes the port on every address)",
+                                      x.endpoint)
+        names = {x.name for x in self.listeners if x.name} | {x.endpoint for x in self.listeners}
+        subs = where.at("subsystems")
+        for i, sub in enumerate(self.subsystems):
+            for j, ref in enumerate(sub.listeners or ()):
+                if ref not in names:
+                    subs.index(i).at("listeners").index(j).fail(
+                        f"the name or address:port of a listener ({', '.join(sorted(names))})",
+                        ref)
+        _unique(((subs.index(i).at("nqn"), s.nqn, s.nqn)
+                 for i, s in enumerate(self.subsystems)), "an NQN")
+        for attr in ("uuid", "nguid", "path"):
+            _unique(((subs.index(i).at("namespaces").index(j).at(attr), getattr(ns, attr),
+                      getattr(ns, attr))
+                     for i, s in enumerate(self.subsystems)
+                     for j, ns in enumerate(s.namespaces) if getattr(ns, attr) is not None),
+                    f"a namespace {attr}")
+        return dataclasses.replace(self, source=where.file)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "<dict>") -> TargetConfig:
+        """Build and validate a configuration from plain data (as YAML loads it)."""
+        if data is None:
+            Where(path).fail(f"a mapping ({cls.WHAT})", _Plain("an empty file"))
+        return cls.load_from(data, Where(path))
+
+    def listeners_for(self, subsystem: Subsystem) -> tuple[Listener, ...]:
+        """The listeners that expose ``subsystem`` (all, unless it names some)."""
+        if subsystem.listeners is None:
+            return self.listeners
+        refs = set(subsystem.listeners)
+        return tuple(x for x in self.listeners if x.name in refs or x.endpoint in refs)
+
+    def subsystem(self, nqn: str) -> Subsystem | None:
+        return next((s for s in self.subsystems if s.nqn == nqn), None)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+    def dump(self, path: str | os.PathLike[str]) -> None:
+        """Write the effective configuration to ``path`` atomically (as nvmetcli does)."""
+        atomic_write(path, self.to_yaml())
+
+
+# --- files ---------------------------------------------------------------------------------
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one
+    silently, which hides a half-edited config)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice in one mapping", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, path: str) -> Any:
+    """Parse YAML text, turning syntax errors into a ConfigError with the line number."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise ConfigError(path, where, "valid YAML",
+                          _Plain(f"a syntax error ({' '.join(str(exc.problem).split())})")) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, "(file)", "valid YAML",
+                          _Plain(f"a syntax error ({' '.join(str(exc).split())})")) from exc
+
+
+def loads(text: str, path: str = "<string>") -> TargetConfig:
+    """Load and validate a configuration from YAML text (``path`` is used in messages)."""
+    return TargetConfig.from_dict(parse_yaml(text, path), path=path)
+
+
+def load(path: str | os.PathLike[str]) -> TargetConfig:
+    """Load and validate the configuration file at ``path``."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(path, "(file)", "a readable YAML file",
+                          _Plain(exc.strerror or str(exc))) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, "(file)", "UTF-8 text", _Plain(str(exc))) from exc
+    return loads(text, path)
+
+
+def default_text() -> str:
+    """The YAML text of the embedded default configuration."""
+    return resources.files(__package__).joinpath(DEFAULT_CONFIG_RESOURCE).read_text("utf-8")
+
+
+def default_config() -> TargetConfig:
+    """The embedded default: a 1 GiB ramdisk on the soft provider at 127.0.0.1:4420."""
+    return loads(default_text(), f"<embedded {DEFAULT_CONFIG_RESOURCE}>")
+
+
+def atomic_write(path: str | os.PathLike[str], text: str) -> None:
+    """Replace ``path`` with ``text`` so that a crash leaves the old or the new file, never a
+    torn one: temp file (mode 0600) in the same directory, fsync, rename, fsync the directory."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

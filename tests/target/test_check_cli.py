@@ -241,3 +241,14 @@ def test_good_config_prints_effective_yaml(tmp_path: Path) -> None:
     again = tmp_path / "again.yaml"
     again.write_text(proc.stdout)
     assert run_check("-C", str(again)).stdout.splitlines()[1:] == proc.stdout.splitlines()[1:]
+
+
+@pytest.mark.skipif(Path("/etc/blockfabric/target.yaml").exists(),
+                    reason="a real /etc/blockfabric/target.yaml exists here")
+def test_without_config_checks_the_embedded_default() -> None:
+    proc = run_check()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# effective configuration of the embedded default")
+    effective = yaml.safe_load(proc.stdout)
+    assert effective["subsystems"][0]["nqn"] == "nqn.2026-12.io.blockfabric:ram0"
+    assert effective["subsystems"][0]["namespaces"][0]["size"] == "1GiB"

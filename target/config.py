@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Iterable, NoReturn, TypeVar
 import yaml
 
 from blockfabric.errors import ConfigError
-from blockfabric.sizes import KiB, MiB, SIZE_SYNTAX, SizeError, format_size, parse_size
+from blockfabric.sizes import KiB, MiB, SizeError, format_size, parse_size
 
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 NVME_RDMA_PORT = 4420

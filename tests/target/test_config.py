@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +20,8 @@ from blockfabric.target import config as cfgmod
 from blockfabric.target.config import TargetConfig, default_config, load, loads
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = sorted([ROOT / "configs" / "target.yaml", *(ROOT / "configs" / "examples").glob("*.yaml")])
+SHIPPED = sorted([ROOT / "configs" / "target.yaml",
+                  *(ROOT / "configs" / "examples").glob("*.yaml")])
 
 
 def test_embedded_default_is_the_shipped_default() -> None:
@@ -160,7 +160,8 @@ def test_error_carries_file_key_and_expectation() -> None:
     with pytest.raises(ConfigError) as info:
         TargetConfig.from_dict({"listeners": [{"address": "127.0.0.1", "port": 0}]},
                                path="/etc/x.yaml")
-    assert (info.value.path, info.value.key, info.value.got) == ("/etc/x.yaml", "listeners[0].port", 0)
+    error = info.value
+    assert (error.path, error.key, error.got) == ("/etc/x.yaml", "listeners[0].port", 0)
     assert "1 to 65535" in info.value.expected
 
 

@@ -17,8 +17,9 @@ PYTEST_ARGS ?=
 #   python3-pyverbs rdma-core ibverbs-providers   the verbs RDMA provider
 #   iproute2           ip netns/veth, used by the multi-host tests
 #   util-linux e2fsprogs   losetup, mkfs.ext4, fsck for the block-device tests
+#   strace             tests that prove fsync/rename ordering with the real syscalls
 DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
-            ibverbs-providers iproute2 util-linux e2fsprogs
+            ibverbs-providers iproute2 util-linux e2fsprogs strace
 
 .PHONY: all deps venv test demo clean help
 

@@ -1,0 +1,106 @@
+"""One end of one NVMe-oF RDMA queue: an RC QP, its CQ, and its registered slots.
+
+Both the target and the host keep, per queue, a set of posted receive slots (command
+capsules at the target, response capsules at the host) and a set of send slots (the other
+way round).  A work request's ``wr_id`` carries what it was for (its *kind*) and the slot
+or command it belongs to, so a completion finds its owner without a lookup table.
+
+The endpoint is driven from one reactor thread: :meth:`Endpoint.service` drains the CQ and
+hands every completion to :meth:`Endpoint.on_completion`, which each side overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from blockfabric.fabric.buffers import BufferPool
+from blockfabric.rdma import CQ, PD, QP, WC, Access, CMId, QPCap, QPState, RecvWR, SendWR
+
+log = logging.getLogger(__name__)
+
+# wr_id = kind << 32 | index
+KIND_RECV = 1      # a posted receive slot (index: the slot)
+KIND_SEND = 2      # a capsule SEND (index: the send slot / command context)
+KIND_READ = 3      # an RDMA READ of host data (index: the command context)
+KIND_WRITE = 4     # an RDMA WRITE of data to the host (normally unsignaled)
+KIND_SHIFT = 32
+INDEX_MASK = (1 << KIND_SHIFT) - 1
+
+
+def wr_id(kind: int, index: int) -> int:
+    return kind << KIND_SHIFT | index
+
+
+class Endpoint:
+    """QP + CQ + receive slots + send slots of one queue."""
+
+    def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
+                 send_count: int, send_size: int, max_send_wr: int,
+                 max_send_sge: int = 4, name: str = "queue") -> None:
+        self.cmid = cmid
+        self.name = name
+        self.pd = pd
+        self.closed = False
+        self.cq: CQ = cmid.context.create_cq(max_send_wr + recv_count + 16)
+        self.recv_pool = BufferPool(pd, recv_count, recv_size, Access.LOCAL_WRITE)
+        self.send_pool = BufferPool(pd, send_count, send_size, Access.LOCAL_WRITE)
+        self.qp: QP = cmid.create_qp(pd, self.cq, self.cq,
+                                     QPCap(max_send_wr=max_send_wr, max_recv_wr=recv_count,
+                                           max_send_sge=max_send_sge, max_recv_sge=1))
+        self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [self.recv_pool.sge(i)])
+                          for i in range(recv_count)]
+
+    # -- receive slots ---------------------------------------------------------------
+    def post_all_receives(self) -> None:
+        """Post every receive slot (before accepting or connecting, so no SEND meets RNR)."""
+        self.qp.post_recv(self._recv_wrs)
+
+    def repost(self, index: int) -> None:
+        if not self.closed:
+            self.qp.post_recv(self._recv_wrs[index])
+
+    # -- completions -----------------------------------------------------------------
+    def fileno(self) -> int:
+        return self.cq.fileno()
+
+    def arm(self) -> None:
+        self.cq.req_notify()
+
+    def service(self, budget: int = 64) -> int:
+        """Drain the CQ (re-arming it race-free) and dispatch each completion."""
+        self.cq.ack_events()
+        done = 0
+        while not self.closed:
+            wcs = self.cq.poll(budget)
+            if not wcs:
+                self.cq.req_notify()
+                wcs = self.cq.poll(budget)
+                if not wcs:
+                    break
+            for wc in wcs:
+                done += 1
+                self.on_completion(wc)
+        return done
+
+    def on_completion(self, wc: WC) -> None:  # pragma: no cover - overridden by each side
+        raise NotImplementedError
+
+    def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
+        self.qp.post_send(wrs)
+
+    @property
+    def broken(self) -> bool:
+        return self.closed or self.qp.state == QPState.ERR
+
+    def close(self) -> None:
+        """Disconnect and release in order: QP (via the CM id), CQ, then the pools."""
+        if self.closed:
+            return
+        self.closed = True
+        for step in (self.cmid.disconnect, self.cmid.close, self.cq.close,
+                     self.recv_pool.close, self.send_pool.close):
+            try:
+                step()
+            except Exception as exc:  # teardown goes on; a half-dead peer is normal here
+                log.debug("%s: teardown step %s: %s", self.name, step.__name__, exc)

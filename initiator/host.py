@@ -1,0 +1,631 @@
+"""The host library: connect to an NVMe-oF RDMA subsystem and do block I/O on its namespaces.
+
+``connect()`` does what ``nvme connect -t rdma`` does: the admin queue (CM private data, then
+Fabrics Connect with the 1024-byte connect data), the Property handshake (CC.EN -> CSTS.RDY),
+Identify Controller, Set Features Number of Queues, the I/O queues, the namespaces, and a
+keep-alive sent every KATO/2.  ``discover()`` does what ``nvme discover`` does.
+
+Data moves one-sided: the host registers an I/O arena (REMOTE_READ for write data,
+REMOTE_WRITE for read data; nothing else of the host is exposed) and names a piece of it in a
+keyed SGL; the target RDMA-READs write data from it and RDMA-WRITEs read data into it.  Small
+writes travel in the command capsule instead.
+
+Thread model: any number of threads may submit.  One reactor thread per controller services
+every queue's completions and the keep-alive timer; a caller blocks only on its own command.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from blockfabric.errors import BlockfabricError, ConnectionRejected
+from blockfabric.fabric.host_side import HostQueue
+from blockfabric.fabric.reactor import Reactor
+from blockfabric.protocol import (CC, CQE, CSTS, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
+                                  ActiveNamespaceList, CMAccept, CMConnectRequest, CMReject,
+                                  ConnectCommand, ConnectData, DatasetManagement,
+                                  DiscoveryLogEntry, DiscoveryLogHeader, DSMRange, Flush,
+                                  GetLogPage, Identify, IdentifyCNS, IdentifyController,
+                                  IdentifyNamespace, IOOpcode, KeepAlive, KeyedSGL, LogPageId,
+                                  NumberOfQueues, Property, PropertyGet, PropertySet,
+                                  ProtocolError, ReadWrite, SetFeatures, StatusCode,
+                                  WriteZeroes)
+from blockfabric.protocol.opcodes import FeatureId
+from blockfabric.rdma import PD, Access, CMId, get_provider
+
+log = logging.getLogger(__name__)
+
+ADMIN_DEPTH = 32
+DEFAULT_PORT = 4420
+DEFAULT_ARENA = 64 << 20
+HOSTNQN_FILES = ("/etc/nvme/hostnqn", "/etc/blockfabric/hostnqn")
+HOSTID_FILES = ("/etc/nvme/hostid", "/etc/blockfabric/hostid")
+CAPSULE_CONNECT_DATA = 1024
+
+
+class NvmeError(BlockfabricError):
+    """A command completed with an error status (``status`` is a StatusCode)."""
+
+    def __init__(self, what: str, status: int, dnr: bool = False, result: int = 0) -> None:
+        self.status = StatusCode(status) if 0 <= status <= 0x7FF else status
+        self.dnr = dnr
+        self.result = result
+        name = getattr(self.status, "name", hex(status))
+        super().__init__(f"{what}: {name} ({int(status):#05x}{', DNR' if dnr else ''})")
+
+
+class QueueDead(BlockfabricError, ConnectionError):
+    """The queue (or the whole controller) went away before the command completed."""
+
+
+# --------------------------------------------------------------------------- host identity
+
+def default_hostnqn() -> str:
+    """``/etc/nvme/hostnqn`` as nvme-cli, else one generated once under /etc/blockfabric."""
+    return _stable_id(HOSTNQN_FILES, lambda: f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}")
+
+
+def default_hostid() -> bytes:
+    text = _stable_id(HOSTID_FILES, lambda: str(uuid.uuid4()))
+    try:
+        return uuid.UUID(text).bytes
+    except ValueError:
+        return uuid.uuid5(uuid.NAMESPACE_OID, text).bytes
+
+
+def _stable_id(files: tuple[str, ...], make: Callable[[], str]) -> str:
+    for path in files:
+        try:
+            with open(path, encoding="ascii") as f:
+                value = f.read().strip()
+            if value:
+                return value
+        except OSError:
+            continue
+    value = make()
+    path = files[-1]
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(value + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # read-only /etc: still usable, just not stable across runs
+        log.warning("could not keep %s (%s): using %s for this run", path, exc, value)
+    return value
+
+
+# --------------------------------------------------------------------------- registered memory
+
+class Arena:
+    """Registered host memory for I/O buffers, in power-of-two blocks of 4 KiB and up.
+
+    Freed blocks go back to their size class and are never merged: I/O sizes repeat, so the
+    classes settle quickly and an allocation is a list pop.
+    """
+
+    MIN_BLOCK = 4096
+
+    def __init__(self, pd: PD, size: int) -> None:
+        self.size = size
+        self._mem = mmap.mmap(-1, size)
+        self.mr = pd.reg_mr(self._mem, Access.LOCAL_WRITE | Access.REMOTE_READ
+                            | Access.REMOTE_WRITE)
+        self.view = self.mr.buf
+        self._bump = 0
+        self._free: dict[int, list[int]] = {}
+        self._cond = threading.Condition()
+
+    def alloc(self, nbytes: int, timeout: float | None = 30.0) -> tuple[int, int]:
+        """(offset, block size) of a block of at least ``nbytes``."""
+        block = max(self.MIN_BLOCK, 1 << (max(nbytes, 1) - 1).bit_length())
+        if block > self.size:
+            raise ValueError(f"{nbytes} bytes exceed the {self.size}-byte I/O arena")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                free = self._free.get(block)
+                if free:
+                    return free.pop(), block
+                if self._bump + block <= self.size:
+                    offset = self._bump
+                    self._bump += block
+                    return offset, block
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise TimeoutError("no free I/O buffer")
+                self._cond.wait(wait)
+
+    def free(self, offset: int, block: int) -> None:
+        with self._cond:
+            self._free.setdefault(block, []).append(offset)
+            self._cond.notify()
+
+    def sgl(self, offset: int, length: int) -> KeyedSGL:
+        return KeyedSGL(self.mr.addr + offset, length, self.mr.rkey, False)
+
+    def close(self) -> None:
+        self.view = None
+        self.mr.close()
+        try:
+            self._mem.close()
+        except BufferError:
+            pass
+
+
+# --------------------------------------------------------------------------- namespaces
+
+@dataclass
+class Namespace:
+    """One namespace of a connected controller.  Offsets and lengths are in bytes and must
+    be multiples of ``block_size``."""
+
+    ctrl: Controller
+    nsid: int
+    block_size: int
+    nblocks: int
+    read_only: bool
+    nguid: bytes = b""
+    identify: IdentifyNamespace | None = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.nblocks * self.block_size
+
+    def _check(self, offset: int, length: int) -> None:
+        bs = self.block_size
+        if offset % bs or length % bs or length <= 0:
+            raise ValueError(f"offset {offset} and length {length} must be positive "
+                             f"multiples of the {bs}-byte block size")
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
+
+    def submit_read(self, offset: int, length: int) -> concurrent.futures.Future:
+        """Start a read; the future's result is the bytes read."""
+        self._check(offset, length)
+        return self.ctrl._io(self, IOOpcode.READ, offset, length, None)
+
+    def submit_write(self, offset: int, data) -> concurrent.futures.Future:
+        view = memoryview(data).cast("B")
+        self._check(offset, len(view))
+        return self.ctrl._io(self, IOOpcode.WRITE, offset, len(view), view)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.submit_read(offset, length).result()
+
+    def readinto(self, offset: int, buf) -> int:
+        view = memoryview(buf).cast("B")
+        data = self.read(offset, len(view))
+        view[:] = data
+        return len(view)
+
+    def write(self, offset: int, data) -> None:
+        self.submit_write(offset, data).result()
+
+    def flush(self) -> None:
+        self.ctrl.wait(self.ctrl.io_queue(), Flush(nsid=self.nsid).to_sqe(), "Flush")
+
+    def write_zeroes(self, offset: int, length: int, deallocate: bool = False) -> None:
+        self._check(offset, length)
+        bs = self.block_size
+        for start, count in _chunks(offset // bs, length // bs, 0x10000):
+            self.ctrl.wait(self.ctrl.io_queue(), WriteZeroes(
+                nsid=self.nsid, slba=start, nlb=count - 1, deac=deallocate).to_sqe(),
+                "Write Zeroes")
+
+    def discard(self, offset: int, length: int) -> None:
+        """Dataset Management, deallocate (what blkdiscard / punch hole send)."""
+        self._check(offset, length)
+        bs = self.block_size
+        ranges = [DSMRange(0, count, start)
+                  for start, count in _chunks(offset // bs, length // bs, 0xFFFFFFFF)]
+        for i in range(0, len(ranges), 256):
+            batch = ranges[i:i + 256]
+            payload = b"".join(r.pack() for r in batch)
+            sqe = DatasetManagement(nsid=self.nsid, nr=len(batch) - 1, ad=True).to_sqe()
+            self.ctrl.wait(self.ctrl.io_queue(), sqe, "Dataset Management", data_out=payload)
+
+
+def _chunks(start: int, count: int, most: int) -> Iterable[tuple[int, int]]:
+    while count > 0:
+        n = min(count, most)
+        yield start, n
+        start += n
+        count -= n
+
+
+# --------------------------------------------------------------------------- the controller
+
+@dataclass
+class ConnectOptions:
+    """What ``nvme connect`` takes, with its names and units (seconds for timeouts)."""
+
+    traddr: str
+    subnqn: str
+    trsvcid: int = DEFAULT_PORT
+    hostnqn: str | None = None
+    hostid: bytes | None = None
+    provider: str = "auto"
+    nr_io_queues: int = 2
+    queue_size: int = 128
+    keep_alive_tmo: float = 5.0
+    reconnect_delay: float = 10.0
+    ctrl_loss_tmo: float = 600.0
+    connect_timeout: float = 5.0
+    arena_size: int = DEFAULT_ARENA
+    disable_sqflow: bool = False
+
+
+class Controller:
+    """A connected controller: its queues, namespaces and reactor.  Use as a context
+    manager, or call :meth:`close`."""
+
+    def __init__(self, opts: ConnectOptions) -> None:
+        self.opts = opts
+        self.hostnqn = opts.hostnqn or default_hostnqn()
+        self.hostid = opts.hostid or default_hostid()
+        self.provider = get_provider(opts.provider, opts.traddr)
+        self.reactor = Reactor(f"host-{opts.traddr}")
+        self.admin: HostQueue | None = None
+        self.io_queues: list[HostQueue] = []
+        self.namespaces: dict[int, Namespace] = {}
+        self.cntlid = 0
+        self.identify: IdentifyController | None = None
+        self.arena: Arena | None = None
+        self.pd: PD | None = None
+        self._rr = itertools.count()
+        self._ka_timer = None
+        self._closed = False
+        self.max_transfer = 128 << 10
+        self.inline_size = 0
+
+    # -- set-up ----------------------------------------------------------------------
+    def _open_queue(self, qid: int, depth: int) -> HostQueue:
+        opts = self.opts
+        cmid: CMId = self.provider.create_id()
+        try:
+            cmid.resolve(opts.traddr, opts.trsvcid, timeout=opts.connect_timeout)
+            if self.pd is None:
+                self.pd = cmid.context.alloc_pd()
+                self.arena = Arena(self.pd, opts.arena_size)
+            inline = self.inline_size if qid else 0
+            queue = HostQueue(cmid, self.pd, qid=qid, depth=depth, inline_size=inline,
+                              name=f"{opts.traddr}:{opts.trsvcid} q{qid}")
+        except BaseException:
+            cmid.close()
+            raise
+        try:
+            queue.post_all_receives()
+            queue.arm()
+            request = CMConnectRequest(recfmt=0, qid=qid, hrqsize=depth, hsqsize=depth - 1,
+                                       cntlid=self.cntlid if qid else 0)
+            try:
+                accept = cmid.connect(request.pack(), timeout=opts.connect_timeout)
+            except ConnectionRejected as exc:
+                raise ConnectionRefusedError(_reject_text(exc.private_data, qid)) from exc
+            try:
+                CMAccept.unpack_from(accept)
+            except ProtocolError as exc:
+                raise ConnectionError(f"malformed CM accept from the target: {exc}") from exc
+        except BaseException:
+            queue.close()
+            raise
+        self.reactor.call_soon_threadsafe(
+            lambda: self.reactor.add_reader(queue.fileno(), queue.service))
+        return queue
+
+    def _fabrics_connect(self, queue: HostQueue, qid: int, sqsize: int, kato_ms: int) -> int:
+        data = ConnectData(hostid=self.hostid, cntlid=DYNAMIC_CNTLID if qid == 0 else
+                           self.cntlid, subnqn=self.opts.subnqn, hostnqn=self.hostnqn).pack()
+        cattr = 4 if self.opts.disable_sqflow else 0
+        sqe = ConnectCommand(recfmt=0, qid=qid, sqsize=sqsize, cattr=cattr,
+                             kato=kato_ms).to_sqe()
+        inline = qid != 0 and queue.inline_size >= CAPSULE_CONNECT_DATA
+        cqe, _ = self.wait(queue, sqe, f"Connect (queue {qid})", data_out=data,
+                           inline=inline)
+        return cqe.result & 0xFFFF
+
+    def connect(self) -> Controller:
+        opts = self.opts
+        self.reactor.start()
+        try:
+            self.admin = self._open_queue(0, ADMIN_DEPTH)
+            kato_ms = int(opts.keep_alive_tmo * 1000)
+            if opts.subnqn == DISCOVERY_NQN:
+                kato_ms = 0
+            self.cntlid = self._fabrics_connect(self.admin, 0, ADMIN_DEPTH - 1, kato_ms)
+            self._enable()
+            self.identify = IdentifyController.unpack_from(self._identify(IdentifyCNS.CONTROLLER))
+            if self.identify.cntlid != self.cntlid:
+                log.warning("Identify cntlid %d differs from Connect's %d",
+                            self.identify.cntlid, self.cntlid)
+            if self.identify.mdts:
+                self.max_transfer = min(4096 << self.identify.mdts, 8 << 20)
+            else:
+                self.max_transfer = 8 << 20
+            self.inline_size = max(0, self.identify.ioccsz * 16 - 64)
+            if kato_ms:
+                self._schedule_keep_alive(kato_ms)
+            if opts.subnqn != DISCOVERY_NQN:
+                self._setup_io(opts)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _enable(self) -> None:
+        cap = self.property_get(Property.CAP, 8)
+        cc = CC(en=True, css=0, mps=0, ams=0, shn=0, iosqes=6, iocqes=4)
+        self.property_set(Property.CC, cc.to_int())
+        deadline = time.monotonic() + max(0.5, ((cap >> 24) & 0xFF) * 0.5)
+        while True:
+            csts = CSTS.from_int(self.property_get(Property.CSTS, 4))
+            if csts.cfs:
+                raise ConnectionError("controller fatal status while enabling")
+            if csts.rdy:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError("controller did not become ready")
+            time.sleep(0.01)
+
+    def _setup_io(self, opts: ConnectOptions) -> None:
+        want = max(1, opts.nr_io_queues)
+        cqe, _ = self.wait(self.admin, SetFeatures(
+            fid=FeatureId.NUM_QUEUES, value=NumberOfQueues(nsqr=want - 1,
+                                                           ncqr=want - 1).to_int()).to_sqe(),
+            "Set Features (number of queues)")
+        granted = NumberOfQueues.from_int(cqe.result & 0xFFFFFFFF)
+        count = min(want, granted.nsqr + 1, granted.ncqr + 1)
+        depth = min(opts.queue_size, (self.identify.maxcmd or opts.queue_size))
+        for qid in range(1, count + 1):
+            queue = self._open_queue(qid, depth)
+            self.io_queues.append(queue)
+            self._fabrics_connect(queue, qid, depth - 1, 0)
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Read the active namespace list and identify each namespace."""
+        nsids = ActiveNamespaceList.unpack_from(
+            self._identify(IdentifyCNS.ACTIVE_NS_LIST, 0)).nsids
+        found = {}
+        for nsid in nsids:
+            ident = IdentifyNamespace.unpack_from(self._identify(IdentifyCNS.NAMESPACE, nsid))
+            if ident.nsze == 0:
+                continue
+            found[nsid] = Namespace(self, nsid, ident.block_size, ident.nsze,
+                                    bool(ident.nsattr & 1), ident.nguid, ident)
+        self.namespaces = found
+
+    def _identify(self, cns: int, nsid: int = 0) -> bytes:
+        _, data = self.wait(self.admin, Identify(nsid=nsid, cns=cns).to_sqe(),
+                            f"Identify CNS {int(cns)}", data_in=4096)
+        return data
+
+    def property_get(self, offset: int, size: int) -> int:
+        cqe, _ = self.wait(self.admin, PropertyGet(attrib=1 if size == 8 else 0,
+                                                   offset=offset).to_sqe(),
+                           f"Property Get {offset:#x}")
+        return cqe.result if size == 8 else cqe.result & 0xFFFFFFFF
+
+    def property_set(self, offset: int, value: int) -> None:
+        self.wait(self.admin, PropertySet(attrib=0, offset=offset, value=value).to_sqe(),
+                  f"Property Set {offset:#x}")
+
+    def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
+                     rae: bool = False) -> bytes:
+        _, data = self.wait(self.admin, GetLogPage(
+            nsid=nsid, lid=lid, rae=rae, numd=GetLogPage.numd_for(length),
+            lpo=offset).to_sqe(), f"Get Log Page {int(lid):#x}", data_in=length)
+        return data
+
+    # -- keep-alive ------------------------------------------------------------------
+    def _schedule_keep_alive(self, kato_ms: int) -> None:
+        def send() -> None:
+            if self._closed or self.admin is None or self.admin.dead_reason:
+                return
+            try:
+                self.submit(self.admin, KeepAlive().to_sqe(), _ka_done)
+            except (ConnectionError, TimeoutError) as exc:
+                log.warning("keep-alive not sent: %s", exc)
+                return
+            self._ka_timer = self.reactor.call_later(kato_ms / 2000, send)
+
+        def _ka_done(cqe, error) -> None:
+            if error or (cqe is not None and cqe.status != StatusCode.SUCCESS):
+                log.warning("keep-alive failed: %s", error or cqe.status.name)
+
+        self.reactor.call_soon_threadsafe(
+            lambda: setattr(self, "_ka_timer", self.reactor.call_later(kato_ms / 2000, send)))
+
+    # -- command submission ------------------------------------------------------------
+    def io_queue(self) -> HostQueue:
+        if not self.io_queues:
+            raise QueueDead("no I/O queues")
+        return self.io_queues[next(self._rr) % len(self.io_queues)]
+
+    def submit(self, queue: HostQueue, sqe: SQE, callback, *, data_out=None,
+               data_in: int = 0, inline: bool = False) -> None:
+        """Submit with data handled: ``data_out`` bytes go in-capsule (``inline``) or from
+        the arena by keyed SGL; ``data_in`` bytes come back into the arena.  ``callback(cqe,
+        data, error)`` gets the data read (bytes) for ``data_in``."""
+        arena = self.arena
+        block = None
+        if data_out is not None and inline:
+            queue.submit(sqe, lambda cqe, err: callback(cqe, None, err), inline=data_out)
+            return
+        length = len(data_out) if data_out is not None else data_in
+        if length:
+            offset, size = arena.alloc(length)
+            block = (offset, size)
+            if data_out is not None:
+                arena.view[offset:offset + length] = data_out
+            sqe.sgl = arena.sgl(offset, length)
+
+        def done(cqe: CQE | None, error: str | None) -> None:
+            data = None
+            if block is not None:
+                if data_in and cqe is not None and error is None:
+                    data = bytes(arena.view[block[0]:block[0] + data_in])
+                arena.free(*block)
+            callback(cqe, data, error)
+
+        try:
+            queue.submit(sqe, done)
+        except BaseException:
+            if block is not None:
+                arena.free(*block)
+            raise
+
+    def wait(self, queue: HostQueue, sqe: SQE, what: str, *, data_out=None, data_in: int = 0,
+             inline: bool = False, timeout: float | None = None) -> tuple[CQE, bytes | None]:
+        """Submit and wait; raise NvmeError on an error status, QueueDead if the queue dies."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def cb(cqe, data, error) -> None:
+            fut.set_result((cqe, data, error))
+
+        self.submit(queue, sqe, cb, data_out=data_out, data_in=data_in, inline=inline)
+        cqe, data, error = fut.result(timeout)
+        if error is not None:
+            raise QueueDead(f"{what}: {error}")
+        if cqe.status != StatusCode.SUCCESS:
+            raise NvmeError(what, cqe.status, cqe.dnr, cqe.result)
+        return cqe, data
+
+    def _io(self, ns: Namespace, opcode: int, offset: int, length: int,
+            data: memoryview | None) -> concurrent.futures.Future:
+        """Read or write, split at the transfer limit; one future for the whole range.
+        The range is not checked against the namespace size here: the target answers
+        LBA out of range, and that real status is what the caller should see."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        pieces = list(_chunks(offset, length, self.max_transfer))
+        results: list[bytes | None] = [None] * len(pieces)
+        state = {"left": len(pieces), "error": None}
+        lock = threading.Lock()
+        what = "Read" if opcode == IOOpcode.READ else "Write"
+
+        def make_cb(i: int) -> Callable:
+            def cb(cqe, out, error) -> None:
+                with lock:
+                    if error is not None and state["error"] is None:
+                        state["error"] = QueueDead(f"{what}: {error}")
+                    elif cqe is not None and cqe.status != StatusCode.SUCCESS \
+                            and state["error"] is None:
+                        state["error"] = NvmeError(what, cqe.status, cqe.dnr, cqe.result)
+                    results[i] = out
+                    state["left"] -= 1
+                    last = state["left"] == 0
+                if last:
+                    if state["error"] is not None:
+                        fut.set_exception(state["error"])
+                    elif opcode == IOOpcode.READ:
+                        fut.set_result(results[0] if len(results) == 1
+                                       else b"".join(results))
+                    else:
+                        fut.set_result(None)
+            return cb
+
+        bs = ns.block_size
+        try:
+            for i, (start, count) in enumerate(pieces):
+                sqe = ReadWrite(IOOpcode(opcode), ns.nsid, start // bs, count // bs - 1).to_sqe()
+                queue = self.io_queue()
+                if opcode == IOOpcode.WRITE:
+                    chunk = data[start - offset:start - offset + count]
+                    self.submit(queue, sqe, make_cb(i), data_out=chunk,
+                                inline=count <= queue.inline_size)
+                else:
+                    self.submit(queue, sqe, make_cb(i), data_in=count)
+        except BaseException as exc:
+            with lock:
+                if state["error"] is None:
+                    state["error"] = exc
+            raise
+        return fut
+
+    # -- information -----------------------------------------------------------------
+    def queue_stats(self) -> dict[int, dict[str, int]]:
+        queues = ([self.admin] if self.admin else []) + self.io_queues
+        return {q.qid: q.stats.as_dict() for q in queues}
+
+    # -- teardown ----------------------------------------------------------------------
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """CC.SHN = normal, then wait for CSTS.SHST = complete (what nvme disconnect does)."""
+        if self.admin is None or self.admin.dead_reason:
+            return
+        try:
+            cc = CC(en=True, css=0, mps=0, ams=0, shn=1, iosqes=6, iocqes=4)
+            self.property_set(Property.CC, cc.to_int())
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if CSTS.from_int(self.property_get(Property.CSTS, 4)).shst == 2:
+                    return
+                time.sleep(0.01)
+        except (BlockfabricError, ConnectionError, TimeoutError) as exc:
+            log.debug("shutdown: %s", exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.shutdown()
+        self._closed = True
+        if self._ka_timer is not None:
+            self._ka_timer.cancel()
+        self.reactor.stop()
+        self.reactor.join(5)
+        for queue in self.io_queues + ([self.admin] if self.admin else []):
+            queue.fail("controller closed", expected=True)
+            queue.close()
+        self.io_queues = []
+        self.admin = None
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if self.pd is not None:
+            self.pd.close()
+            self.pd = None
+        self.reactor.close()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _reject_text(private: bytes, qid: int) -> str:
+    try:
+        rej = CMReject.unpack_from(private)
+        reason = rej.reason.name if rej.reason else str(rej.sts)
+    except ProtocolError:
+        reason = "no reason given"
+    return f"target rejected queue {qid}: {reason}"
+
+
+def connect(traddr: str, subnqn: str, trsvcid: int = DEFAULT_PORT, **kwargs) -> Controller:
+    """Connect as ``nvme connect -t rdma`` does; see :class:`ConnectOptions` for options."""
+    return Controller(ConnectOptions(traddr=traddr, subnqn=subnqn, trsvcid=int(trsvcid),
+                                     **kwargs)).connect()
+
+
+def discover(traddr: str, trsvcid: int = DEFAULT_PORT, **kwargs) -> list[DiscoveryLogEntry]:
+    """Read the discovery log as ``nvme discover -t rdma`` does: header, then every entry."""
+    with connect(traddr, DISCOVERY_NQN, trsvcid, **kwargs) as ctrl:
+        header = DiscoveryLogHeader.unpack_from(
+            ctrl.get_log_page(LogPageId.DISCOVERY, 1024, rae=True))
+        if header.numrec == 0:
+            return []
+        size = 1024 * (header.numrec + 1)
+        page = ctrl.get_log_page(LogPageId.DISCOVERY, size)
+        return list(DiscoveryLogEntry.iter_from(page, header.numrec))

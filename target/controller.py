@@ -1,0 +1,564 @@
+"""The NVMe controller a host gets when it connects: admin, fabrics and I/O command logic.
+
+Everything here runs on the target's reactor thread.  Backend file I/O goes to a small
+thread pool (os.preadv/pwritev release the GIL) and comes back with
+``reactor.call_soon_threadsafe``; memory volumes are moved by RDMA straight into and out of
+their registered memory, with no copy and no thread hop.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.protocol import StatusCode
+from blockfabric.protocol import identify as idn
+from blockfabric.protocol import io as nio
+from blockfabric.protocol import logpages as lp
+from blockfabric.protocol.admin import (OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, AsyncEvent,
+                                        AsyncEventType, AsyncNotice, GetFeatures, GetLogPage,
+                                        Identify, NumberOfQueues, SetFeatures)
+from blockfabric.protocol.errors import ProtocolError
+from blockfabric.protocol.fabrics import (CAP, CC, CSTS, VS, Property, PropertyGet,
+                                          PropertySet, Shutdown, ShutdownStatus)
+from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
+                                          FeatureId, IdentifyCNS, IOOpcode, LogPageId)
+from blockfabric.rdma import SGE
+
+if TYPE_CHECKING:
+    from blockfabric.target.server import Target
+    from blockfabric.target.namespace import Namespace, Subsystem
+
+log = logging.getLogger(__name__)
+
+NVME_VERSION = VS(ter=0, mnr=3, mjr=1).to_int()  # NVMe 1.3, as nvmet reports
+AERL = 3  # 0-based: four outstanding AERs at most (nvmet's value)
+DISCOVERY_KATO_MS = 120_000  # a discovery controller connected with kato 0 (as nvmet)
+MAX_DSM_RANGES = 256
+
+_ERRNO_STATUS = {
+    errno.ERANGE: StatusCode.LBA_OUT_OF_RANGE,
+    errno.EROFS: StatusCode.NS_WRITE_PROTECTED,
+    errno.ENOSPC: StatusCode.CAPACITY_EXCEEDED,
+    errno.EACCES: StatusCode.ACCESS_DENIED,
+    errno.EPERM: StatusCode.ACCESS_DENIED,
+    errno.EOPNOTSUPP: StatusCode.INVALID_OPCODE,
+}
+
+
+def errno_status(exc: OSError, writing: bool) -> StatusCode:
+    """Map a backend error to an NVMe status, as nvmet's errno_to_nvme_status does."""
+    status = _ERRNO_STATUS.get(exc.errno or 0)
+    if status is not None:
+        return status
+    if exc.errno == errno.EIO:
+        return StatusCode.WRITE_FAULT if writing else StatusCode.UNRECOVERED_READ_ERROR
+    return StatusCode.INTERNAL_ERROR
+
+
+class Controller:
+    """One host's controller on one subsystem (or on the discovery subsystem)."""
+
+    def __init__(self, target: Target, cntlid: int, subsystem: Subsystem | None,
+                 hostnqn: str, hostid: bytes, kato_ms: int, provider: str) -> None:
+        self.target = target
+        self.cntlid = cntlid
+        self.subsystem = subsystem          # None: the discovery controller
+        self.hostnqn = hostnqn
+        self.hostid = hostid
+        self.provider = provider            # the RDMA provider the host came in on
+        self.is_discovery = subsystem is None
+        if self.is_discovery and kato_ms == 0:
+            kato_ms = DISCOVERY_KATO_MS
+        self.kato_ms = kato_ms
+        limits = target.config.limits
+        self.queue_size = limits.queue_size
+        self.max_io_queues = limits.max_io_queues
+        self.granted_io_queues = limits.max_io_queues
+        self.mdts_bytes = limits.mdts
+        self.cc = 0
+        self.csts = 0
+        self.aec = 0
+        self.queues: dict[int, TargetQueue] = {}
+        self.aers: list[Command] = []
+        self.pending_events: list[int] = []
+        self.changed_nsids: set[int] = set()
+        self.error_count = 0
+        self.created = time.time()
+        self.last_activity = time.monotonic()
+        self.kato_timer = None
+        self.dead = False
+        # counters (host-visible through SMART, operator-visible through status/metrics)
+        self.reads = self.writes = self.read_bytes = self.written_bytes = 0
+        self.errors = 0
+
+    # -- identity --------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        sub = self.subsystem.nqn if self.subsystem else "discovery"
+        return f"ctrl {self.cntlid} ({self.hostnqn} -> {sub})"
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.csts & 1)
+
+    def cap(self) -> int:
+        return CAP(mqes=self.queue_size - 1, cqr=True, to=15, css=CAP.CSS_NVM).to_int()
+
+    # -- keep-alive ------------------------------------------------------------------
+    def start_keep_alive(self) -> None:
+        if self.kato_ms:
+            self.kato_timer = self.target.reactor.call_later(self.kato_ms / 1000,
+                                                             self._check_keep_alive)
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def _check_keep_alive(self) -> None:
+        if self.dead:
+            return
+        idle = time.monotonic() - self.last_activity
+        if idle * 1000 >= self.kato_ms:
+            log.warning("%s: keep-alive timeout (%d ms, idle %.1f s): tearing it down",
+                        self.name, self.kato_ms, idle)
+            self.target.destroy_controller(self, "keep-alive expired")
+            return
+        self.kato_timer = self.target.reactor.call_later(
+            self.kato_ms / 1000 - idle, self._check_keep_alive)
+
+    # -- dispatch --------------------------------------------------------------------
+    def handle(self, cmd: Command) -> None:
+        """A command on one of this controller's queues (after Connect)."""
+        self.last_activity = time.monotonic()
+        sqe = cmd.sqe
+        try:
+            if cmd.queue.qid == 0:
+                self._admin(cmd)
+            else:
+                if not self.ready:
+                    raise ProtocolError("I/O before the controller is enabled",
+                                        StatusCode.CMD_SEQ_ERROR)
+                self._io(cmd)
+        except ProtocolError as exc:
+            self.errors += 1
+            log.debug("%s: q%d cid %d opcode %#x: %s", self.name, cmd.queue.qid, sqe.cid,
+                      sqe.opcode, exc)
+            cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
+        except Exception:
+            # A bug here must not leave the host waiting for an answer that never comes.
+            self.errors += 1
+            log.exception("%s: q%d cid %d opcode %#x: internal error", self.name,
+                          cmd.queue.qid, sqe.cid, sqe.opcode)
+            cmd.respond(StatusCode.INTERNAL_ERROR, dnr=True)
+
+    # -- admin -------------------------------------------------------------------------
+    def _admin(self, cmd: Command) -> None:
+        sqe = cmd.sqe
+        op = sqe.opcode
+        if op == FABRICS_OPCODE:
+            self._fabrics(cmd)
+            return
+        if not self.ready:
+            raise ProtocolError(f"admin opcode {op:#x} before CC.EN/CSTS.RDY",
+                                StatusCode.CMD_SEQ_ERROR)
+        if op == AdminOpcode.IDENTIFY:
+            self._identify(cmd, Identify.from_sqe(sqe))
+        elif op == AdminOpcode.GET_LOG_PAGE:
+            self._get_log_page(cmd, GetLogPage.from_sqe(sqe))
+        elif op == AdminOpcode.SET_FEATURES:
+            self._set_features(cmd, SetFeatures.from_sqe(sqe))
+        elif op == AdminOpcode.GET_FEATURES:
+            self._get_features(cmd, GetFeatures.from_sqe(sqe))
+        elif op == AdminOpcode.KEEP_ALIVE:
+            cmd.respond()
+        elif op == AdminOpcode.ASYNC_EVENT_REQUEST:
+            self._aer(cmd)
+        else:
+            raise ProtocolError(f"admin opcode {op:#x} not supported",
+                                StatusCode.INVALID_OPCODE)
+
+    def _fabrics(self, cmd: Command) -> None:
+        fctype = cmd.sqe.fctype
+        if fctype == FabricsType.PROPERTY_GET:
+            self._property_get(cmd, PropertyGet.from_sqe(cmd.sqe))
+        elif fctype == FabricsType.PROPERTY_SET:
+            self._property_set(cmd, PropertySet.from_sqe(cmd.sqe))
+        elif fctype == FabricsType.CONNECT:
+            raise ProtocolError("Connect on a connected queue", StatusCode.CMD_SEQ_ERROR)
+        else:
+            raise ProtocolError(f"fabrics command type {fctype:#x} not supported",
+                                StatusCode.INVALID_OPCODE)
+
+    def _property_get(self, cmd: Command, get: PropertyGet) -> None:
+        values = {Property.CAP: (self.cap(), 8), Property.VS: (NVME_VERSION, 4),
+                  Property.CC: (self.cc, 4), Property.CSTS: (self.csts, 4)}
+        entry = values.get(get.offset)
+        if entry is None or (entry[1] == 8) != (get.size == 8):
+            raise ProtocolError(f"Property Get offset {get.offset:#x} size {get.size}",
+                                StatusCode.INVALID_FIELD)
+        cmd.respond(result=entry[0])
+
+    def _property_set(self, cmd: Command, put: PropertySet) -> None:
+        if put.offset != Property.CC or put.size != 4:
+            raise ProtocolError(f"Property Set offset {put.offset:#x} size {put.size}",
+                                StatusCode.INVALID_FIELD)
+        self.set_cc(put.value & 0xFFFFFFFF)
+        cmd.respond()
+
+    def set_cc(self, value: int) -> None:
+        """The CC.EN -> CSTS.RDY handshake and CC.SHN -> CSTS.SHST, as nvmet does them."""
+        new = CC.from_int(value)
+        old = CC.from_int(self.cc)
+        self.cc = value
+        csts = CSTS.from_int(self.csts)
+        if new.en and not old.en:
+            if new.iosqes != 6 or new.iocqes != 4 or new.mps != 0 or new.css != 0:
+                csts = CSTS(rdy=False, cfs=True)          # nvmet: fatal status, not ready
+            else:
+                csts = CSTS(rdy=True)
+        elif not new.en and old.en:
+            self._reset()
+            csts = CSTS(rdy=False)
+        if new.shn != Shutdown.NONE and old.shn == Shutdown.NONE:
+            self._complete_aers_on_shutdown()
+            csts = CSTS(rdy=csts.rdy, cfs=csts.cfs, shst=ShutdownStatus.COMPLETE)
+            self.target.flush_subsystem(self.subsystem)
+        elif new.shn == Shutdown.NONE and old.shn != Shutdown.NONE:
+            csts = CSTS(rdy=csts.rdy, cfs=csts.cfs, shst=ShutdownStatus.NORMAL)
+        self.csts = csts.to_int()
+
+    def _reset(self) -> None:
+        self._complete_aers_on_shutdown()
+
+    def _complete_aers_on_shutdown(self) -> None:
+        aers, self.aers = self.aers, []
+        for aer in aers:
+            aer.respond(StatusCode.INTERNAL_ERROR, dnr=True)
+
+    # Identify ---------------------------------------------------------------------------
+    def _identify(self, cmd: Command, ident: Identify) -> None:
+        if ident.cns == IdentifyCNS.CONTROLLER:
+            data = self.identify_controller().pack()
+        elif self.is_discovery:
+            raise ProtocolError(f"Identify CNS {ident.cns:#x} on a discovery controller",
+                                StatusCode.INVALID_FIELD)
+        elif ident.cns == IdentifyCNS.NAMESPACE:
+            data = self._identify_namespace(ident.nsid)
+        elif ident.cns == IdentifyCNS.ACTIVE_NS_LIST:
+            if ident.nsid >= 0xFFFFFFFE:
+                raise ProtocolError("active namespace list from NSID >= 0xFFFFFFFE",
+                                    StatusCode.INVALID_NS)
+            nsids = tuple(n for n in sorted(self.subsystem.namespaces) if n > ident.nsid)
+            data = idn.ActiveNamespaceList(nsids=nsids[:1024]).pack()
+        elif ident.cns == IdentifyCNS.NS_ID_DESCRIPTORS:
+            ns = self._namespace(ident.nsid)
+            data = idn.NamespaceIdDescriptorList.of(
+                [(idn.NidType.NGUID, ns.nguid), (idn.NidType.UUID, ns.uuid),
+                 (idn.NidType.CSI, b"\0")]).pack()
+        else:  # pragma: no cover - Identify.from_sqe refuses other CNS values
+            raise ProtocolError(f"Identify CNS {ident.cns:#x}", StatusCode.INVALID_FIELD)
+        self.send_data(cmd, data)
+
+    def identify_controller(self) -> idn.IdentifyController:
+        limits = self.target.config.limits
+        sub = self.subsystem
+        inline = limits.inline_data_size
+        return idn.IdentifyController(
+            vid=0, ssvid=0,
+            sn=sub.serial if sub else self.target.discovery_serial,
+            mn=sub.model if sub else "blockfabric discovery",
+            fr=self.target.firmware_revision,
+            rab=6, cmic=0,
+            mdts=(self.mdts_bytes // 4096).bit_length() - 1,
+            cntlid=self.cntlid, ver=NVME_VERSION,
+            oaes=(OAES_DISCOVERY_CHANGE if self.is_discovery else OAES_NS_ATTR),
+            ctratt=0,
+            cntrltype=idn.CNTRLTYPE_DISCOVERY if self.is_discovery else idn.CNTRLTYPE_IO,
+            acl=3, aerl=AERL, frmw=3, lpa=0, elpe=0,
+            kas=self.target.config.keep_alive.kas_ms // 100,
+            sqes=0x66, cqes=0x44, maxcmd=self.queue_size,
+            nn=0 if self.is_discovery else 1024,
+            oncs=(0 if self.is_discovery else idn.ONCS_DSM | idn.ONCS_WRITE_ZEROES),
+            vwc=0 if self.is_discovery else 1,
+            sgls=idn.SGLS_SUPPORTED | idn.SGLS_KEYED | idn.SGLS_OFFSET,
+            subnqn=sub.nqn if sub else self.target.discovery_nqn,
+            ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0, fcatt=0, msdbd=1,
+        )
+
+    def _namespace(self, nsid: int) -> Namespace:
+        ns = self.subsystem.namespaces.get(nsid) if self.subsystem else None
+        if ns is None:
+            raise ProtocolError(f"namespace {nsid} is not active", StatusCode.INVALID_NS)
+        return ns
+
+    def _identify_namespace(self, nsid: int) -> bytes:
+        if nsid == 0xFFFFFFFF or nsid == 0:
+            raise ProtocolError(f"Identify Namespace NSID {nsid:#x}", StatusCode.INVALID_NS)
+        ns = self.subsystem.namespaces.get(nsid)
+        if ns is None:
+            return bytes(idn.IDENTIFY_SIZE)  # an inactive NSID: the all-zero page
+        return idn.IdentifyNamespace(
+            nsze=ns.nblocks, ncap=ns.nblocks, nuse=ns.nblocks, nlbaf=0, flbas=0,
+            nmic=1, anagrpid=0, dlfeat=1, nsattr=idn.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
+            nguid=ns.nguid, eui64=bytes(8),
+            lbaf=(idn.LBAFormat(ms=0, ds=ns.block_size.bit_length() - 1, rp=0),),
+        ).pack()
+
+    # Log pages ----------------------------------------------------------------------------
+    def _get_log_page(self, cmd: Command, glp: GetLogPage) -> None:
+        lid = glp.lid
+        if lid == LogPageId.DISCOVERY:
+            if not self.is_discovery:
+                raise ProtocolError("discovery log page on an NVM controller",
+                                    StatusCode.INVALID_LOG_PAGE)
+            page = self.target.discovery_log(self)
+        elif self.is_discovery:
+            raise ProtocolError(f"log page {lid:#x} on a discovery controller",
+                                StatusCode.INVALID_LOG_PAGE)
+        elif lid == LogPageId.ERROR:
+            page = bytes(64)
+        elif lid == LogPageId.SMART:
+            page = lp.SmartLog(data_units_read=-(-self.read_bytes // 512000),
+                               data_units_written=-(-self.written_bytes // 512000),
+                               host_reads=self.reads, host_writes=self.writes,
+                               temperature=300).pack()
+        elif lid == LogPageId.CHANGED_NS:
+            nsids = sorted(self.changed_nsids)
+            self.changed_nsids.clear()
+            page = lp.ChangedNamespaceList(nsids=tuple(nsids[:1024])).pack()
+        elif lid == LogPageId.FW_SLOT:
+            page = bytes(512)
+        else:
+            raise ProtocolError(f"log page {lid:#x} not supported", StatusCode.INVALID_LOG_PAGE)
+        if glp.lpo > len(page):
+            raise ProtocolError(f"log page offset {glp.lpo} beyond {len(page)} bytes",
+                                StatusCode.INVALID_FIELD)
+        data = page[glp.lpo:glp.lpo + glp.length]
+        if len(data) < glp.length:
+            data = data + bytes(glp.length - len(data))
+        self.send_data(cmd, data)
+
+    # Features -----------------------------------------------------------------------------
+    def _set_features(self, cmd: Command, sf: SetFeatures) -> None:
+        if sf.save:
+            raise ProtocolError("features are not saveable", StatusCode.FEATURE_NOT_SAVEABLE)
+        if sf.fid == FeatureId.NUM_QUEUES:
+            want = NumberOfQueues.from_int(sf.value)
+            if want.nsqr == 0xFFFF or want.ncqr == 0xFFFF:
+                raise ProtocolError("65536 queues requested", StatusCode.INVALID_FIELD)
+            granted = min(self.max_io_queues, max(want.nsqr, want.ncqr) + 1)
+            self.granted_io_queues = granted
+            cmd.respond(result=NumberOfQueues(nsqr=granted - 1, ncqr=granted - 1).to_int())
+        elif sf.fid == FeatureId.KATO:
+            self.kato_ms = min(sf.value, self.target.config.keep_alive.max_timeout_ms)
+            if self.kato_timer is not None:
+                self.kato_timer.cancel()
+                self.kato_timer = None
+            self.start_keep_alive()
+            cmd.respond()
+        elif sf.fid == FeatureId.ASYNC_EVENT:
+            supported = OAES_DISCOVERY_CHANGE if self.is_discovery else OAES_NS_ATTR
+            self.aec = sf.value & supported
+            cmd.respond()
+        elif sf.fid == FeatureId.HOST_ID:
+            raise ProtocolError("host identifier is set by Connect", StatusCode.CMD_SEQ_ERROR)
+        else:
+            raise ProtocolError(f"Set Features {sf.fid:#x} not supported",
+                                StatusCode.INVALID_FIELD)
+
+    def _get_features(self, cmd: Command, gf: GetFeatures) -> None:
+        if gf.fid == FeatureId.NUM_QUEUES:
+            n = self.granted_io_queues - 1
+            cmd.respond(result=NumberOfQueues(nsqr=n, ncqr=n).to_int())
+        elif gf.fid == FeatureId.KATO:
+            cmd.respond(result=self.kato_ms)
+        elif gf.fid == FeatureId.ASYNC_EVENT:
+            cmd.respond(result=self.aec)
+        elif gf.fid == FeatureId.VOLATILE_WC:
+            cmd.respond(result=0 if self.is_discovery else 1)
+        elif gf.fid == FeatureId.HOST_ID:
+            self.send_data(cmd, self.hostid)
+        else:
+            raise ProtocolError(f"Get Features {gf.fid:#x} not supported",
+                                StatusCode.INVALID_FIELD)
+
+    # Asynchronous events --------------------------------------------------------------
+    def _aer(self, cmd: Command) -> None:
+        if len(self.aers) > AERL:
+            raise ProtocolError("asynchronous event request limit exceeded",
+                                StatusCode.AER_LIMIT_EXCEEDED)
+        self.aers.append(cmd)
+        self._deliver_events()
+
+    def notify(self, info: int, log_page: int, nsids: tuple[int, ...] = ()) -> None:
+        """Queue a notice event (and the namespaces it is about); deliver if an AER waits."""
+        enabled = {AsyncNotice.NS_ATTR_CHANGED: OAES_NS_ATTR,
+                   AsyncNotice.DISCOVERY_CHANGE: OAES_DISCOVERY_CHANGE}.get(info, 0)
+        if not self.aec & enabled:
+            return
+        self.changed_nsids.update(nsids)
+        event = AsyncEvent(event_type=AsyncEventType.NOTICE, info=info,
+                           log_page=log_page).to_int()
+        if event not in self.pending_events:
+            self.pending_events.append(event)
+        self._deliver_events()
+
+    def _deliver_events(self) -> None:
+        while self.aers and self.pending_events:
+            self.aers.pop(0).respond(result=self.pending_events.pop(0))
+
+    # -- data out for admin commands -----------------------------------------------------
+    def send_data(self, cmd: Command, data: bytes) -> None:
+        """Respond with ``data`` RDMA-written into the host's buffer (an admin command)."""
+        if cmd.data_length != len(data):
+            raise ProtocolError(f"SGL length {cmd.data_length}, the data is {len(data)} bytes",
+                                StatusCode.SGL_DATA_LENGTH_INVALID)
+        view, sge, release = self.target.control_buffer(cmd.queue, len(data))
+        view[:len(data)] = data
+        cmd.on_released = release
+        cmd.respond(data=(sge,))
+
+    # -- I/O ---------------------------------------------------------------------------
+    def _io(self, cmd: Command) -> None:
+        sqe = cmd.sqe
+        op = sqe.opcode
+        if op == IOOpcode.READ or op == IOOpcode.WRITE:
+            self._read_write(cmd, op == IOOpcode.WRITE)
+        elif op == IOOpcode.FLUSH:
+            ns = self._io_namespace(sqe.nsid, flush=True)
+            self._backend_call(cmd, lambda: [n.backend.flush() for n in ns], True,
+                               blocking=True)
+        elif op == IOOpcode.WRITE_ZEROES:
+            wz = nio.WriteZeroes.from_sqe(sqe)
+            ns = self._io_namespace(sqe.nsid)[0]
+            self._check_range(ns, wz.slba, wz.blocks, write=True)
+            off, length = wz.slba * ns.block_size, wz.blocks * ns.block_size
+            self._backend_call(cmd, lambda: ns.backend.write_zeroes(off, length), True,
+                               blocking=ns.memory is None)
+        elif op == IOOpcode.DATASET_MANAGEMENT:
+            self._dsm(cmd, nio.DatasetManagement.from_sqe(sqe))
+        else:
+            raise ProtocolError(f"I/O opcode {op:#x} not supported", StatusCode.INVALID_OPCODE)
+
+    def _io_namespace(self, nsid: int, flush: bool = False) -> list[Namespace]:
+        if flush and nsid == 0xFFFFFFFF:
+            return list(self.subsystem.namespaces.values())
+        ns = self.subsystem.namespaces.get(nsid)
+        if ns is None:
+            raise ProtocolError(f"namespace {nsid} is not active", StatusCode.INVALID_NS)
+        return [ns]
+
+    @staticmethod
+    def _check_range(ns: Namespace, slba: int, blocks: int, write: bool) -> None:
+        if slba + blocks > ns.nblocks:
+            raise ProtocolError(f"LBA {slba}+{blocks} beyond {ns.nblocks} blocks",
+                                StatusCode.LBA_OUT_OF_RANGE)
+        if write and ns.read_only:
+            raise ProtocolError(f"namespace {ns.nsid} is read-only",
+                                StatusCode.NS_WRITE_PROTECTED)
+
+    def _read_write(self, cmd: Command, write: bool) -> None:
+        rw = nio.ReadWrite.from_sqe(cmd.sqe)
+        ns = self._io_namespace(rw.nsid)[0]
+        length = rw.blocks * ns.block_size
+        if cmd.data_length != length:
+            raise ProtocolError(f"SGL length {cmd.data_length} for {rw.blocks} blocks of "
+                                f"{ns.block_size}", StatusCode.SGL_DATA_LENGTH_INVALID)
+        if length > self.mdts_bytes:
+            raise ProtocolError(f"{length} bytes exceeds MDTS {self.mdts_bytes}",
+                                StatusCode.INVALID_FIELD)
+        self._check_range(ns, rw.slba, rw.blocks, write)
+        offset = rw.slba * ns.block_size
+        queue = cmd.queue
+        mr = ns.mr(queue.pd)
+        if write:
+            self.writes += 1
+            self.written_bytes += length
+        else:
+            self.reads += 1
+            self.read_bytes += length
+        if mr is not None:                      # zero copy: RDMA to and from the volume
+            sge = SGE(mr.addr + offset, length, mr.lkey)
+            if write:
+                view = ns.memory[offset:offset + length]
+                cmd.fetch(view, sge, _respond_ok)
+            else:
+                cmd.respond(data=(sge,))
+            return
+        self.target.with_bounce(cmd, length, lambda view, sge, release:
+                                self._bounce_rw(cmd, ns, offset, length, write, view, sge,
+                                                release))
+
+    def _bounce_rw(self, cmd: Command, ns: Namespace, offset: int, length: int, write: bool,
+                   view: memoryview, sge: SGE, release: Callable[[Command], None]) -> None:
+        cmd.on_released = release
+        part = view[:length]
+        if write:
+            cmd.fetch(part, sge, lambda c: self._backend_call(
+                c, lambda: ns.backend.write(offset, part), True, blocking=True))
+        else:
+            self._backend_call(cmd, lambda: ns.backend.readinto(offset, part), False,
+                               blocking=True, data=(SGE(sge.addr, length, sge.lkey),))
+
+    def _dsm(self, cmd: Command, dsm: nio.DatasetManagement) -> None:
+        ns = self._io_namespace(dsm.nsid)[0]
+        nranges = dsm.ranges
+        if cmd.data_length != dsm.data_length:
+            raise ProtocolError(f"SGL length {cmd.data_length} for {nranges} DSM ranges",
+                                StatusCode.SGL_DATA_LENGTH_INVALID)
+        if not dsm.ad:
+            cmd.respond()
+            return
+        if ns.read_only:
+            raise ProtocolError(f"namespace {ns.nsid} is read-only",
+                                StatusCode.NS_WRITE_PROTECTED)
+        view, sge, release = self.target.control_buffer(cmd.queue, cmd.data_length)
+        cmd.on_released = release
+
+        def fetched(c: Command) -> None:
+            try:
+                ranges = [(r.slba, r.nlb) for r in nio.DSMRange.iter_from(view, nranges)]
+                for slba, nlb in ranges:
+                    self._check_range(ns, slba, nlb, write=True)
+            except ProtocolError as exc:
+                c.respond(exc.status, dnr=exc.dnr)
+                return
+            bs = ns.block_size
+            self._backend_call(c, lambda: [ns.backend.discard(s * bs, n * bs)
+                                           for s, n in ranges if n], True,
+                               blocking=ns.memory is None)
+
+        cmd.fetch(view, sge, fetched)
+
+    def _backend_call(self, cmd: Command, work: Callable[[], object], writing: bool, *,
+                      blocking: bool, data: tuple[SGE, ...] = ()) -> None:
+        """Run ``work`` (inline, or on the I/O pool when it may block) and respond."""
+        def finish(exc: BaseException | None) -> None:
+            if exc is None:
+                cmd.respond(data=data)
+            elif isinstance(exc, OSError):
+                self.errors += 1
+                status = errno_status(exc, writing)
+                log.warning("%s: backend error %s -> %s", self.name, exc, status.name)
+                cmd.respond(status, dnr=status != StatusCode.INTERNAL_ERROR)
+            else:
+                self.errors += 1
+                log.error("%s: backend failure: %r", self.name, exc)
+                cmd.respond(StatusCode.INTERNAL_ERROR, dnr=False)
+
+        if not blocking:
+            try:
+                work()
+            except Exception as exc:
+                finish(exc)
+            else:
+                finish(None)
+            return
+        self.target.run_blocking(work, finish)
+
+
+def _respond_ok(cmd: Command) -> None:
+    cmd.respond()

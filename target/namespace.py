@@ -1,0 +1,89 @@
+"""Runtime namespaces and subsystems: configuration plus an open backend.
+
+A namespace's volume is exposed through registered memory where it *is* memory (the
+ramdisk): it is registered once per protection domain, for local access only (the target
+issues every RDMA READ and WRITE itself; no peer ever gets an rkey into target memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from blockfabric.rdma import MR, PD, Access
+from blockfabric.target import config as cfg
+from blockfabric.target.backends import Backend, open_backend
+
+log = logging.getLogger(__name__)
+
+
+class Namespace:
+    """One exported namespace: its configuration, backend and registrations."""
+
+    def __init__(self, conf: cfg.Namespace) -> None:
+        self.conf = conf
+        self.nsid = conf.nsid
+        self.block_size = conf.block_size
+        self.read_only = conf.read_only
+        self.backend: Backend = open_backend(conf)
+        self.nblocks = self.backend.size // self.block_size
+        self.uuid = uuid.UUID(conf.uuid).bytes if conf.uuid else bytes(16)
+        self.nguid = bytes.fromhex(conf.nguid) if conf.nguid else bytes(16)
+        self._mrs: dict[int, tuple[PD, MR]] = {}
+        # Zero-copy only where the volume is memory; others go through bounce buffers.
+        self.memory = self.backend.memory
+
+    @property
+    def size(self) -> int:
+        return self.nblocks * self.block_size
+
+    def mr(self, pd: PD) -> MR | None:
+        """The volume's memory registered in ``pd`` (LOCAL_WRITE only), or None."""
+        if self.memory is None:
+            return None
+        entry = self._mrs.get(id(pd))
+        if entry is None:
+            entry = (pd, pd.reg_mr(self.memory, Access.LOCAL_WRITE))
+            self._mrs[id(pd)] = entry
+        return entry[1]
+
+    def close(self) -> None:
+        for _pd, mr in self._mrs.values():
+            try:
+                mr.close()
+            except Exception as exc:  # teardown continues
+                log.debug("ns %d: deregistering: %s", self.nsid, exc)
+        self._mrs.clear()
+        self.memory = None
+        self.backend.close()
+
+
+class Subsystem:
+    """One NVM subsystem at runtime."""
+
+    def __init__(self, conf: cfg.Subsystem) -> None:
+        self.conf = conf
+        self.nqn = conf.nqn
+        self.namespaces: dict[int, Namespace] = {}
+        try:
+            for ns_conf in conf.namespaces:
+                self.namespaces[ns_conf.nsid] = Namespace(ns_conf)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def serial(self) -> str:
+        return self.conf.serial or ""
+
+    @property
+    def model(self) -> str:
+        return self.conf.model
+
+    def allows(self, hostnqn: str) -> bool:
+        return self.conf.allows(hostnqn)
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():
+            ns.close()
+        self.namespaces.clear()

@@ -1,0 +1,72 @@
+"""The soft provider: a faithful userspace RDMA NIC over framed TCP.
+
+It behaves like an RC queue pair on an HCA (what the interface in ``rdma/base.py`` promises)
+so that code above it cannot tell it from the verbs provider: memory must be registered;
+every remote access is checked against rkey, bounds and access flags; payloads move between
+the socket and registered memory with no intermediate copy; completions carry the real
+verbs statuses; an error moves the QP to ERR and flushes.
+
+Wire (one TCP connection per QP, both directions; little-endian; version 1)
+---------------------------------------------------------------------------
+Every frame starts with a 32-byte header (``wire.HEADER``)::
+
+    0  magic   4s   b"BFRD"
+    4  version u8   1 (a peer speaking another version is dropped)
+    5  type    u8   wire.Frame
+    6  flags   u16  bit 0 WITH_IMM, bit 1 WITH_INV
+    8  psn     u32  request sequence number (per direction, from 0, wraps)
+    12 length  u32  payload bytes that follow; READ_REQ: bytes asked for (nothing follows)
+    16 key     u32  WRITE/READ_REQ: rkey; NAK: the WcStatus the requester reports
+    20 extra   u32  SEND/WRITE: imm_data or the rkey to invalidate; CONN_*: sender's qp_num
+    24 addr    u64  WRITE/READ_REQ: remote virtual address
+
+CM: CONN_REQ (private data <= 56 B) -> CONN_REP or CONN_REJ (<= 196 B) -> CONN_RTU; DREQ
+ends a connection.  Requests (SEND, WRITE, READ_REQ) each take the next PSN; the responder
+executes them in PSN order and answers with READ_RESP (carries the data, and acknowledges
+everything before it), ACK (cumulative; one per batch of frames read, so ACKs coalesce),
+NAK (with the status) or RNR_NAK.
+
+Semantics, and where a choice was made (as an IB HCA does it unless said otherwise)
+-------------------------------------------------------------------------------------
+* Send completions come only from the peer's ACK/READ_RESP, i.e. once the data is placed.
+  Unsignaled WRs complete silently unless they fail; flushes report every WR.
+* RNR: a SEND (or WRITE_WITH_IMM) meeting an empty receive queue is dropped and answered
+  with RNR_NAK; the responder then drops every request until the NAKed PSN comes again
+  (go-back-N).  The requester waits (1 ms, doubling to 50 ms: a soft choice, IB uses a fixed
+  min_rnr_timer) and resends from that PSN; after ``rnr_retry_count`` retries (7 = forever)
+  the WR completes RNR_RETRY_EXC_ERR and the QP goes to ERR.
+* A bad rkey, range, PD or missing REMOTE_READ/REMOTE_WRITE: the responder NAKs before
+  touching memory (the payload is read into a scratch buffer and dropped), the requester's
+  WR completes REM_ACCESS_ERR, and both QPs go to ERR (the responder's receives are flushed).
+  A SEND longer than the receive buffer: LOC_LEN_ERR at the receiver, REM_INV_REQ_ERR at the
+  sender, both to ERR.  A receive whose SGEs are invalid: LOC_PROT_ERR at the receiver,
+  REM_OP_ERR at the sender.
+* Local SGE errors (unknown lkey, other PD, out of bounds, READ into memory without
+  LOCAL_WRITE): post succeeds; the WR completes LOC_PROT_ERR when it reaches the head of the
+  send queue (earlier WRs complete normally), then the QP goes to ERR.
+* Queue limits are checked at post time for the whole chain: more WRs than the free slots
+  -> RdmaError(ENOMEM), too many SGEs or an unknown opcode -> EINVAL; nothing is posted then
+  (verbs would post the WRs before the bad one: all-or-nothing is simpler to reason about).
+  A send slot is free once its WR is acknowledged.
+* SEND_WITH_INV delivers ``invalidated_rkey`` and WcFlags.WITH_INV.  MRs from reg_mr are
+  long-lived, and verbs cannot invalidate those (only MWs and fast-registered MRs), so the
+  named rkey is reported and stays valid; there are no fast-registration WRs here.
+* A closed or reset socket, a DREQ, or TCP_USER_TIMEOUT/keep-alive expiry: the QP goes to
+  ERR (flushing both queues) and the CM id gets DISCONNECTED.  A peer that stops answering
+  while the socket lives fails the oldest WR with RETRY_EXC_ERR after
+  ``ack_timeout * (retry_count + 1)`` (2 s per retry by default).
+* Posting to a QP in ERR completes the WRs with WR_FLUSH_ERR.
+
+Progress: ``SoftProvider(progress="thread")`` (default) runs the engine in a daemon thread
+and CQ fds are eventfds; ``progress="poll"`` runs it inside ``CQ.poll()`` and CQ fds are the
+device's epoll fd.  Posting transmits from the caller's thread whenever the socket accepts.
+"""
+
+from blockfabric.rdma.soft.cm import SoftCMId, SoftListener, SoftProvider
+from blockfabric.rdma.soft.cq import SoftCQ
+from blockfabric.rdma.soft.device import SoftContext
+from blockfabric.rdma.soft.memory import SoftMR, SoftPD
+from blockfabric.rdma.soft.qp import SoftQP
+
+__all__ = ["SoftProvider", "SoftContext", "SoftPD", "SoftMR", "SoftCQ", "SoftQP", "SoftCMId",
+           "SoftListener"]

@@ -1,0 +1,377 @@
+"""Connection management of the soft provider: listener, CM ids, and the provider itself.
+
+Connection set-up happens in the caller's thread over the socket that becomes the QP's
+(REQ -> REP/REJ -> RTU, reading exactly each frame so nothing of the data stream is
+consumed); once established the socket belongs to the device's progress engine.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import select
+import socket
+import time
+from collections import deque
+
+from blockfabric.errors import ConnectionRejected, RdmaError, RdmaTimeout
+from blockfabric.rdma.base import (CMEvent, CMEventType, CMId, DeviceInfo, Listener, Provider,
+                                   QPCap)
+from blockfabric.rdma.soft import wire
+from blockfabric.rdma.soft.device import SoftContext
+from blockfabric.rdma.soft.memory import SoftPD
+from blockfabric.rdma.soft.cq import SoftCQ
+from blockfabric.rdma.soft.qp import DEFAULT_ACK_TIMEOUT, SoftQP
+from blockfabric.rdma.soft.wire import Frame
+
+PROGRESS_ENV = "BLOCKFABRIC_SOFT_PROGRESS"
+
+
+def _check_private_data(data: bytes, limit: int, what: str) -> bytes:
+    data = bytes(data)
+    if len(data) > limit:
+        raise RdmaError(f"{what} private data is {len(data)} B, at most {limit} B",
+                        errno=_errno.EINVAL)
+    return data
+
+
+def _tune(sock: socket.socket, user_timeout: float) -> None:
+    """Latency first; a dead peer must surface as an error, not a hang."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout * 1000))
+
+
+def _recv_frame(sock: socket.socket, deadline: float) -> tuple[int, int, bytes]:
+    """(type, extra, payload) of one CM frame, read exactly, blocking until ``deadline``."""
+    def exact(n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("CM frame")
+            sock.settimeout(left)
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionResetError("peer closed during connection set-up")
+            got += k
+        return bytes(buf)
+
+    ftype, _flags, _psn, length, _key, extra, _addr = wire.unpack(exact(wire.HEADER_SIZE))
+    if length > wire.MAX_REP_PRIVATE_DATA:
+        raise wire.WireError(f"CM frame with {length} B of private data")
+    return ftype, extra, exact(length) if length else b""
+
+
+def _cm_frame(ftype: Frame, private_data: bytes, qp_num: int = 0) -> bytes:
+    return wire.pack(ftype, length=len(private_data), extra=qp_num) + private_data
+
+
+class SoftCMId(CMId):
+    def __init__(self, provider: "SoftProvider", sock: socket.socket | None = None,
+                 private_data: bytes = b"") -> None:
+        self.provider = provider
+        self.context = provider.context if sock is not None else None
+        self.qp: SoftQP | None = None
+        self.private_data = private_data
+        self._sock = sock
+        self._target: tuple | None = None
+        self._source: str | None = None
+        self._events: deque[CMEvent] = deque()
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.local_address = sock.getsockname()[:2] if sock is not None else ("", 0)
+        self.peer_address = sock.getpeername()[:2] if sock is not None else ("", 0)
+        self.closed = False
+
+    # active side ---------------------------------------------------------
+    def resolve(self, address: str, port: int, timeout: float = 5.0,
+                source: str | None = None) -> None:
+        try:
+            infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise RdmaError(f"cannot resolve {address}: {exc}",
+                            errno=_errno.EADDRNOTAVAIL) from exc
+        family, _, _, _, sockaddr = infos[0]
+        self._target = (family, sockaddr)
+        self._source = source
+        self.context = self.provider.context
+
+    def create_qp(self, pd: SoftPD, send_cq: SoftCQ, recv_cq: SoftCQ, cap: QPCap | None = None,
+                  sq_sig_all: bool = False) -> SoftQP:
+        if self.context is None:
+            raise RdmaError("create_qp before resolve()", errno=_errno.EINVAL)
+        if self.qp is not None:
+            raise RdmaError("this CM id already has a QP", errno=_errno.EINVAL)
+        self.qp = SoftQP(self, pd, send_cq, recv_cq, cap, sq_sig_all)
+        return self.qp
+
+    def connect(self, private_data: bytes = b"", timeout: float = 5.0, retry_count: int = 7,
+                rnr_retry_count: int = 7, *, ack_timeout: float = DEFAULT_ACK_TIMEOUT) -> bytes:
+        """Connect (see :class:`CMId`); ``ack_timeout`` (soft only) is the transport timer
+        per retry."""
+        data = _check_private_data(private_data, wire.MAX_REQ_PRIVATE_DATA, "connect")
+        if self._target is None or self.qp is None:
+            raise RdmaError("connect needs resolve() and create_qp() first", errno=_errno.EINVAL)
+        family, sockaddr = self._target
+        deadline = time.monotonic() + timeout
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if self._source:
+                sock.bind((self._source, 0))
+            sock.settimeout(timeout)
+            sock.connect(sockaddr)
+            sock.sendall(_cm_frame(Frame.CONN_REQ, data, self.qp.qp_num))
+            ftype, _qpn, reply = _recv_frame(sock, deadline)
+        except socket.timeout as exc:
+            sock.close()
+            raise RdmaTimeout(f"no answer from {sockaddr[0]} port {sockaddr[1]} in {timeout} s",
+                              errno=_errno.ETIMEDOUT) from exc
+        except ConnectionRefusedError as exc:
+            sock.close()
+            # what rdma_cm reports when no one listens: a REJ (invalid service id)
+            raise ConnectionRejected(f"nothing listens on {sockaddr[0]} port {sockaddr[1]}",
+                                     b"") from exc
+        except (OSError, wire.WireError) as exc:
+            sock.close()
+            raise RdmaError(f"connect to {sockaddr[0]} port {sockaddr[1]}: {exc}",
+                            errno=getattr(exc, "errno", None) or _errno.ECONNABORTED) from exc
+        if ftype == Frame.CONN_REJ:
+            sock.close()
+            raise ConnectionRejected(f"{sockaddr[0]} port {sockaddr[1]} rejected the connection",
+                                     reply)
+        if ftype != Frame.CONN_REP:
+            sock.close()
+            raise RdmaError(f"unexpected CM frame {ftype}", errno=_errno.EPROTO)
+        self.private_data = reply
+        self.local_address = sock.getsockname()[:2]
+        self.peer_address = sock.getpeername()[:2]
+        sock.sendall(wire.pack(Frame.CONN_RTU))
+        _tune(sock, ack_timeout * (retry_count + 1))
+        self.qp.start(sock, rnr_retry_count, retry_count, ack_timeout)
+        return reply
+
+    # passive side --------------------------------------------------------
+    def accept(self, private_data: bytes = b"", *, retry_count: int = 7,
+               rnr_retry_count: int = 7, ack_timeout: float = DEFAULT_ACK_TIMEOUT) -> None:
+        """Accept (see :class:`CMId`); the keywords are the passive side's own retry limits,
+        as in rdma_accept's conn_param."""
+        data = _check_private_data(private_data, wire.MAX_REP_PRIVATE_DATA, "accept")
+        if self._sock is None or self.qp is None:
+            raise RdmaError("accept needs a connect request and create_qp()", errno=_errno.EINVAL)
+        sock, self._sock = self._sock, None
+        try:
+            sock.settimeout(5.0)
+            sock.sendall(_cm_frame(Frame.CONN_REP, data, self.qp.qp_num))
+        except OSError as exc:
+            sock.close()
+            raise RdmaError(f"accept: {exc}", errno=exc.errno) from exc
+        _tune(sock, ack_timeout * (retry_count + 1))
+        self.qp.start(sock, rnr_retry_count, retry_count, ack_timeout)
+
+    def reject(self, private_data: bytes = b"") -> None:
+        data = _check_private_data(private_data, wire.MAX_REP_PRIVATE_DATA, "reject")
+        if self._sock is None:
+            raise RdmaError("reject needs a pending connect request", errno=_errno.EINVAL)
+        sock, self._sock = self._sock, None
+        try:
+            sock.settimeout(5.0)
+            sock.sendall(_cm_frame(Frame.CONN_REJ, data))
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    # both ----------------------------------------------------------------
+    def disconnect(self) -> None:
+        if self.qp is not None:
+            self.qp.disconnect()
+        elif self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def on_disconnected(self, reason: object) -> None:
+        """Called by the QP (lock held) when its connection ends for any reason."""
+        if self.closed:
+            return
+        self._events.append(CMEvent(CMEventType.DISCONNECTED, 0, b""))
+        os.eventfd_write(self._efd, 1)
+
+    def get_event(self, timeout: float | None = 0) -> CMEvent | None:
+        if not self._events and timeout != 0 and not self.closed:
+            select.select([self._efd], [], [], timeout)
+        try:
+            os.eventfd_read(self._efd)
+        except (BlockingIOError, OSError):
+            pass
+        if self._events:
+            event = self._events.popleft()
+            if self._events:
+                os.eventfd_write(self._efd, 1)
+            return event
+        return None
+
+    def fileno(self) -> int:
+        return self._efd
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        if self.qp is not None:
+            self.qp.close()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self.closed = True
+        os.close(self._efd)
+
+
+class SoftListener(Listener):
+    """A TCP listener; connect requests are read here (in the caller's thread) without
+    blocking on a slow client: half-read requests wait in this listener's own epoll."""
+
+    def __init__(self, provider: "SoftProvider", address: str, port: int, backlog: int) -> None:
+        self.provider = provider
+        try:
+            infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            raise RdmaError(f"cannot resolve {address}: {exc}",
+                            errno=_errno.EADDRNOTAVAIL) from exc
+        family, _, _, _, sockaddr = infos[0]
+        self._lsock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._lsock.bind(sockaddr)
+            self._lsock.listen(backlog)
+        except OSError as exc:
+            self._lsock.close()
+            raise RdmaError(f"listen on {address} port {port}: {exc}", errno=exc.errno) from exc
+        self._lsock.setblocking(False)
+        self.local_address = self._lsock.getsockname()[:2]
+        self._ep = select.epoll()
+        self._ep.register(self._lsock.fileno(), select.EPOLLIN)
+        self._pending: dict[int, list] = {}     # fd -> [sock, buffer, bytes wanted]
+        self._ready: deque[SoftCMId] = deque()
+        self.closed = False
+
+    def get_request(self, timeout: float | None = 0) -> SoftCMId | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            for fd, _ev in self._ep.poll(left):
+                if fd == self._lsock.fileno():
+                    self._accept_all()
+                else:
+                    self._read_request(fd)
+            if deadline is not None and time.monotonic() >= deadline and not self._ready:
+                return None
+        return self._ready.popleft()
+
+    def _accept_all(self) -> None:
+        while True:
+            try:
+                sock, _peer = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(False)
+            self._pending[sock.fileno()] = [sock, bytearray(), wire.HEADER_SIZE]
+            self._ep.register(sock.fileno(), select.EPOLLIN)
+
+    def _drop(self, fd: int) -> None:
+        self._ep.unregister(fd)
+        return self._pending.pop(fd)[0]
+
+    def _read_request(self, fd: int) -> None:
+        entry = self._pending[fd]
+        sock, buf, want = entry
+        try:
+            chunk = sock.recv(want - len(buf))
+            if not chunk:
+                raise ConnectionResetError("closed before its connect request")
+            buf += chunk
+            if len(buf) < want:
+                return
+            ftype, _fl, _psn, length, _key, _qpn, _addr = wire.unpack(buf)
+            if ftype != Frame.CONN_REQ or length > wire.MAX_REQ_PRIVATE_DATA:
+                raise wire.WireError(f"not a connect request (type {ftype}, {length} B)")
+            if want == wire.HEADER_SIZE and length:
+                entry[2] = wire.HEADER_SIZE + length
+                return
+        except BlockingIOError:
+            return
+        except (OSError, wire.WireError):
+            self._drop(fd).close()
+            return
+        self._drop(fd)
+        sock.setblocking(True)
+        self._ready.append(SoftCMId(self.provider, sock, bytes(buf[wire.HEADER_SIZE:])))
+
+    def fileno(self) -> int:
+        return self._ep.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for fd in list(self._pending):
+            self._drop(fd).close()
+        for cmid in self._ready:
+            cmid.close()
+        self._ep.close()
+        self._lsock.close()
+
+
+class SoftProvider(Provider):
+    """The soft RDMA provider.  ``progress``: "thread" (default) or "poll"; the environment
+    variable BLOCKFABRIC_SOFT_PROGRESS sets the default."""
+
+    name = "soft"
+
+    def __init__(self, progress: str | None = None) -> None:
+        self.progress = progress or os.environ.get(PROGRESS_ENV) or "thread"
+        if self.progress not in ("thread", "poll"):
+            raise ValueError(f"progress must be 'thread' or 'poll', not {self.progress!r}")
+        self._ctx: SoftContext | None = None
+
+    @property
+    def context(self) -> SoftContext:
+        """The one device, soft0 (opened on first use)."""
+        if self._ctx is None or self._ctx.closed:
+            self._ctx = SoftContext(self.progress)
+        return self._ctx
+
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo("soft0", self.name, "",
+                           [{"port": 1, "state": "ACTIVE", "link_layer": "TCP",
+                             "progress": self.progress}])]
+
+    def owns_address(self, address: str) -> bool:
+        """True for any address of this host (soft needs nothing but a socket)."""
+        try:
+            infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            return False
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(sockaddr)
+            except OSError:
+                return False
+        return True
+
+    def listen(self, address: str, port: int, backlog: int = 128) -> SoftListener:
+        return SoftListener(self, address, port, backlog)
+
+    def create_id(self) -> SoftCMId:
+        return SoftCMId(self)
+
+    def close(self) -> None:
+        """Close the device (its progress thread and every connection)."""
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None

@@ -1,0 +1,636 @@
+"""The RC queue pair of the soft provider: requester and responder over one TCP stream.
+
+Everything that touches a QP's state holds its lock; the progress engine reads frames in
+:meth:`SoftQP.on_readable`, callers post from their own threads and transmit directly (no
+hand-off) while the socket takes the bytes; what it does not take waits in ``_outq`` and is
+written by the engine when the socket is writable.  Payloads go from registered memory to
+the socket (``sendmsg`` of MR memoryviews) and from the socket into registered memory
+(``recv_into``/``recvmsg_into`` of MR memoryviews): no intermediate copies.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import socket
+import threading
+import time
+from collections import deque
+from itertools import islice
+from typing import TYPE_CHECKING, Sequence
+
+from blockfabric.errors import RdmaError
+from blockfabric.rdma.base import (QP, WC, Access, QPCap, QPState, RecvWR, SendFlags, SendWR,
+                                   WcFlags, WcOpcode, WcStatus, WrOpcode)
+from blockfabric.rdma.soft import wire
+from blockfabric.rdma.soft.wire import Frame, FrameFlags
+
+if TYPE_CHECKING:
+    from blockfabric.rdma.soft.cm import SoftCMId
+    from blockfabric.rdma.soft.cq import SoftCQ
+    from blockfabric.rdma.soft.memory import SoftPD
+
+M = wire.PSN_MASK
+HDR = wire.HEADER_SIZE
+_pack = wire.pack
+_now = time.monotonic
+IOV_BATCH = 512                 # below IOV_MAX (1024)
+SCRATCH = 1 << 16               # where discarded payloads go
+RNR_FIRST, RNR_MAX = 0.001, 0.05  # RNR timer: 1 ms, doubling per retry up to 50 ms
+DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (retry_count+1)x
+
+_WC_OF = {WrOpcode.SEND: WcOpcode.SEND, WrOpcode.SEND_WITH_IMM: WcOpcode.SEND,
+          WrOpcode.SEND_WITH_INV: WcOpcode.SEND, WrOpcode.RDMA_WRITE: WcOpcode.RDMA_WRITE,
+          WrOpcode.RDMA_WRITE_WITH_IMM: WcOpcode.RDMA_WRITE, WrOpcode.RDMA_READ: WcOpcode.RDMA_READ}
+# what the payload in flight is for, when it has all arrived
+RX_DISCARD, RX_RECV, RX_WRITE, RX_READ = range(4)
+
+
+class _Entry:
+    """One send-queue slot: posted, maybe transmitted, not yet completed."""
+
+    __slots__ = ("psn", "wr_id", "opcode", "byte_len", "signaled", "status", "frame", "views",
+                 "rnr", "sent")
+
+
+def _advance(views: list, n: int) -> list:
+    """The part of ``views`` left after the first ``n`` bytes."""
+    i = 0
+    while n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+        if i == len(views):
+            return []
+    rest = views[i:]
+    if n:
+        rest[0] = rest[0][n:]
+    return rest
+
+
+def _cut(views: list, n: int) -> list:
+    """The views covering the first ``n`` bytes."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        if len(v) <= n:
+            out.append(v)
+        else:
+            out.append(v[:n])
+        n -= len(v)
+    return out
+
+
+class SoftQP(QP):
+    def __init__(self, cmid: "SoftCMId", pd: "SoftPD", send_cq: "SoftCQ", recv_cq: "SoftCQ",
+                 cap: QPCap | None, sq_sig_all: bool) -> None:
+        self.ctx = pd.ctx
+        self.pd = pd
+        self.send_cq = send_cq
+        self.recv_cq = recv_cq
+        self.cap = cap if cap is not None else QPCap()
+        self.sig_all = sq_sig_all
+        self.qp_num = self.ctx.new_qp_num()
+        self.cmid = cmid
+        self._state = QPState.INIT
+        self._lock = threading.RLock()
+        self.sock: socket.socket | None = None
+        self._fd = -1
+        self._dead = False
+        self.closed = False
+        self._outq: deque = deque()
+        self._blocked = False
+        # requester
+        self._sq: deque[_Entry] = deque()
+        self._next_psn = 0
+        self._hold = False       # waiting out an RNR timer
+        self._stall = False      # a WR failed local checks: send nothing after it
+        self.rnr_deadline = 0.0
+        self.rnr_retry = 7
+        self.retry_count = 7
+        self.ack_timeout = DEFAULT_ACK_TIMEOUT
+        self._last_progress = 0.0
+        # responder
+        self._rq: deque[tuple] = deque()
+        self._exp_psn = 0
+        self._done_psn = M
+        self._ack_due = False
+        # frame reader
+        self._hdr = bytearray(HDR)
+        self._hmv = memoryview(self._hdr)
+        self._hgot = 0
+        self._rviews: list | None = None
+        self._rleft = 0
+        self._rkind = RX_DISCARD
+        self._rwc: WC | None = None
+        self._rentry: _Entry | None = None
+        self._scratch = memoryview(bytearray(SCRATCH))
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def state(self) -> QPState:
+        return self._state
+
+    def start(self, sock: socket.socket, rnr_retry: int, retry_count: int,
+              ack_timeout: float) -> None:
+        """Connected: hand the socket to the device's engine and go to RTS."""
+        with self._lock:
+            self.rnr_retry = rnr_retry
+            self.retry_count = retry_count
+            self.ack_timeout = ack_timeout
+            self.sock = sock
+            self._fd = sock.fileno()
+            sock.setblocking(False)
+            self._state = QPState.RTS
+            self._last_progress = _now()
+            self.ctx.register(self)
+
+    def disconnect(self) -> None:
+        with self._lock:
+            if self.sock is not None and not self._dead:
+                self._xmit([_pack(Frame.DREQ)])
+                self._die("local disconnect")
+            else:
+                self._to_error()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.sock is not None:
+                self._die("QP destroyed")
+
+    def _die(self, reason: object) -> None:
+        """The connection is gone (closed, reset, timed out, disconnected): QP to ERR, flush,
+        and a DISCONNECTED event on the CM id."""
+        if self._dead:
+            return
+        self._dead = True
+        self.ctx.unregister(self, self._fd)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self._to_error()
+        self.cmid.on_disconnected(reason)
+
+    def _to_error(self) -> None:
+        if self._state == QPState.ERR:
+            return
+        self._state = QPState.ERR
+        self._hold = False
+        self.ctx.rnr_waiters.discard(self)
+        sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
+        while sq:
+            e = sq.popleft()
+            push(WC(e.wr_id, WcStatus.WR_FLUSH_ERR, e.opcode, 0, qpn))
+        self._flush_rq()
+
+    def _flush_rq(self) -> None:
+        rq, push, qpn = self._rq, self.recv_cq.push, self.qp_num
+        while rq:
+            push(WC(rq.popleft()[0], WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, qpn))
+
+    # ------------------------------------------------------------------ posting
+    def _resolve(self, sg_list: Sequence, local_write: bool) -> tuple[list, int, int]:
+        """(views, total, status): SGEs -> memoryviews of registered memory, or a local error
+        status as the HCA would report it."""
+        lkeys, pd = self.ctx.lkeys, self.pd
+        views = []
+        total = 0
+        for sge in sg_list:
+            mr = lkeys.get(sge.lkey)
+            addr, length = sge.addr, sge.length
+            if (mr is None or mr.pd is not pd or addr < mr.addr or addr + length > mr.end
+                    or length < 0 or (local_write and not mr.access & Access.LOCAL_WRITE)):
+                return [], 0, WcStatus.LOC_PROT_ERR
+            if length:
+                off = addr - mr.addr
+                views.append(mr.buf[off:off + length])
+            total += length
+        if total > wire.MAX_MESSAGE:
+            return [], 0, WcStatus.LOC_LEN_ERR
+        return views, total, 0
+
+    def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
+        if isinstance(wrs, SendWR):
+            wrs = (wrs,)
+        cap = self.cap
+        with self._lock:
+            if self._state == QPState.ERR:
+                for wr in wrs:
+                    self.send_cq.push(WC(wr.wr_id, WcStatus.WR_FLUSH_ERR,
+                                         _WC_OF.get(wr.opcode, WcOpcode.SEND), 0, self.qp_num))
+                return
+            if self._state != QPState.RTS:
+                raise RdmaError(f"post_send on a QP in state {self._state.name}",
+                                errno=_errno.EINVAL)
+            sq = self._sq
+            if len(sq) + len(wrs) > cap.max_send_wr:
+                raise RdmaError(f"send queue full ({cap.max_send_wr} WRs)", errno=_errno.ENOMEM)
+            for wr in wrs:
+                if len(wr.sg_list) > cap.max_send_sge or wr.opcode not in _WC_OF:
+                    raise RdmaError(f"bad send WR {wr.wr_id}: opcode {wr.opcode}, "
+                                    f"{len(wr.sg_list)} SGEs (max {cap.max_send_sge})",
+                                    errno=_errno.EINVAL)
+            if not sq:
+                self._last_progress = _now()
+            go = not (self._hold or self._stall)
+            bufs: list = []
+            for wr in wrs:
+                e = self._build(wr, cap)
+                sq.append(e)
+                if e.psn is None:
+                    self._stall = go = False
+                elif go:
+                    bufs.extend(e.frame)
+                    e.sent = True
+            if bufs:
+                self._xmit(bufs)
+            self._retire()
+
+    def _build(self, wr: SendWR, cap: QPCap) -> _Entry:
+        """A send-queue entry with its frame; ``psn`` None when local checks failed."""
+        op = wr.opcode
+        e = _Entry()
+        e.wr_id = wr.wr_id
+        e.opcode = _WC_OF[op]
+        e.signaled = self.sig_all or bool(wr.send_flags & SendFlags.SIGNALED)
+        e.rnr = 0
+        e.sent = False
+        views, total, status = self._resolve(wr.sg_list, op == WrOpcode.RDMA_READ)
+        e.byte_len = total
+        e.views = views
+        e.status = status
+        if status:
+            e.psn = None
+            e.frame = None
+            return e
+        if wr.send_flags & SendFlags.INLINE and op != WrOpcode.RDMA_READ:
+            if total > cap.max_inline_data:
+                raise RdmaError(f"{total} B inline > max_inline_data {cap.max_inline_data}",
+                                errno=_errno.EINVAL)
+            views = [b"".join(views)] if views else []   # inline: the WR carries a copy
+        psn = e.psn = self._next_psn
+        self._next_psn = (psn + 1) & M
+        if op == WrOpcode.RDMA_READ:
+            e.frame = [_pack(Frame.READ_REQ, psn, total, wr.rkey, 0, wr.remote_addr)]
+        elif op == WrOpcode.RDMA_WRITE:
+            e.frame = [_pack(Frame.WRITE, psn, total, wr.rkey, 0, wr.remote_addr), *views]
+        elif op == WrOpcode.RDMA_WRITE_WITH_IMM:
+            e.frame = [_pack(Frame.WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
+                             FrameFlags.WITH_IMM), *views]
+        elif op == WrOpcode.SEND_WITH_INV:
+            e.frame = [_pack(Frame.SEND, psn, total, 0, wr.invalidate_rkey, 0,
+                             FrameFlags.WITH_INV), *views]
+        elif op == WrOpcode.SEND_WITH_IMM:
+            e.frame = [_pack(Frame.SEND, psn, total, 0, wr.imm_data, 0, FrameFlags.WITH_IMM),
+                       *views]
+        else:
+            e.frame = [_pack(Frame.SEND, psn, total), *views]
+        return e
+
+    def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
+        if isinstance(wrs, RecvWR):
+            wrs = (wrs,)
+        cap = self.cap
+        with self._lock:
+            if self._state == QPState.ERR:
+                for wr in wrs:
+                    self.recv_cq.push(WC(wr.wr_id, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0,
+                                         self.qp_num))
+                return
+            rq = self._rq
+            if len(rq) + len(wrs) > cap.max_recv_wr:
+                raise RdmaError(f"receive queue full ({cap.max_recv_wr} WRs)",
+                                errno=_errno.ENOMEM)
+            for wr in wrs:
+                if len(wr.sg_list) > cap.max_recv_sge:
+                    raise RdmaError(f"recv WR {wr.wr_id}: {len(wr.sg_list)} SGEs > "
+                                    f"{cap.max_recv_sge}", errno=_errno.EINVAL)
+            for wr in wrs:
+                views, total, status = self._resolve(wr.sg_list, True)
+                rq.append((wr.wr_id, views, total, status))
+
+    # ------------------------------------------------------------------ transmit
+    def _xmit(self, bufs: list) -> None:
+        """Send now from the caller's thread; queue what the socket does not take."""
+        if self._dead:
+            return
+        q = self._outq
+        if not q and len(bufs) <= IOV_BATCH:
+            try:
+                n = self.sock.sendmsg(bufs)
+            except BlockingIOError:
+                n = 0
+            except OSError as exc:
+                self._die(exc)
+                return
+            for b in bufs:
+                if n >= len(b):
+                    n -= len(b)
+                    continue
+                q.append(memoryview(b)[n:] if n else b)
+                n = 0
+            if not q:
+                return
+        else:
+            q.extend(bufs)
+        self._flush()
+
+    def _flush(self) -> None:
+        q = self._outq
+        sock = self.sock
+        while q and not self._dead:
+            try:
+                n = sock.sendmsg(list(islice(q, IOV_BATCH)))
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                self._die(exc)
+                return
+            while q:
+                size = len(q[0])
+                if n < size:
+                    if n:
+                        q[0] = memoryview(q[0])[n:]
+                    break
+                n -= size
+                q.popleft()
+        want = bool(q) and not self._dead
+        if want != self._blocked:
+            self._blocked = want
+            self.ctx.want_write(self._fd, want)
+
+    def on_writable(self) -> None:
+        with self._lock:
+            if not self._dead:
+                self._last_progress = _now()
+                self._flush()
+
+    # ------------------------------------------------------------------ receive
+    def on_readable(self) -> None:
+        with self._lock:
+            if self._dead:
+                return
+            sock = self.sock
+            try:
+                for _ in range(256):
+                    if self._rleft:
+                        self._recv_payload(sock)
+                        continue
+                    n = sock.recv_into(self._hmv[self._hgot:])
+                    if n == 0:
+                        raise ConnectionResetError("peer closed the connection")
+                    self._hgot += n
+                    if self._hgot < HDR:
+                        break
+                    self._hgot = 0
+                    self._on_header()
+                    if self._dead:
+                        return
+            except BlockingIOError:
+                pass
+            except (OSError, wire.WireError) as exc:
+                self._die(exc)
+                return
+            if self._ack_due:
+                self._ack_due = False
+                self._xmit([_pack(Frame.ACK, self._done_psn)])
+
+    def _recv_payload(self, sock: socket.socket) -> None:
+        views = self._rviews
+        if views is None:
+            n = sock.recv_into(self._scratch, min(self._rleft, SCRATCH))
+        elif len(views) == 1:
+            n = sock.recv_into(views[0])
+        else:
+            n = sock.recvmsg_into(views)[0]
+        if n == 0:
+            raise ConnectionResetError("peer closed the connection")
+        self._rleft -= n
+        if self._rleft == 0:
+            self._end_payload()
+        elif views is not None:
+            self._rviews = _advance(views, n)
+
+    def _expect(self, views: list | None, length: int, kind: int) -> None:
+        self._rviews, self._rleft, self._rkind = views, length, kind
+        if not length:
+            self._end_payload()
+
+    def _discard(self, length: int) -> None:
+        self._expect(None, length, RX_DISCARD)
+
+    def _on_header(self) -> None:
+        ftype, flags, psn, length, key, extra, addr = wire.unpack(self._hdr)
+        if ftype == Frame.SEND or ftype == Frame.WRITE or ftype == Frame.READ_REQ:
+            if psn != self._exp_psn or self._state == QPState.ERR:
+                # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB)
+                if ftype != Frame.READ_REQ:
+                    self._discard(length)
+                return
+            if ftype == Frame.SEND:
+                self._rx_send(psn, flags, length, extra)
+            elif ftype == Frame.WRITE:
+                self._rx_write(psn, flags, length, key, extra, addr)
+            else:
+                self._rx_read_req(psn, length, key, addr)
+        elif ftype == Frame.ACK:
+            self._ack_upto(psn)
+            self._retire()
+        elif ftype == Frame.READ_RESP:
+            self._rx_read_resp(psn, length)
+        elif ftype == Frame.NAK:
+            self._ack_upto((psn - 1) & M)
+            self._fail_head(WcStatus(key))
+        elif ftype == Frame.RNR_NAK:
+            self._on_rnr(psn)
+        elif ftype == Frame.DREQ:
+            self._die("peer disconnected")
+        elif ftype != Frame.CONN_RTU:
+            raise wire.WireError(f"unexpected frame type {ftype} on a connected QP")
+
+    # responder ---------------------------------------------------------
+    def _take_recv(self, psn: int, length: int) -> tuple | None:
+        """The next posted receive, or None after answering RNR / failing the QP."""
+        rq = self._rq
+        if not rq:
+            self._xmit([_pack(Frame.RNR_NAK, psn)])
+            self._discard(length)
+            return None
+        return rq.popleft()
+
+    def _responder_error(self, psn: int, length: int, nak_status: WcStatus,
+                         recv: tuple | None = None, local_status: WcStatus | None = None) -> None:
+        """NAK the request, report the receive (if any) as failed, QP to ERR, drop payload."""
+        self._xmit([_pack(Frame.NAK, psn, 0, nak_status)])
+        if recv is not None:
+            self.recv_cq.push(WC(recv[0], local_status, WcOpcode.RECV, 0, self.qp_num))
+        self._to_error()
+        self._discard(length)
+
+    def _rx_send(self, psn: int, flags: int, length: int, extra: int) -> None:
+        recv = self._take_recv(psn, length)
+        if recv is None:
+            return
+        wr_id, views, total, status = recv
+        if status:
+            self._responder_error(psn, length, WcStatus.REM_OP_ERR, recv, status)
+            return
+        if length > total:
+            self._responder_error(psn, length, WcStatus.REM_INV_REQ_ERR, recv,
+                                  WcStatus.LOC_LEN_ERR)
+            return
+        self._exp_psn = (psn + 1) & M
+        wc = WC(wr_id, WcStatus.SUCCESS, WcOpcode.RECV, length, self.qp_num)
+        if flags & FrameFlags.WITH_INV:
+            wc.wc_flags = WcFlags.WITH_INV
+            wc.invalidated_rkey = extra
+        elif flags & FrameFlags.WITH_IMM:
+            wc.wc_flags = WcFlags.WITH_IMM
+            wc.imm_data = extra
+        self._rwc = wc
+        self._done_psn = psn
+        self._expect(_cut(views, length), length, RX_RECV)
+
+    def _rkey_mr(self, key: int, addr: int, length: int, need: Access):
+        """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
+        mr = self.ctx.rkeys.get(key)
+        if (mr is None or mr.pd is not self.pd or not mr.access & need or addr < mr.addr
+                or addr + length > mr.end):
+            return None
+        return mr
+
+    def _rx_write(self, psn: int, flags: int, length: int, key: int, extra: int,
+                  addr: int) -> None:
+        mr = self._rkey_mr(key, addr, length, Access.REMOTE_WRITE) if length else None
+        if length and mr is None:
+            self._responder_error(psn, length, WcStatus.REM_ACCESS_ERR)
+            return
+        self._rwc = None
+        if flags & FrameFlags.WITH_IMM:
+            recv = self._take_recv(psn, length)
+            if recv is None:
+                return
+            self._rwc = WC(recv[0], WcStatus.SUCCESS, WcOpcode.RECV_RDMA_WITH_IMM, length,
+                           self.qp_num, WcFlags.WITH_IMM, imm_data=extra)
+        self._exp_psn = (psn + 1) & M
+        self._done_psn = psn
+        off = addr - mr.addr if mr is not None else 0
+        self._expect([mr.buf[off:off + length]] if length else None, length, RX_WRITE)
+
+    def _rx_read_req(self, psn: int, length: int, key: int, addr: int) -> None:
+        mr = self._rkey_mr(key, addr, length, Access.REMOTE_READ) if length else None
+        if length and mr is None:
+            self._responder_error(psn, 0, WcStatus.REM_ACCESS_ERR)
+            return
+        self._exp_psn = (psn + 1) & M
+        self._done_psn = psn
+        self._ack_due = False           # the response acknowledges everything up to psn
+        hdr = _pack(Frame.READ_RESP, psn, length)
+        if length:
+            off = addr - mr.addr
+            self._xmit([hdr, mr.buf[off:off + length]])
+        else:
+            self._xmit([hdr])
+
+    def _end_payload(self) -> None:
+        kind = self._rkind
+        self._rviews = None
+        if kind == RX_RECV or kind == RX_WRITE:
+            self._ack_due = True
+            if self._rwc is not None:
+                self.recv_cq.push(self._rwc)
+                self._rwc = None
+        elif kind == RX_READ:
+            e = self._rentry
+            self._rentry = None
+            self._sq.popleft()
+            if e.signaled:
+                self.send_cq.push(WC(e.wr_id, WcStatus.SUCCESS, WcOpcode.RDMA_READ, e.byte_len,
+                                     self.qp_num))
+            self._retire()
+
+    # requester ---------------------------------------------------------
+    def _rx_read_resp(self, psn: int, length: int) -> None:
+        if self._state == QPState.ERR:
+            self._discard(length)
+            return
+        self._ack_upto((psn - 1) & M)
+        sq = self._sq
+        e = sq[0] if sq else None
+        if e is None or e.psn != psn or e.opcode != WcOpcode.RDMA_READ or length != e.byte_len:
+            raise wire.WireError(f"unexpected read response psn {psn} length {length}")
+        self._rentry = e
+        self._expect(list(e.views), length, RX_READ)
+
+    def _ack_upto(self, psn: int) -> None:
+        """Complete every transmitted WR up to ``psn`` (READs complete with their data)."""
+        self._last_progress = _now()
+        sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
+        le = wire.psn_le
+        while sq:
+            e = sq[0]
+            if (e.psn is None or not e.sent or e.opcode == WcOpcode.RDMA_READ
+                    or not le(e.psn, psn)):
+                break
+            sq.popleft()
+            if e.signaled:
+                push(WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
+
+    def _retire(self) -> None:
+        """A WR that failed local checks completes with its error once it reaches the head."""
+        sq = self._sq
+        if sq and sq[0].psn is None:
+            e = sq.popleft()
+            self.send_cq.push(WC(e.wr_id, WcStatus(e.status), e.opcode, 0, self.qp_num))
+            self._to_error()
+
+    def _fail_head(self, status: WcStatus) -> None:
+        if self._sq:
+            e = self._sq.popleft()
+            self.send_cq.push(WC(e.wr_id, status, e.opcode, 0, self.qp_num))
+        self._to_error()
+
+    def _on_rnr(self, psn: int) -> None:
+        self._ack_upto((psn - 1) & M)
+        sq = self._sq
+        if self._state == QPState.ERR or not sq or sq[0].psn != psn:
+            return
+        e = sq[0]
+        e.rnr += 1
+        if self.rnr_retry != 7 and e.rnr > self.rnr_retry:
+            self._fail_head(WcStatus.RNR_RETRY_EXC_ERR)
+            return
+        self._hold = True
+        self.rnr_deadline = _now() + min(RNR_FIRST * (1 << min(e.rnr - 1, 16)), RNR_MAX)
+        self.ctx.rnr_waiters.add(self)
+        self.ctx.timer_pending()
+
+    def rnr_replay(self) -> None:
+        """RNR timer expired: go back to the NAKed request and send everything again."""
+        with self._lock:
+            if self._state != QPState.RTS or not self._hold:
+                return
+            self._hold = False
+            self._last_progress = _now()
+            bufs: list = []
+            for e in self._sq:
+                if e.psn is None:
+                    break
+                bufs.extend(e.frame)
+                e.sent = True
+            if bufs:
+                self._xmit(bufs)
+
+    def check_timeout(self, now: float) -> None:
+        """Transport timer: a peer that stops answering (its QP in ERR, say) fails the head
+        WR with RETRY_EXC_ERR after ``ack_timeout * (retry_count + 1)``, as an HCA does."""
+        if not self._sq or self._hold or self._state != QPState.RTS:
+            return
+        if now - self._last_progress <= self.ack_timeout * (self.retry_count + 1):
+            return
+        with self._lock:
+            if self._sq and not self._hold and self._state == QPState.RTS:
+                self._fail_head(WcStatus.RETRY_EXC_ERR)

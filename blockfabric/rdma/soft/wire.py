@@ -1,0 +1,77 @@
+"""The soft provider's wire: one fixed 32-byte frame header, declared once.
+
+Pure code (no I/O), so it can be tested and reused without sockets.  The layout and the
+meaning of each field per frame type are documented in :mod:`blockfabric.rdma.soft`.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+MAGIC = b"BFRD"
+VERSION = 1
+PSN_MASK = 0xFFFFFFFF
+
+#: magic[4] version u8, type u8, flags u16, psn u32, length u32, key u32, extra u32, addr u64
+HEADER = struct.Struct("<4sBBHIIIIQ")
+HEADER_SIZE = HEADER.size  # 32
+
+MAX_REQ_PRIVATE_DATA = 56      # IB CM REQ private data
+MAX_REP_PRIVATE_DATA = 196     # IB CM REP / REJ private data
+MAX_MESSAGE = 1 << 31          # ibv_port_attr.max_msg_sz of a typical HCA
+
+
+class Frame(enum.IntEnum):
+    """Frame types.  CM frames set up and tear down a connection; request frames consume one
+    PSN of the sender's request stream; response frames travel the other way."""
+
+    CONN_REQ = 1      # payload: REQ private data; extra: requester qp_num
+    CONN_REP = 2      # payload: REP private data; extra: responder qp_num
+    CONN_REJ = 3      # payload: REJ private data
+    CONN_RTU = 4      # ready to use: the active side saw the REP
+    DREQ = 5          # disconnect request; the socket closes after it
+    SEND = 16         # payload: message; extra: imm_data or invalidate rkey (flags say which)
+    WRITE = 17        # payload: data for [addr, addr+length) under key
+    READ_REQ = 18     # no payload: read `length` bytes at addr under key
+    READ_RESP = 32    # payload: the data read for request `psn`
+    ACK = 33          # every request up to and including `psn` was executed (coalesced)
+    NAK = 34          # request `psn` failed; key = WcStatus the requester reports
+    RNR_NAK = 35      # request `psn` found no receive posted; retry later
+
+
+class FrameFlags(enum.IntFlag):
+    """Header flag bits."""
+
+    WITH_IMM = 1
+    WITH_INV = 2
+
+
+REQUEST_FRAMES = frozenset((Frame.SEND, Frame.WRITE, Frame.READ_REQ))
+PAYLOAD_FRAMES = frozenset((Frame.CONN_REQ, Frame.CONN_REP, Frame.CONN_REJ, Frame.SEND,
+                            Frame.WRITE, Frame.READ_RESP))
+
+
+def pack(ftype: int, psn: int = 0, length: int = 0, key: int = 0, extra: int = 0,
+         addr: int = 0, flags: int = 0) -> bytes:
+    """One header, ready for the wire."""
+    return HEADER.pack(MAGIC, VERSION, ftype, flags, psn & PSN_MASK, length, key, extra, addr)
+
+
+def psn_le(a: int, b: int) -> bool:
+    """``a <= b`` in 32-bit serial-number arithmetic (PSNs wrap)."""
+    return ((b - a) & PSN_MASK) < 0x80000000
+
+
+class WireError(ValueError):
+    """A frame that is not ours or not this version: the connection is dropped."""
+
+
+def unpack(buf) -> tuple[int, int, int, int, int, int, int]:
+    """(type, flags, psn, length, key, extra, addr) of a header; WireError if foreign."""
+    magic, version, ftype, flags, psn, length, key, extra, addr = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise WireError(f"unsupported soft-RDMA wire version {version}")
+    return ftype, flags, psn, length, key, extra, addr

@@ -38,6 +38,8 @@ class _Field:
     nvals: int = 1
     decode: Callable[..., Any] | None = None  # struct item(s) -> value
     encode: Callable[[Any], tuple[Any, ...]] | None = None  # value -> struct items
+    kind: str = "int"  # int, u128, raw, text, array, nested: for introspection (tests, docs)
+    extra: Any = None  # text: the pad byte; array: the element type; nested: the class
 
 
 def _wire(spec: _Field, default: Any) -> Any:
@@ -69,13 +71,13 @@ def u64(at: int, default: int = 0) -> Any:
 def u128(at: int, default: int = 0) -> Any:
     """A little-endian 16-byte counter (SMART log), as a Python int."""
     return _wire(_Field(at, "16s", decode=lambda b: int.from_bytes(b, "little"),
-                        encode=lambda v: (v.to_bytes(16, "little"),)), default)
+                        encode=lambda v: (v.to_bytes(16, "little"),), kind="u128"), default)
 
 
 def raw(at: int, size: int) -> Any:
     """``size`` opaque bytes (ids, vendor areas); shorter values are zero padded."""
-    return _wire(_Field(at, f"{size}s", decode=bytes, encode=lambda v: (bytes(v),)),
-                 bytes(size))
+    return _wire(_Field(at, f"{size}s", decode=bytes, encode=lambda v: (bytes(v),),
+                        kind="raw"), bytes(size))
 
 
 def _text_codec(size: int, pad: bytes) -> tuple[Callable[[bytes], str],
@@ -99,7 +101,8 @@ def text(at: int, size: int, *, pad: bytes = b"\0") -> Any:
     """A string field: NUL padded (NQNs, addresses) or space padded (``pad=b" "``: sn, mn,
     fr).  Decoding stops at the first NUL; undecodable bytes survive via surrogateescape."""
     decode, encode = _text_codec(size, pad)
-    return _wire(_Field(at, f"{size}s", decode=decode, encode=encode), "")
+    return _wire(_Field(at, f"{size}s", decode=decode, encode=encode, kind="text", extra=pad),
+                 "")
 
 
 def array(at: int, fmt: str, count: int, *, elem: type | None = None) -> Any:
@@ -116,13 +119,13 @@ def array(at: int, fmt: str, count: int, *, elem: type | None = None) -> Any:
             raise ValueError(f"at most {count} entries, got {len(value)}")
         return tuple(int(v) for v in value) + (0,) * (count - len(value))
 
-    return _wire(_Field(at, f"{count}{fmt}", count, decode, encode), ())
+    return _wire(_Field(at, f"{count}{fmt}", count, decode, encode, "array", elem), ())
 
 
 def nested(at: int, cls: type[Packed]) -> Any:
     """A fixed-size sub-structure (e.g. the RDMA TSAS inside a discovery log entry)."""
     return _wire(_Field(at, f"{cls.SIZE}s", decode=cls.unpack_from,
-                        encode=lambda v: (v.pack(),)), cls())
+                        encode=lambda v: (v.pack(),), kind="nested", extra=cls), cls())
 
 
 class Encodable:

@@ -1,0 +1,423 @@
+"""rdma_cm for the verbs provider: event channels, CM ids and listeners, never blocking.
+
+pyverbs holds the GIL inside every call, so nothing here calls into it while an event could be
+missing: event-channel descriptors are non-blocking and waits happen in ``select()``.  A
+listener's children are created on the listener's channel (rdma_cm does that), so a
+:class:`_Channel` reads every event, finds the ``rdma_cm_id`` it belongs to, and queues it
+there.  Each CM id and listener exposes an epoll descriptor that wakes on its own queue and on
+the shared channel (spurious wake-ups allowed, as the interface says).
+
+QPs are external (created by :mod:`.resources` on our own device context) and moved through
+INIT/RTR/RTS with ``rdma_init_qp_attr``, as rdma-core's tests/rdmacm_utils.py does: the passive
+side before it accepts, the active side on CONNECT_RESPONSE, followed by ``rdma_establish``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+from blockfabric.errors import ConnectionRejected, RdmaError, RdmaTimeout
+from blockfabric.rdma import base
+from blockfabric.rdma.base import CMEvent, CMEventType, QPCap
+from blockfabric.rdma.verbs import _native
+from blockfabric.rdma.verbs._native import RawEvent, rdma_error
+from blockfabric.rdma.verbs.resources import VerbsContext, VerbsCQ, VerbsPD, VerbsQP
+
+if TYPE_CHECKING:
+    from blockfabric.rdma.verbs import VerbsProvider
+
+# IB CM reject reason "consumer defined": the peer called rdma_reject (with private data)
+_REJ_CONSUMER = 28
+# events that only move the connection along and are consumed here, not handed to the user
+_INTERNAL = {CMEventType.ESTABLISHED, CMEventType.TIMEWAIT_EXIT}
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class _Waker:
+    """An epoll fd that is readable when the owner's queue has events or the channel may."""
+
+    def __init__(self, channel_fd: int):
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._ep = select.epoll()
+        self._ep.register(channel_fd, select.EPOLLIN)
+        self._ep.register(self._r, select.EPOLLIN)
+
+    def fileno(self) -> int:
+        return self._ep.fileno()
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except BlockingIOError:
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        self._ep.close()
+        os.close(self._r)
+        os.close(self._w)
+
+
+class _Channel:
+    """One rdma_cm event channel and the ids whose events arrive on it."""
+
+    def __init__(self):
+        pv = self._pv = _native.load()
+        try:
+            self.ch, self.fd = _native.create_with_fd(pv.cmid.CMEventChannel,
+                                                      "/dev/infiniband/rdma_cm")
+        except pv.PyverbsError as exc:
+            raise rdma_error("rdma_create_event_channel failed (is rdma_ucm loaded?)",
+                             exc) from exc
+        self.ptr = _native.channel_pointer(self.ch, self.fd)
+        self.lock = threading.RLock()
+        self.owners: dict[int, "_Endpoint"] = {}    # rdma_cm_id pointer -> owner
+        self.listener: "VerbsListener | None" = None
+        self.default: "_Endpoint | None" = None     # an active id, before its pointer is known
+        self.users = 0
+
+    def new_id(self):
+        try:
+            return self._pv.cmid.CMID(creator=self.ch, port_space=self._pv.ce.RDMA_PS_TCP)
+        except self._pv.PyverbsError as exc:
+            raise rdma_error("rdma_create_id failed", exc) from exc
+
+    def pump(self) -> None:
+        """Read every event the kernel has queued, without blocking, and hand each out."""
+        with self.lock:
+            while True:
+                try:
+                    event = self._pv.cmid.CMEvent(self.ch)
+                except self._pv.PyverbsError as exc:
+                    if _native.is_eagain(exc):
+                        return
+                    raise rdma_error("rdma_get_cm_event failed", exc) from exc
+                try:
+                    raw = _native.read_event(event)
+                    if raw.type == CMEventType.CONNECT_REQUEST and self.listener is not None:
+                        self.listener._on_request(event, raw)
+                    else:
+                        owner = self.owners.get(raw.id_ptr, self.default)
+                        if owner is not None:
+                            owner._on_event(raw)
+                finally:
+                    # acked at once: rdma_destroy_id waits for every reported event's ack
+                    event.close()
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self.ch.close()
+
+
+class _Endpoint:
+    """Shared by CM ids and listeners: an event queue filled by the channel, and its waits."""
+
+    _channel: _Channel
+    _waker: _Waker
+
+    def _attach(self, channel: _Channel) -> None:
+        self._channel = channel
+        channel.users += 1
+        self._events: collections.deque = collections.deque()
+        self._waker = _Waker(channel.fd)
+
+    def _queue(self, item) -> None:
+        self._events.append(item)
+        self._waker.set()
+
+    def _next(self, timeout: float | None, accept: Callable = lambda item: True):
+        """The next queued item ``accept`` allows, pumping the channel while waiting."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._channel.pump()
+            with self._channel.lock:
+                for item in list(self._events):
+                    if accept(item):
+                        self._events.remove(item)
+                        return item
+                if not self._events:
+                    self._waker.clear()
+            left = _remaining(deadline)
+            if left == 0:
+                return None
+            select.select([self._channel.fd, self._waker.fileno()], [], [], left)
+
+    def fileno(self) -> int:
+        return self._waker.fileno()
+
+
+class VerbsCMId(_Endpoint, base.CMId):
+    """One end of one RC connection over rdma_cm."""
+
+    def __init__(self, provider: "VerbsProvider", channel: _Channel, cmid, *,
+                 id_ptr: int | None = None, private_data: bytes = b"",
+                 request: RawEvent | None = None):
+        self._provider = provider
+        self._pv = _native.load()
+        self._cm = cmid
+        self._attach(channel)
+        self.qp: VerbsQP | None = None
+        self.context = None
+        self.private_data = private_data
+        self.local_address = ("", 0)
+        self.peer_address = ("", 0)
+        self._request = request
+        self._closed = False
+        self._ptr = id_ptr
+        if id_ptr is not None:
+            self._bind_ptr(id_ptr)
+
+    # ------------------------------------------------------------------ plumbing
+    def _bind_ptr(self, id_ptr: int) -> None:
+        self._ptr = id_ptr
+        with self._channel.lock:
+            self._channel.owners[id_ptr] = self
+
+    def _set_device(self) -> None:
+        """Called once the id is bound to a device: share that device's context."""
+        self.context = VerbsContext(self._provider._device(self._cm.dev_name))
+        self.local_address, self.peer_address = _native.id_addresses(self._ptr)
+
+    def _on_event(self, raw: RawEvent) -> None:
+        if raw.type == CMEventType.DISCONNECTED and self.qp is not None:
+            self.qp.to_error()
+        if raw.type in _INTERNAL and self._request is not None:
+            return
+        self._queue(raw)
+
+    def _expect(self, wanted: CMEventType, deadline: float, what: str) -> RawEvent:
+        raw = self._next(_remaining(deadline))
+        if raw is None:
+            raise RdmaTimeout(f"{what}: no rdma_cm event in time")
+        if raw.type != wanted:
+            name = _event_name(raw.type)
+            raise RdmaError(f"{what}: got {name} (status {raw.status})",
+                            errno=abs(raw.status) or None)
+        return raw
+
+    def _qp_to(self, state: int, what: str) -> None:
+        try:
+            attr, mask = self._cm.init_qp_attr(state)
+        except self._pv.PyverbsError as exc:
+            raise rdma_error(f"rdma_init_qp_attr({what}) failed", exc) from exc
+        self.qp.modify(attr, mask, what)
+
+    def _conn_param(self, private_data: bytes, resources: int, depth: int, retry: int = 7,
+                    rnr_retry: int = 7):
+        # pyverbs sends private data only from a buffer sized by data_len at construction
+        param = self._pv.cmid.ConnParam(resources=resources, depth=depth, retry=retry,
+                                        rnr_retry=rnr_retry, qp_num=self.qp.qp_num,
+                                        data_len=len(private_data))
+        if private_data:
+            param.set_private_data(bytes(private_data))
+        return param
+
+    def _need_qp(self, what: str) -> None:
+        if self.qp is None:
+            raise RdmaError(f"{what}: create_qp() first", errno=22)
+
+    # ------------------------------------------------------------------ interface
+    def resolve(self, address: str, port: int, timeout: float = 5.0,
+                source: str | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        ce = self._pv.ce
+        ms = max(1, int(timeout * 1000))
+        try:
+            ai = self._pv.cmid.AddrInfo(src=source, dst=address, dst_service=str(port),
+                                        port_space=ce.RDMA_PS_TCP)
+            self._cm.resolve_addr(ai, ms)
+        except self._pv.PyverbsError as exc:
+            raise rdma_error(f"rdma_resolve_addr({address}:{port}) failed", exc) from exc
+        raw = self._expect(CMEventType.ADDR_RESOLVED, deadline, f"resolve {address}")
+        self._bind_ptr(raw.id_ptr)
+        try:
+            self._cm.resolve_route(ms)
+        except self._pv.PyverbsError as exc:
+            raise rdma_error(f"rdma_resolve_route({address}) failed", exc) from exc
+        self._expect(CMEventType.ROUTE_RESOLVED, deadline, f"route to {address}")
+        self._set_device()
+
+    def create_qp(self, pd: base.PD, send_cq: base.CQ, recv_cq: base.CQ,
+                  cap: QPCap | None = None, sq_sig_all: bool = False) -> VerbsQP:
+        if self.context is None:
+            raise RdmaError("create_qp: resolve() first (no device yet)", errno=22)
+        if not (isinstance(pd, VerbsPD) and isinstance(send_cq, VerbsCQ)
+                and isinstance(recv_cq, VerbsCQ)):
+            raise RdmaError("create_qp: PD and CQs must come from the verbs provider", errno=22)
+        if self.qp is not None:
+            raise RdmaError("create_qp: this CM id already has a QP", errno=17)
+        qp = VerbsQP(pd, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
+        self.qp = qp
+        try:
+            self._qp_to(self._pv.e.IBV_QPS_INIT, "INIT")   # receives may be posted from here
+        except RdmaError:
+            self.qp = None
+            qp.close()
+            raise
+        return qp
+
+    def connect(self, private_data: bytes = b"", timeout: float = 5.0,
+                retry_count: int = 7, rnr_retry_count: int = 7) -> bytes:
+        self._need_qp("connect")
+        deadline = time.monotonic() + timeout
+        depth = self.context._device.max_rd_atom
+        param = self._conn_param(private_data, depth, depth, retry_count, rnr_retry_count)
+        try:
+            self._cm.connect(param)
+        except self._pv.PyverbsError as exc:
+            raise rdma_error("rdma_connect failed", exc) from exc
+        raw = self._next(_remaining(deadline))
+        if raw is None:
+            raise RdmaTimeout(f"connect to {self.peer_address}: no answer in {timeout} s")
+        if raw.type == CMEventType.REJECTED:
+            why = ("rejected by the peer" if raw.status == _REJ_CONSUMER
+                   else f"refused (IB CM reject reason {raw.status}; no listener?)")
+            raise ConnectionRejected(f"connect to {self.peer_address}: {why}",
+                                     raw.private_data)
+        if raw.type == CMEventType.UNREACHABLE:
+            raise RdmaTimeout(f"connect to {self.peer_address}: unreachable "
+                              f"(status {raw.status})")
+        if raw.type != CMEventType.CONNECT_RESPONSE:
+            raise RdmaError(f"connect to {self.peer_address}: got {_event_name(raw.type)}"
+                            f" (status {raw.status})", errno=abs(raw.status) or None)
+        self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
+        self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
+        try:
+            self._cm.establish()
+        except self._pv.PyverbsError as exc:
+            raise rdma_error("rdma_establish failed", exc) from exc
+        self.private_data = raw.private_data
+        return raw.private_data
+
+    def accept(self, private_data: bytes = b"") -> None:
+        self._need_qp("accept")
+        req = self._request
+        ours = self.context._device.max_rd_atom
+        # what we take of the peer's reads, and issue ourselves, is bounded by both sides
+        resources = min(ours, req.initiator_depth) if req else ours
+        depth = min(ours, req.responder_resources) if req else ours
+        self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
+        self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
+        try:
+            self._cm.accept(self._conn_param(private_data, resources, depth))
+        except self._pv.PyverbsError as exc:
+            raise rdma_error("rdma_accept failed", exc) from exc
+
+    def reject(self, private_data: bytes = b"") -> None:
+        data = bytes(private_data)
+        try:
+            self._cm.reject(data)
+        except self._pv.PyverbsError as exc:
+            raise rdma_error("rdma_reject failed", exc) from exc
+
+    def disconnect(self) -> None:
+        try:
+            self._cm.disconnect()
+        except self._pv.PyverbsError as exc:
+            # EINVAL: not connected (any more); the QP still goes to ERR below
+            if getattr(exc, "error_code", 0) not in (22, -22):
+                raise rdma_error("rdma_disconnect failed", exc) from exc
+        if self.qp is not None:
+            self.qp.to_error()
+
+    def get_event(self, timeout: float | None = 0) -> CMEvent | None:
+        raw = self._next(timeout)
+        if raw is None:
+            return None
+        return CMEvent(type=CMEventType(raw.type), status=raw.status,
+                       private_data=raw.private_data)
+
+    def close(self) -> None:
+        """Tear down in verbs order: QP, then the CM id, the device reference, the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.qp is not None:
+                self.qp.close()
+            self._cm.close()
+        finally:
+            with self._channel.lock:
+                self._channel.owners.pop(self._ptr, None)
+            if self.context is not None:
+                self.context.close()
+            self._waker.close()
+            self._channel.release()
+
+
+class VerbsListener(_Endpoint, base.Listener):
+    """A listening rdma_cm id; connect requests become child :class:`VerbsCMId` objects."""
+
+    def __init__(self, provider: "VerbsProvider", address: str, port: int, backlog: int):
+        pv = self._pv = _native.load()
+        self._provider = provider
+        channel = _Channel()
+        self._attach(channel)
+        channel.listener = self
+        self._closed = False
+        self._cm = channel.new_id()
+        try:
+            ai = pv.cmid.AddrInfo(src=address, src_service=str(port),
+                                  port_space=pv.ce.RDMA_PS_TCP, flags=pv.ce.RAI_PASSIVE)
+            self._cm.bind_addr(ai)
+            self._cm.listen(backlog)
+        except pv.PyverbsError as exc:
+            self.close()
+            raise rdma_error(f"cannot listen on {address}:{port}", exc) from exc
+        ptr = _native.cm_id_pointer(self._cm, channel.ptr)
+        self.local_address = _native.id_addresses(ptr)[0]
+
+    def _on_request(self, event, raw: RawEvent) -> None:
+        child = self._pv.cmid.CMID(creator=event, listen_id=self._cm)
+        cmid = VerbsCMId(self._provider, self._channel, child, id_ptr=raw.id_ptr,
+                         private_data=raw.private_data, request=raw)
+        try:
+            cmid._set_device()
+        except RdmaError:
+            cmid.close()
+            raise
+        self._queue(cmid)
+
+    def get_request(self, timeout: float | None = 0) -> VerbsCMId | None:
+        return self._next(timeout)
+
+    def close(self) -> None:
+        """Close the listening id; children already handed out stay usable."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._events:                      # requests nobody took: refuse them
+            child = self._events.popleft()
+            try:
+                child.reject()
+            except RdmaError:
+                pass
+            child.close()
+        self._channel.listener = None
+        try:
+            self._cm.close()
+        finally:
+            self._waker.close()
+            self._channel.release()
+
+
+def _event_name(value: int) -> str:
+    try:
+        return CMEventType(value).name
+    except ValueError:
+        return f"event {value}"

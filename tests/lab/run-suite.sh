@@ -1,0 +1,21 @@
+#!/bin/bash
+# Runs INSIDE the lab guest (lab/run tests/lab/run-suite.sh, from the project root):
+# the verbs provider's smoke test, then the RDMA contract suite (tests/rdma) with the verbs
+# provider on rxe0.  Exit status 0 only when both passed.
+set -u
+# lab/run hands over a copy of this script but keeps the working directory: the project root
+[ -f tests/lab/verbs_smoke.py ] || { echo "run-suite.sh: run from the project root" >&2; exit 2; }
+PY=${PY:-$PWD/.venv/bin/python}
+export BLOCKFABRIC_TEST_PROVIDERS=verbs BLOCKFABRIC_TEST_ADDR=${LAB_IP:-10.99.0.1}
+export PYTHONDONTWRITEBYTECODE=1   # the root fs is read-only under a tmpfs overlay
+rc=0
+echo "##### verbs smoke ($(uname -r), $(rdma link show 2>/dev/null | head -1))"
+timeout 300 "$PY" -X faulthandler tests/lab/verbs_smoke.py "$BLOCKFABRIC_TEST_ADDR" || rc=1
+if [ -d tests/rdma ]; then
+    echo "##### contract suite: tests/rdma with BLOCKFABRIC_TEST_PROVIDERS=verbs"
+    timeout "${SUITE_TIMEOUT:-900}" "$PY" -X faulthandler -m pytest tests/rdma -v \
+        -p no:cacheprovider "$@" || rc=1
+else
+    echo "##### tests/rdma not present: contract suite skipped"
+fi
+exit $rc

@@ -1,0 +1,265 @@
+"""What only the soft provider has: its wire, its progress modes, and peers that speak its
+wire by hand (a malicious or silent peer, a peer process killed outright)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import select
+import socket
+import time
+
+import pytest
+
+from blockfabric.errors import RdmaError
+from blockfabric.rdma import (SGE, Access, CMEventType, QPState, RecvWR, SendWR, WcStatus,
+                              WrOpcode)
+from blockfabric.rdma.soft import SoftProvider, wire
+from blockfabric.rdma.soft.wire import Frame
+
+from .agent import AgentCore, LocalAgent, RemoteAgent
+
+RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+
+
+# ---------------------------------------------------------------------- wire
+
+
+def test_header_is_32_bytes_and_round_trips():
+    raw = wire.pack(Frame.WRITE, psn=0x1_0000_0005, length=7, key=0xAABBCCDD, extra=9,
+                    addr=0x7F00_0000_1234, flags=3)
+    assert len(raw) == wire.HEADER_SIZE == 32
+    assert raw[:4] == b"BFRD" and raw[4] == 1
+    assert wire.unpack(raw) == (Frame.WRITE, 3, 5, 7, 0xAABBCCDD, 9, 0x7F00_0000_1234)
+
+
+@pytest.mark.parametrize("offset,value", [(0, b"XFRD"), (4, b"\x02")])
+def test_foreign_or_future_headers_are_refused(offset, value):
+    raw = bytearray(wire.pack(Frame.ACK))
+    raw[offset:offset + len(value)] = value
+    with pytest.raises(wire.WireError):
+        wire.unpack(raw)
+
+
+def test_psn_comparison_wraps():
+    assert wire.psn_le(0xFFFFFFFF, 0) and wire.psn_le(5, 5) and not wire.psn_le(6, 5)
+
+
+# ---------------------------------------------------------------------- provider basics
+
+
+def test_progress_mode_from_argument_and_environment(monkeypatch):
+    monkeypatch.setenv("BLOCKFABRIC_SOFT_PROGRESS", "poll")
+    assert SoftProvider().progress == "poll"
+    assert SoftProvider(progress="thread").progress == "thread"
+    monkeypatch.delenv("BLOCKFABRIC_SOFT_PROGRESS")
+    assert SoftProvider().progress == "thread"
+    with pytest.raises(ValueError):
+        SoftProvider(progress="spin")
+
+
+def test_devices_and_owned_addresses():
+    p = SoftProvider()
+    assert [d.name for d in p.devices()] == ["soft0"]
+    assert p.owns_address("127.0.0.1") and p.owns_address("::1")
+    assert not p.owns_address("192.0.2.1")        # TEST-NET-1: not on this host
+
+
+def test_reg_mr_rules():
+    p = SoftProvider()
+    pd = p.context.alloc_pd()
+    with pytest.raises(RdmaError) as exc:
+        pd.reg_mr(b"read only", Access.LOCAL_WRITE)
+    assert exc.value.errno == errno.EACCES
+    with pytest.raises(RdmaError) as exc:
+        pd.reg_mr(bytearray(8), Access.REMOTE_WRITE)
+    assert exc.value.errno == errno.EINVAL
+    buf = bytearray(b"0123456789")
+    mr = pd.reg_mr(memoryview(buf)[2:], RW)
+    assert mr.length == 8 and bytes(mr.buf) == b"23456789"
+    import ctypes
+    assert ctypes.string_at(mr.addr, 8) == b"23456789"    # the real virtual address
+    with pytest.raises(BufferError):
+        buf.extend(b"x")                                 # pinned while registered
+    mr.close()
+    buf.extend(b"x")
+    p.close()
+
+
+@pytest.mark.parametrize("progress", ["thread", "poll"])
+def test_cq_channel_fd(progress):
+    """The fd becomes readable for a completion after req_notify, in both progress modes."""
+    p = SoftProvider(progress=progress)
+    a, b = LocalAgent(AgentCore(p)), LocalAgent(AgentCore(p))
+    lst = b.call("listen", address="127.0.0.1")
+    token = a.call("connect_start", address="127.0.0.1", port=lst["port"])["token"]
+    b.call("accept", lid=lst["lid"])
+    cid = a.call("connect_wait", token=token)["cid"]
+    conn = a.core.conns[cid]
+    assert (conn.scq.fileno() == p.context.fileno()) == (progress == "poll")
+    mr = conn.pd.reg_mr(bytearray(64), RW)
+    conn.scq.req_notify()
+    conn.qp.post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(mr.addr, 8, mr.lkey)],
+                             remote_addr=mr.addr, rkey=0x999))    # fails remotely
+    readable, _, _ = select.select([conn.scq.fileno()], [], [], 5)
+    assert readable
+    deadline = time.monotonic() + 5
+    wcs = []
+    while not wcs and time.monotonic() < deadline:
+        conn.scq.ack_events()
+        wcs = conn.scq.poll()
+    assert [w.status for w in wcs] == [WcStatus.REM_ACCESS_ERR]
+    a.close(), b.close()
+    p.close()
+
+
+# ---------------------------------------------------------------------- hand-made peers
+
+
+class RawPeer:
+    """A peer that speaks the soft wire by hand, to do what no honest provider would."""
+
+    def __init__(self, port: int, private_data: bytes = b"raw") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.sendall(wire.pack(Frame.CONN_REQ, length=len(private_data)) + private_data)
+
+    def established(self) -> None:
+        ftype = self.frame()[0]
+        assert ftype == Frame.CONN_REP
+        self.sock.sendall(wire.pack(Frame.CONN_RTU))
+
+    def frame(self) -> tuple:
+        hdr = self._exact(wire.HEADER_SIZE)
+        fields = wire.unpack(hdr)
+        body = self._exact(fields[3]) if fields[0] in wire.PAYLOAD_FRAMES and fields[3] else b""
+        return (*fields, body)
+
+    def _exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            assert chunk, "the provider closed the connection"
+            out += chunk
+        return out
+
+
+@pytest.fixture
+def passive():
+    """A soft provider listening on loopback, accepting one connection with a QP."""
+    p = SoftProvider()
+    lst = p.listen("127.0.0.1", 0)
+    made = {}
+
+    def accept():
+        cmid = lst.get_request(5)
+        pd = cmid.context.alloc_pd()
+        cq = cmid.context.create_cq()
+        made.update(cmid=cmid, pd=pd, cq=cq, qp=cmid.create_qp(pd, cq, cq))
+        cmid.accept(b"ok")
+        return made
+
+    yield lst.local_address[1], accept
+    lst.close()
+    if made:
+        made["cmid"].close()
+    p.close()
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_raw_peer_forged_rkey_is_nakked_and_memory_untouched(passive):
+    port, accept = passive
+    peer = RawPeer(port)
+    side = accept()
+    peer.established()
+    buf = bytearray(random.Random(1).randbytes(4096))
+    keep = bytes(buf)
+    mr = side["pd"].reg_mr(buf, RW)
+    side["qp"].post_recv(RecvWR(5, [SGE(mr.addr, 64, mr.lkey)]))
+    # an honest write first: it lands and is ACKed, so the raw peer is a fair test
+    peer.sock.sendall(wire.pack(Frame.WRITE, 0, 4, mr.rkey, 0, mr.addr) + b"GOOD")
+    assert peer.frame()[:3] == (Frame.ACK, 0, 0)
+    assert bytes(buf[:4]) == b"GOOD"
+    keep = b"GOOD" + keep[4:]
+    peer.sock.sendall(wire.pack(Frame.WRITE, 1, 64, mr.rkey ^ 0x4000, 0, mr.addr) + b"E" * 64)
+    ftype, _fl, psn, _len, status = peer.frame()[:5]
+    assert (ftype, psn, status) == (Frame.NAK, 1, WcStatus.REM_ACCESS_ERR)
+    # the QP is in ERR now: a further write (past the end, valid key) is dropped unanswered
+    peer.sock.sendall(wire.pack(Frame.WRITE, 2, 64, mr.rkey, 0, mr.addr + 4090) + b"E" * 64)
+    assert _wait(lambda: side["qp"].state == QPState.ERR)
+    wcs = side["cq"].poll()
+    assert [(w.wr_id, w.status) for w in wcs] == [(5, WcStatus.WR_FLUSH_ERR)]
+    time.sleep(0.05)
+    assert bytes(buf) == keep
+
+
+def test_raw_peer_sending_garbage_is_disconnected(passive):
+    port, accept = passive
+    peer = RawPeer(port)
+    side = accept()
+    peer.established()
+    peer.sock.sendall(b"\x00" * 64)
+    assert side["cmid"].get_event(5).type == CMEventType.DISCONNECTED
+    assert side["qp"].state == QPState.ERR
+
+
+def test_silent_responder_gives_retry_exceeded():
+    """A peer whose QP never answers: RETRY_EXC_ERR after ack_timeout x (retry_count+1)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    p = SoftProvider()
+    cmid = p.create_id()
+    cmid.resolve("127.0.0.1", port)
+    pd, cq = cmid.context.alloc_pd(), cmid.context.create_cq()
+    qp = cmid.create_qp(pd, cq, cq)
+    import threading
+
+    def answer():
+        conn, _ = server.accept()
+        conn.recv(wire.HEADER_SIZE)
+        conn.sendall(wire.pack(Frame.CONN_REP))
+        answer.conn = conn          # keep it open, answer nothing
+
+    t = threading.Thread(target=answer)
+    t.start()
+    cmid.connect(b"", retry_count=1, ack_timeout=0.1)
+    t.join()
+    mr = pd.reg_mr(bytearray(16), RW)
+    t0 = time.monotonic()
+    qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)]))
+    assert _wait(lambda: qp.state == QPState.ERR, 5)
+    assert [w.status for w in cq.poll()] == [WcStatus.RETRY_EXC_ERR]
+    assert 0.15 < time.monotonic() - t0 < 2
+    cmid.close()
+    answer.conn.close()
+    server.close()
+    p.close()
+
+
+def test_killed_peer_process_is_a_disconnect():
+    """kill -9 of the peer: the socket resets and the survivor sees DISCONNECTED + flushes."""
+    p = SoftProvider()
+    local = LocalAgent(AgentCore(p))
+    remote = RemoteAgent("soft", "thread")
+    try:
+        lst = local.call("listen", address="127.0.0.1")
+        token = remote.call("connect_start", address="127.0.0.1", port=lst["port"])["token"]
+        cid = local.call("accept", lid=lst["lid"])["cid"]
+        assert "cid" in remote.call("connect_wait", token=token)
+        mr = local.call("reg", cid=cid, size=64, access=int(RW))
+        local.call("post_recv", cid=cid, wrs=[{"wr_id": 3, "sges": [[mr["mid"], 0, 64]]}])
+        os.kill(remote.proc.pid, 9)
+        assert local.call("event", cid=cid, timeout=5) == CMEventType.DISCONNECTED
+        assert local.call("state", cid=cid) == QPState.ERR
+        assert [w["status"] for w in local.call("poll", cid=cid, cq="recv")] == \
+            [WcStatus.WR_FLUSH_ERR]
+    finally:
+        remote.close()
+        local.close()
+        p.close()

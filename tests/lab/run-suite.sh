@@ -8,6 +8,10 @@ set -u
 PY=${PY:-$PWD/.venv/bin/python}
 export BLOCKFABRIC_TEST_PROVIDERS=verbs BLOCKFABRIC_TEST_ADDR=${LAB_IP:-10.99.0.1}
 export PYTHONDONTWRITEBYTECODE=1   # the root fs is read-only under a tmpfs overlay
+# an IPv6 address on rxe0's netdev too (rxe adds its GID), for the suite's IPv6 test
+if [ -n "${LAB_IP:-}" ] && ip -6 addr add fd00:99::1/64 dev labnet0 nodad 2>/dev/null; then
+    export BLOCKFABRIC_TEST_ADDR6=fd00:99::1
+fi
 rc=0
 echo "##### verbs smoke ($(uname -r), $(rdma link show 2>/dev/null | head -1))"
 timeout 300 "$PY" -X faulthandler tests/lab/verbs_smoke.py "$BLOCKFABRIC_TEST_ADDR" || rc=1

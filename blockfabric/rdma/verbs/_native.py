@@ -212,3 +212,37 @@ def _sockaddr(address: int) -> tuple[str, int]:
 def id_addresses(id_ptr: int) -> tuple[tuple[str, int], tuple[str, int]]:
     """(local, peer) addresses of an rdma_cm_id, as rdma_get_local_addr/peer_addr give them."""
     return _sockaddr(id_ptr + _ID_SRC), _sockaddr(id_ptr + _ID_DST)
+
+
+_librdmacm = None
+
+
+def bind_addr(id_ptr: int, address: str | None, port: int) -> None:
+    """rdma_bind_addr through librdmacm itself.
+
+    pyverbs' CMID.bind_addr wraps the id's device in a Context right after binding; for a
+    wildcard or loopback address no device is bound yet and that dereferences NULL (a
+    segfault seen with pyverbs 44).  This provider opens its own device contexts, so it binds
+    without pyverbs.
+    """
+    global _librdmacm
+    if _librdmacm is None:
+        _librdmacm = ctypes.CDLL("librdmacm.so.1", use_errno=True)
+        _librdmacm.rdma_bind_addr.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            address or "0.0.0.0", port, type=socket.SOCK_STREAM,
+            flags=socket.AI_NUMERICHOST | socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise RdmaError(f"not a numeric IP address: {address!r}", errno=22) from exc
+    if family == socket.AF_INET:
+        raw = struct.pack("=H", family) + struct.pack("!H4s", port, socket.inet_aton(sockaddr[0]))
+    else:
+        raw = (struct.pack("=H", family) + struct.pack("!HI", port, sockaddr[2])
+               + socket.inet_pton(socket.AF_INET6, sockaddr[0].split("%")[0])
+               + struct.pack("=I", sockaddr[3]))
+    raw = raw.ljust(128, b"\0")
+    if _librdmacm.rdma_bind_addr(id_ptr, raw) != 0:
+        code = ctypes.get_errno()
+        raise RdmaError(f"rdma_bind_addr({address}:{port}) failed: {os.strerror(code)}",
+                        errno=code)

@@ -178,6 +178,8 @@ class VerbsCMId(_Endpoint, base.CMId):
         self.peer_address = ("", 0)
         self._request = request
         self._closed = False
+        self._disconnected = False
+        self._retry = (7, 7)            # retry_cnt, rnr_retry of our own QP
         self._ptr = id_ptr
         if id_ptr is not None:
             self._bind_ptr(id_ptr)
@@ -194,11 +196,24 @@ class VerbsCMId(_Endpoint, base.CMId):
         self.local_address, self.peer_address = _native.id_addresses(self._ptr)
 
     def _on_event(self, raw: RawEvent) -> None:
-        if raw.type == CMEventType.DISCONNECTED and self.qp is not None:
-            self.qp.to_error()
+        if raw.type == CMEventType.DISCONNECTED:
+            if self._disconnected:
+                return                    # already reported when we disconnected ourselves
+            self._disconnect_now()        # answers the peer's DREQ, so its side ends too
         if raw.type in _INTERNAL and self._request is not None:
             return
         self._queue(raw)
+
+    def _disconnect_now(self) -> None:
+        self._disconnected = True
+        try:
+            self._cm.disconnect()
+        except self._pv.PyverbsError as exc:
+            # EINVAL: not connected (any more); the QP still goes to ERR below
+            if abs(getattr(exc, "error_code", 0) or 0) != 22:
+                raise rdma_error("rdma_disconnect failed", exc) from exc
+        if self.qp is not None:
+            self.qp.to_error()
 
     def _expect(self, wanted: CMEventType, deadline: float, what: str) -> RawEvent:
         raw = self._next(_remaining(deadline))
@@ -211,10 +226,17 @@ class VerbsCMId(_Endpoint, base.CMId):
         return raw
 
     def _qp_to(self, state: int, what: str) -> None:
+        e = self._pv.e
         try:
             attr, mask = self._cm.init_qp_attr(state)
         except self._pv.PyverbsError as exc:
             raise rdma_error(f"rdma_init_qp_attr({what}) failed", exc) from exc
+        if state == e.IBV_QPS_RTS:
+            # rdma_cm hands each side the retry counts the *peer* asked for; the interface's
+            # connect(retry_count, rnr_retry_count) means this side's sends, as on the soft
+            # provider, so they are set here
+            attr.retry_cnt, attr.rnr_retry = self._retry
+            mask |= e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY
         self.qp.modify(attr, mask, what)
 
     def _conn_param(self, private_data: bytes, resources: int, depth: int, retry: int = 7,
@@ -275,6 +297,7 @@ class VerbsCMId(_Endpoint, base.CMId):
                 retry_count: int = 7, rnr_retry_count: int = 7) -> bytes:
         self._need_qp("connect")
         deadline = time.monotonic() + timeout
+        self._retry = (retry_count, rnr_retry_count)
         depth = self.context._device.max_rd_atom
         param = self._conn_param(private_data, depth, depth, retry_count, rnr_retry_count)
         try:
@@ -326,14 +349,18 @@ class VerbsCMId(_Endpoint, base.CMId):
             raise rdma_error("rdma_reject failed", exc) from exc
 
     def disconnect(self) -> None:
-        try:
-            self._cm.disconnect()
-        except self._pv.PyverbsError as exc:
-            # EINVAL: not connected (any more); the QP still goes to ERR below
-            if getattr(exc, "error_code", 0) not in (22, -22):
-                raise rdma_error("rdma_disconnect failed", exc) from exc
-        if self.qp is not None:
-            self.qp.to_error()
+        """Send the DREQ and report DISCONNECTED here at once.
+
+        rdma_cm reports it only when the peer answers, which needs the peer's process to
+        read its events; the connection is over from this side's view already.
+        """
+        if self._disconnected:
+            return
+        with self._channel.lock:
+            self._disconnect_now()
+            self._queue(RawEvent(type=CMEventType.DISCONNECTED, status=0, id_ptr=self._ptr or 0,
+                                 listen_ptr=0, private_data=b"", responder_resources=0,
+                                 initiator_depth=0))
 
     def get_event(self, timeout: float | None = 0) -> CMEvent | None:
         raw = self._next(timeout)
@@ -372,14 +399,14 @@ class VerbsListener(_Endpoint, base.Listener):
         self._closed = False
         self._cm = channel.new_id()
         try:
-            ai = pv.cmid.AddrInfo(src=address, src_service=str(port),
-                                  port_space=pv.ce.RDMA_PS_TCP, flags=pv.ce.RAI_PASSIVE)
-            self._cm.bind_addr(ai)
+            ptr = _native.cm_id_pointer(self._cm, channel.ptr)
+            _native.bind_addr(ptr, address, port)
             self._cm.listen(backlog)
-        except pv.PyverbsError as exc:
+        except (pv.PyverbsError, RdmaError) as exc:
             self.close()
+            if isinstance(exc, RdmaError):
+                raise
             raise rdma_error(f"cannot listen on {address}:{port}", exc) from exc
-        ptr = _native.cm_id_pointer(self._cm, channel.ptr)
         self.local_address = _native.id_addresses(ptr)[0]
 
     def _on_request(self, event, raw: RawEvent) -> None:

@@ -7,6 +7,7 @@ connection never pulls the device out from under another.  Nothing here blocks.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import select
 import threading
@@ -206,21 +207,14 @@ def _to_wc(wc) -> WC:
             opcode = WcOpcode(wc.opcode)
         except ValueError:
             pass
-    if opcode is None:
-        qp = _qps.get(wc.qp_num)
-        opcode = qp.opcode_of(wc.wr_id) if qp is not None else WcOpcode.SEND
-    return WC(wr_id=wc.wr_id, status=status, opcode=opcode, byte_len=wc.byte_len,
-              qp_num=wc.qp_num, wc_flags=flags,
+    qp = _qps.get(wc.qp_num)
+    if qp is not None:
+        opcode = qp.retire(wc.wr_id, opcode)
+    return WC(wr_id=wc.wr_id, status=status, opcode=opcode or WcOpcode.SEND,
+              byte_len=wc.byte_len, qp_num=wc.qp_num, wc_flags=flags,
               invalidated_rkey=wc.imm_data if flags & WcFlags.WITH_INV else 0,
               imm_data=wc.imm_data if flags & WcFlags.WITH_IMM else 0,
               vendor_err=wc.vendor_err)
-
-
-def _remember(table: dict, key: int, value, limit: int) -> None:
-    table.pop(key, None)
-    table[key] = value
-    if len(table) > limit:
-        del table[next(iter(table))]
 
 
 class VerbsQP(base.QP):
@@ -240,10 +234,11 @@ class VerbsQP(base.QP):
             raise rdma_error("ibv_create_qp failed", exc) from exc
         self.qp_num = self.qp.qp_num
         self.cap = cap
-        # wr_id -> what it completes as, newest last, bounded: ids repeat in practice
-        self._send_ops: dict[int, WcOpcode] = {}
-        self._recv_ids: dict[int, None] = {}
-        self._remember = 4 * max(cap.max_send_wr, cap.max_recv_wr)
+        # posted, not yet completed work, oldest first: (wr_id, what it completes as).  Keeps
+        # the depths asked for (devices round them up) and names the opcode of a failed
+        # completion, which verbs leaves undefined.
+        self._sq: collections.deque = collections.deque()
+        self._rq: collections.deque = collections.deque()
         self._closed = False
         _qps[self.qp_num] = self
 
@@ -267,10 +262,22 @@ class VerbsQP(base.QP):
         attr = self._pv.qp.QPAttr(qp_state=self._pv.e.IBV_QPS_ERR)
         self.modify(attr, self._pv.e.IBV_QP_STATE, "ERR")
 
-    def opcode_of(self, wr_id: int) -> WcOpcode:
-        if wr_id in self._recv_ids and wr_id not in self._send_ops:
-            return WcOpcode.RECV
-        return self._send_ops.get(wr_id, WcOpcode.RECV)
+    def retire(self, wr_id: int, opcode: WcOpcode | None) -> WcOpcode | None:
+        """Account for one completion; return its opcode.
+
+        Completions come in order per queue; a signaled send completion also retires the
+        unsignaled sends posted before it.
+        """
+        from_rq = (opcode is not None and opcode >= WcOpcode.RECV) or (
+            opcode is None and self._rq and self._rq[0][0] == wr_id)
+        queue = self._rq if from_rq else self._sq
+        if not any(w == wr_id for w, _ in queue):
+            return opcode
+        while queue:
+            w, op = queue.popleft()
+            if w == wr_id:
+                return opcode if opcode is not None else op
+        return opcode
 
     def _sges(self, sg_list: Sequence[SGE]) -> list:
         sge = self._pv.wr.SGE
@@ -286,31 +293,42 @@ class VerbsQP(base.QP):
                                imm_data=imm, sg=sges, send_flags=int(w.send_flags))
         if w.opcode in (WrOpcode.RDMA_WRITE, WrOpcode.RDMA_WRITE_WITH_IMM, WrOpcode.RDMA_READ):
             p.set_wr_rdma(w.rkey, w.remote_addr)
-        _remember(self._send_ops, w.wr_id, _COMPLETES_AS[WrOpcode(w.opcode)], self._remember)
         return p
 
     def _recv_wr(self, w: RecvWR):
         sges = self._sges(w.sg_list)
-        _remember(self._recv_ids, w.wr_id, None, self._remember)
         return self._pv.wr.RecvWR(wr_id=w.wr_id, num_sge=len(sges), sg=sges)
 
-    def _post(self, wrs, one: type, build, post, what: str) -> None:
-        """Build pyverbs WRs, link them into one chain, post the chain with one call."""
-        built = [build(w) for w in ([wrs] if isinstance(wrs, one) else list(wrs))]
-        if not built:
+    def _post(self, wrs, one: type, build, post, queue: collections.deque, depth: int,
+              max_sge: int, what: str) -> None:
+        """Check the chain against the QP's cap, then post it with one call.
+
+        A chain that does not fit is refused whole, before anything is posted.
+        """
+        wrs = [wrs] if isinstance(wrs, one) else list(wrs)
+        if not wrs:
             return
+        if any(len(w.sg_list) > max_sge for w in wrs):
+            raise RdmaError(f"{what}: more than {max_sge} SGEs in a work request", errno=22)
+        if len(queue) + len(wrs) > depth:
+            raise RdmaError(f"{what}: queue full ({len(queue)} of {depth} posted)", errno=12)
+        built = [build(w) for w in wrs]
         for wr, nxt in zip(built, built[1:]):
             wr.next_wr = nxt
         try:
             post(built[0])
         except self._pv.PyverbsError as exc:
             raise rdma_error(f"{what} failed", exc) from exc
+        queue.extend((w.wr_id, _COMPLETES_AS[WrOpcode(w.opcode)] if one is SendWR
+                      else WcOpcode.RECV) for w in wrs)
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
-        self._post(wrs, SendWR, self._send_wr, self.qp.post_send, "ibv_post_send")
+        self._post(wrs, SendWR, self._send_wr, self.qp.post_send, self._sq,
+                   self.cap.max_send_wr, self.cap.max_send_sge, "ibv_post_send")
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
-        self._post(wrs, RecvWR, self._recv_wr, self.qp.post_recv, "ibv_post_recv")
+        self._post(wrs, RecvWR, self._recv_wr, self.qp.post_recv, self._rq,
+                   self.cap.max_recv_wr, self.cap.max_recv_sge, "ibv_post_recv")
 
     def close(self) -> None:
         if self._closed:

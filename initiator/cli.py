@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from blockfabric import __version__
 from blockfabric.cliutil import HelpFormatter, not_implemented
+from blockfabric.errors import BlockfabricError
+from blockfabric.logutil import setup_logging
 
 DESCRIPTION = """\
 Use NVMe-oF RDMA subsystems exported by a blockfabric target (or by any NVMe-oF RDMA target,
@@ -56,6 +59,7 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True) 
                    help="seconds between reconnect attempts")
     p.add_argument("-l", "--ctrl-loss-tmo", type=int, default=600, metavar="SEC",
                    help="seconds to keep reconnecting before failing I/O (-1: forever)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
 
 def add_output_format(p: argparse.ArgumentParser) -> None:
@@ -142,7 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return not_implemented(f"blockfabric {args.command}")
+    from blockfabric.initiator import commands
+    handler = {"discover": commands.cmd_discover, "connect": commands.cmd_connect,
+               "identify": commands.cmd_identify}.get(args.command)
+    if handler is None:
+        return not_implemented(f"blockfabric {args.command}")
+    setup_logging(1 if args.verbose else 0, level=logging.WARNING)
+    try:
+        return handler(args)
+    except (BlockfabricError, OSError, TimeoutError) as exc:
+        print(f"blockfabric {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

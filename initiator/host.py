@@ -265,6 +265,7 @@ class ConnectOptions:
     connect_timeout: float = 5.0
     arena_size: int = DEFAULT_ARENA
     disable_sqflow: bool = False
+    send_keep_alive: bool = True    # False only to test a target's keep-alive timeout
 
 
 class Controller:
@@ -291,7 +292,9 @@ class Controller:
         self.inline_size = 0
 
     # -- set-up ----------------------------------------------------------------------
-    def _open_queue(self, qid: int, depth: int) -> HostQueue:
+    def open_queue(self, qid: int, depth: int) -> HostQueue:
+        """Set up the RDMA connection of queue ``qid`` (CM private data exchanged, receives
+        posted, serviced by this controller's reactor), not yet bound by a Fabrics Connect."""
         opts = self.opts
         cmid: CMId = self.provider.create_id()
         try:
@@ -307,7 +310,6 @@ class Controller:
             raise
         try:
             queue.post_all_receives()
-            queue.arm()
             request = CMConnectRequest(recfmt=0, qid=qid, hrqsize=depth, hsqsize=depth - 1,
                                        cntlid=self.cntlid if qid else 0)
             try:
@@ -321,11 +323,11 @@ class Controller:
         except BaseException:
             queue.close()
             raise
-        self.reactor.call_soon_threadsafe(
-            lambda: self.reactor.add_reader(queue.fileno(), queue.service))
+        queue.attach(self.reactor)
         return queue
 
-    def _fabrics_connect(self, queue: HostQueue, qid: int, sqsize: int, kato_ms: int) -> int:
+    def fabrics_connect(self, queue: HostQueue, qid: int, sqsize: int, kato_ms: int) -> int:
+        """Send the Fabrics Connect for ``queue``; returns the controller id."""
         data = ConnectData(hostid=self.hostid, cntlid=DYNAMIC_CNTLID if qid == 0 else
                            self.cntlid, subnqn=self.opts.subnqn, hostnqn=self.hostnqn).pack()
         cattr = 4 if self.opts.disable_sqflow else 0
@@ -340,11 +342,11 @@ class Controller:
         opts = self.opts
         self.reactor.start()
         try:
-            self.admin = self._open_queue(0, ADMIN_DEPTH)
+            self.admin = self.open_queue(0, ADMIN_DEPTH)
             kato_ms = int(opts.keep_alive_tmo * 1000)
             if opts.subnqn == DISCOVERY_NQN:
                 kato_ms = 0
-            self.cntlid = self._fabrics_connect(self.admin, 0, ADMIN_DEPTH - 1, kato_ms)
+            self.cntlid = self.fabrics_connect(self.admin, 0, ADMIN_DEPTH - 1, kato_ms)
             self._enable()
             self.identify = IdentifyController.unpack_from(self._identify(IdentifyCNS.CONTROLLER))
             if self.identify.cntlid != self.cntlid:
@@ -355,7 +357,7 @@ class Controller:
             else:
                 self.max_transfer = 8 << 20
             self.inline_size = max(0, self.identify.ioccsz * 16 - 64)
-            if kato_ms:
+            if kato_ms and opts.send_keep_alive:
                 self._schedule_keep_alive(kato_ms)
             if opts.subnqn != DISCOVERY_NQN:
                 self._setup_io(opts)
@@ -389,9 +391,9 @@ class Controller:
         count = min(want, granted.nsqr + 1, granted.ncqr + 1)
         depth = min(opts.queue_size, (self.identify.maxcmd or opts.queue_size))
         for qid in range(1, count + 1):
-            queue = self._open_queue(qid, depth)
+            queue = self.open_queue(qid, depth)
             self.io_queues.append(queue)
-            self._fabrics_connect(queue, qid, depth - 1, 0)
+            self.fabrics_connect(queue, qid, depth - 1, 0)
         self.rescan()
 
     def rescan(self) -> None:
@@ -502,6 +504,16 @@ class Controller:
         if cqe.status != StatusCode.SUCCESS:
             raise NvmeError(what, cqe.status, cqe.dnr, cqe.result)
         return cqe, data
+
+    def raw(self, queue: HostQueue, capsule: bytes, timeout: float | None = 10.0) -> CQE:
+        """Send ``capsule`` as is (only its cid is set) and return the response, whatever its
+        status: for tools and tests that must send what a normal host never would."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        queue.submit_raw(capsule, lambda cqe, err: fut.set_result((cqe, err)), timeout)
+        cqe, error = fut.result(timeout)
+        if error is not None:
+            raise QueueDead(f"raw command: {error}")
+        return cqe
 
     def _io(self, ns: Namespace, opcode: int, offset: int, length: int,
             data: memoryview | None) -> concurrent.futures.Future:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 
 from blockfabric import __version__
 from blockfabric.cliutil import EXIT_USAGE, HelpFormatter, not_implemented
-from blockfabric.errors import ConfigError
+from blockfabric.errors import BlockfabricError, ConfigError
+from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as config_model
 
 DEFAULT_CONFIG = "/etc/blockfabric/target.yaml"
@@ -51,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load the configuration, register every volume, open every listener and "
                     "serve until SIGTERM or SIGINT (drain, flush, exit 0). SIGHUP reloads the "
                     "configuration without dropping healthy connections.")
-    run.add_argument("-C", "--config", default=DEFAULT_CONFIG, metavar="PATH",
-                     help="YAML configuration file")
+    run.add_argument("-C", "--config", metavar="PATH",
+                     help=f"YAML configuration file (default: {DEFAULT_CONFIG}, or the "
+                          "embedded default configuration where that file does not exist)")
     run.add_argument("-v", "--verbose", action="count", default=0,
                      help="more log detail (repeat for debug)")
 
@@ -85,22 +89,67 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "check":
         return check(args.config)
+    if args.command == "run":
+        return run(args.config, args.verbose)
     return not_implemented(f"blockfabric-target {args.command}")
+
+
+def load_config(path: str | None) -> tuple[config_model.TargetConfig, str]:
+    """The configuration at ``path``; without one, /etc/blockfabric/target.yaml where it
+    exists, else the embedded default.  Raises ConfigError."""
+    if path is None and not os.path.exists(DEFAULT_CONFIG):
+        return config_model.default_config(), "the embedded default"
+    path = path or DEFAULT_CONFIG
+    return config_model.load(path), path
 
 
 def check(path: str | None) -> int:
     """Validate a configuration; print the effective one (exit 0) or one error line (exit 2)."""
     try:
-        if path is None and not os.path.exists(DEFAULT_CONFIG):
-            config, shown = config_model.default_config(), "the embedded default"
-        else:
-            path = path or DEFAULT_CONFIG
-            config, shown = config_model.load(path), path
+        config, shown = load_config(path)
     except ConfigError as exc:
         print(f"blockfabric-target: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     sys.stdout.write(f"# effective configuration of {shown} (defaults filled in)\n")
     sys.stdout.write(config.to_yaml())
+    return 0
+
+
+def run(path: str | None, verbose: int) -> int:
+    """Serve in the foreground until SIGTERM/SIGINT; exit 0 after an orderly stop."""
+    from blockfabric.logutil import setup_logging
+    from blockfabric.target.server import Target
+
+    setup_logging(verbose)
+    log = logging.getLogger("blockfabric.target")
+    try:
+        config, shown = load_config(path)
+    except ConfigError as exc:
+        print(f"blockfabric-target: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        target = Target(config)
+    except (OSError, BlockfabricError) as exc:
+        print(f"blockfabric-target: error: {shown}: {exc}", file=sys.stderr)
+        return 1
+    with target:
+        def stop(signum: int, _frame: object) -> None:
+            log.info("%s: stopping", signal.Signals(signum).name)
+            target.stop()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        try:
+            target.start()
+        except (OSError, BlockfabricError) as exc:
+            print(f"blockfabric-target: error: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        log.info("ready: %d listener(s), %d subsystem(s) from %s", len(target.listeners),
+                 len(target.subsystems), shown)
+        sd_notify("READY=1\nSTATUS=serving")
+        target.serve_forever()
+        sd_notify("STOPPING=1")
+    log.info("stopped")
     return 0
 
 

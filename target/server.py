@@ -195,11 +195,10 @@ class Target:
         queue = TargetQueue(cmid, pd, qid=req.qid, depth=depth, inline_size=inline,
                             handler=session, name=f"{cmid.peer_address[0]} q{req.qid}")
         session.queue = queue
+        queue.on_cm_event = lambda: self._on_cm_event(session)
         queue.post_all_receives()
-        queue.arm()
+        queue.attach(self.reactor)
         self.sessions.add(session)
-        self.reactor.add_reader(queue.fileno(), queue.service)
-        self.reactor.add_reader(cmid.fileno(), lambda: self._on_cm_event(session))
         cmid.accept(CMAccept(crqsize=depth).pack())
         log.debug("accepted %s qid %d depth %d", cmid.peer_address, req.qid, depth)
 
@@ -352,11 +351,8 @@ class Target:
     def _close_queue(self, session: QueueSession) -> None:
         queue = session.queue
         self.sessions.discard(session)
-        if queue is None:
-            return
-        self.reactor.remove_reader(queue.fileno())
-        self.reactor.remove_reader(queue.cmid.fileno())
-        queue.close()
+        if queue is not None:
+            queue.close()
 
     def destroy_controller(self, ctrl: Controller, reason: str) -> None:
         if ctrl.dead:

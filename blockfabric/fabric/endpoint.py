@@ -12,9 +12,10 @@ hands every completion to :meth:`Endpoint.on_completion`, which each side overri
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from blockfabric.fabric.buffers import BufferPool
+from blockfabric.fabric.reactor import Reactor
 from blockfabric.rdma import CQ, PD, QP, WC, Access, CMId, QPCap, QPState, RecvWR, SendWR
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class Endpoint:
                                            max_send_sge=max_send_sge, max_recv_sge=1))
         self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [self.recv_pool.sge(i)])
                           for i in range(recv_count)]
+        self.reactor: Reactor | None = None
+        self.on_cm_event: Callable[[], None] | None = None
 
     # -- receive slots ---------------------------------------------------------------
     def post_all_receives(self) -> None:
@@ -61,6 +64,29 @@ class Endpoint:
             self.qp.post_recv(self._recv_wrs[index])
 
     # -- completions -----------------------------------------------------------------
+    def attach(self, reactor: Reactor) -> None:
+        """Have ``reactor`` service this endpoint's completions (and CM events, through
+        ``on_cm_event`` when the side defines it) from now on."""
+        def register() -> None:
+            reactor.add_reader(self.cq.fileno(), self.service)
+            if self.on_cm_event is not None:
+                reactor.add_reader(self.cmid.fileno(), self.on_cm_event)
+        self.arm()
+        reactor.call_sync(register)
+        self.reactor = reactor
+
+    def _detach(self) -> None:
+        reactor, self.reactor = self.reactor, None
+        if reactor is None:
+            return
+        def unregister() -> None:
+            reactor.remove_reader(self.cq.fileno())
+            reactor.remove_reader(self.cmid.fileno())
+        try:
+            reactor.call_sync(unregister)
+        except TimeoutError as exc:
+            log.warning("%s: %s", self.name, exc)
+
     def fileno(self) -> int:
         return self.cq.fileno()
 
@@ -97,6 +123,7 @@ class Endpoint:
         """Disconnect and release in order: QP (via the CM id), CQ, then the pools."""
         if self.closed:
             return
+        self._detach()      # before any fd closes: a reused fd number must not be shadowed
         self.closed = True
         for step in (self.cmid.disconnect, self.cmid.close, self.cq.close,
                      self.recv_pool.close, self.send_pool.close):

@@ -74,6 +74,30 @@ class Reactor:
         except BlockingIOError:
             pass  # the pipe is full, so the loop is already awake
 
+    def call_sync(self, callback: Callable[[], None], timeout: float = 5.0) -> None:
+        """Run ``callback`` on the loop thread and wait for it; run it here when called
+        from the loop thread itself or when no loop thread is running."""
+        if self.thread is None or not self.thread.is_alive() \
+                or self.thread is threading.current_thread() or self._stopping:
+            callback()
+            return
+        done = threading.Event()
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                callback()
+            except BaseException as exc:  # handed back to the caller
+                error.append(exc)
+            finally:
+                done.set()
+
+        self.call_soon_threadsafe(run)
+        if not done.wait(timeout):
+            raise TimeoutError(f"{self.name}: loop did not run a call within {timeout} s")
+        if error:
+            raise error[0]
+
     # -- running ------------------------------------------------------------------------
     def _drain_wake(self) -> None:
         try:

@@ -1,0 +1,111 @@
+"""Data integrity through the real daemon: ramdisk and file, several queues, many in flight."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from blockfabric.initiator.host import connect
+from blockfabric.net import can_create_netns, netns_pair
+
+from .conftest import HOSTNQN, NQN, free_port, ram_config
+from .workload import verify_workload
+
+
+def test_random_io_ramdisk_many_in_flight_on_several_queues(ram_target):
+    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=3, queue_size=32) as ctrl:
+        assert len(ctrl.io_queues) == 3
+        summary = verify_workload(ctrl.namespaces[1], seed=7, ops=300, inflight=48)
+        stats = ctrl.queue_stats()
+    assert summary["bytes_verified"] > 0
+    for qid in (1, 2, 3):
+        assert stats[qid]["completed"] > 0, stats
+        assert stats[qid]["errors"] == 0, stats
+    assert max(stats[q]["max_inflight"] for q in (1, 2, 3)) > 1, stats
+
+
+def test_random_io_file_backend(start_target, tmp_path):
+    port = free_port()
+    path = tmp_path / "vol.img"
+    start_target(ram_config(port, namespaces=[
+        {"nsid": 1, "backend": "file", "path": str(path), "size": "32MiB",
+         "block_size": 512}]))
+    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=2) as ctrl:
+        ns = ctrl.namespaces[1]
+        assert ns.block_size == 512 and ns.size == 32 << 20
+        summary = verify_workload(ns, seed=11, ops=200, max_blocks=300, inflight=24)
+    assert summary["bytes_verified"] > 0
+
+
+def test_flushed_writes_are_in_the_backing_file_after_the_target_is_killed(start_target,
+                                                                           tmp_path):
+    port = free_port()
+    path = tmp_path / "vol.img"
+    target = start_target(ram_config(port, namespaces=[
+        {"nsid": 1, "backend": "file", "path": str(path), "size": "16MiB"}]))
+    payload = os.urandom(1 << 20)
+    small = os.urandom(4096)
+    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN) as ctrl:
+        ns = ctrl.namespaces[1]
+        ns.write(4096, payload)             # keyed SGL, target RDMA READs it
+        ns.write(8 << 20, small)            # in-capsule
+        ns.flush()
+        target.stop(signal.SIGKILL)
+    data = path.read_bytes()
+    assert data[4096:4096 + len(payload)] == payload
+    assert data[8 << 20:(8 << 20) + 4096] == small
+
+
+def test_commands_complete_out_of_order(ram_target):
+    """A large keyed write needs an RDMA READ round trip; small in-capsule writes issued
+    after it on the same queue complete first."""
+    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=1) as ctrl:
+        ns = ctrl.namespaces[1]
+        for _ in range(5):
+            futures = [ns.submit_write(0, os.urandom(1 << 20))]
+            futures += [ns.submit_write((2 << 20) + i * 4096, os.urandom(4096))
+                        for i in range(16)]
+            for fut in futures:
+                fut.result()
+        stats = ctrl.queue_stats()[1]
+    assert stats["max_inflight"] > 1, stats
+    assert stats["out_of_order"] > 0, stats
+
+
+def test_reads_and_writes_larger_than_mdts_are_split(ram_target):
+    with connect("127.0.0.1", NQN, ram_target.port, provider="soft",
+                 hostnqn=HOSTNQN) as ctrl:
+        ns = ctrl.namespaces[1]
+        data = os.urandom(3 << 20)          # 3 MiB: three 1 MiB commands
+        ns.write(1 << 20, data)
+        assert hashlib.sha256(ns.read(1 << 20, len(data))).digest() == \
+            hashlib.sha256(data).digest()
+
+
+@pytest.mark.netns
+def test_verify_workload_between_network_namespaces(start_target):
+    ok, reason = can_create_netns()
+    if not ok:
+        pytest.skip(reason)
+    with netns_pair("bfe2e") as pair:
+        port = free_port()
+        start_target(ram_config(port, address=pair.ipv4[0]), netns=pair.names[0])
+        res = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.workload", "--traddr", pair.ipv4[0],
+             "--trsvcid", str(port), "--nqn", NQN, "--hostnqn", HOSTNQN, "--seed", "3",
+             "--ops", "150", "--netns", pair.names[1]],
+            capture_output=True, text=True, timeout=120,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        assert res.returncode == 0, res.stderr
+        summary = json.loads(res.stdout)
+        assert summary["bytes_verified"] > 0
+        assert summary["queues"]["1"]["completed"] + summary["queues"]["2"]["completed"] > 150

@@ -443,7 +443,7 @@ class Controller:
                 return
             self._ka_timer = self.reactor.call_later(kato_ms / 2000, send)
 
-        def _ka_done(cqe, error) -> None:
+        def _ka_done(cqe, _data, error) -> None:
             if error or (cqe is not None and cqe.status != StatusCode.SUCCESS):
                 log.warning("keep-alive failed: %s", error or cqe.status.name)
 

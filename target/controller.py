@@ -22,8 +22,8 @@ from blockfabric.protocol.admin import (OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, Asy
                                         AsyncEventType, AsyncNotice, GetFeatures, GetLogPage,
                                         Identify, NumberOfQueues, SetFeatures)
 from blockfabric.protocol.errors import ProtocolError
-from blockfabric.protocol.fabrics import (CAP, CC, CSTS, VS, Property, PropertyGet,
-                                          PropertySet, Shutdown, ShutdownStatus)
+from blockfabric.protocol.controller import ControllerState, Phase
+from blockfabric.protocol.fabrics import CAP, VS, PropertyGet, PropertySet
 from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
                                           FeatureId, IdentifyCNS, IOOpcode, LogPageId)
 from blockfabric.rdma import SGE
@@ -62,10 +62,11 @@ def errno_status(exc: OSError, writing: bool) -> StatusCode:
 class Controller:
     """One host's controller on one subsystem (or on the discovery subsystem)."""
 
-    def __init__(self, target: Target, cntlid: int, subsystem: Subsystem | None,
-                 hostnqn: str, hostid: bytes, kato_ms: int, provider: str) -> None:
+    def __init__(self, target: Target, state: ControllerState, subsystem: Subsystem | None,
+                 hostnqn: str, hostid: bytes, provider: str) -> None:
         self.target = target
-        self.cntlid = cntlid
+        self.cntlid = state.cntlid
+        kato_ms = state.kato
         self.subsystem = subsystem          # None: the discovery controller
         self.hostnqn = hostnqn
         self.hostid = hostid
@@ -76,11 +77,8 @@ class Controller:
         self.kato_ms = kato_ms
         limits = target.config.limits
         self.queue_size = limits.queue_size
-        self.max_io_queues = limits.max_io_queues
-        self.granted_io_queues = limits.max_io_queues
         self.mdts_bytes = limits.mdts
-        self.cc = 0
-        self.csts = 0
+        self.state = state                  # registers, phase, queues: the protocol's table
         self.aec = 0
         self.queues: dict[int, TargetQueue] = {}
         self.aers: list[Command] = []
@@ -103,10 +101,13 @@ class Controller:
 
     @property
     def ready(self) -> bool:
-        return bool(self.csts & 1)
+        return self.state.ready
 
-    def cap(self) -> int:
-        return CAP(mqes=self.queue_size - 1, cqr=True, to=15, css=CAP.CSS_NVM).to_int()
+    @staticmethod
+    def capabilities(queue_size: int) -> CAP:
+        """CAP as advertised: NVM command set only (no CSI bit, so hosts select CSS 0 and do
+        not ask for command-set specific Identify data this target does not serve)."""
+        return CAP(mqes=queue_size - 1, cqr=True, to=15, css=CAP.CSS_NVM)
 
     # -- keep-alive ------------------------------------------------------------------
     def start_keep_alive(self) -> None:
@@ -135,12 +136,10 @@ class Controller:
         self.last_activity = time.monotonic()
         sqe = cmd.sqe
         try:
+            self.state.admit(sqe, cmd.queue.qid)
             if cmd.queue.qid == 0:
                 self._admin(cmd)
             else:
-                if not self.ready:
-                    raise ProtocolError("I/O before the controller is enabled",
-                                        StatusCode.CMD_SEQ_ERROR)
                 self._io(cmd)
         except ProtocolError as exc:
             self.errors += 1
@@ -160,11 +159,7 @@ class Controller:
         op = sqe.opcode
         if op == FABRICS_OPCODE:
             self._fabrics(cmd)
-            return
-        if not self.ready:
-            raise ProtocolError(f"admin opcode {op:#x} before CC.EN/CSTS.RDY",
-                                StatusCode.CMD_SEQ_ERROR)
-        if op == AdminOpcode.IDENTIFY:
+        elif op == AdminOpcode.IDENTIFY:
             self._identify(cmd, Identify.from_sqe(sqe))
         elif op == AdminOpcode.GET_LOG_PAGE:
             self._get_log_page(cmd, GetLogPage.from_sqe(sqe))
@@ -181,62 +176,32 @@ class Controller:
                                 StatusCode.INVALID_OPCODE)
 
     def _fabrics(self, cmd: Command) -> None:
-        fctype = cmd.sqe.fctype
-        if fctype == FabricsType.PROPERTY_GET:
-            self._property_get(cmd, PropertyGet.from_sqe(cmd.sqe))
-        elif fctype == FabricsType.PROPERTY_SET:
-            self._property_set(cmd, PropertySet.from_sqe(cmd.sqe))
-        elif fctype == FabricsType.CONNECT:
-            raise ProtocolError("Connect on a connected queue", StatusCode.CMD_SEQ_ERROR)
-        else:
-            raise ProtocolError(f"fabrics command type {fctype:#x} not supported",
-                                StatusCode.INVALID_OPCODE)
-
-    def _property_get(self, cmd: Command, get: PropertyGet) -> None:
-        values = {Property.CAP: (self.cap(), 8), Property.VS: (NVME_VERSION, 4),
-                  Property.CC: (self.cc, 4), Property.CSTS: (self.csts, 4)}
-        entry = values.get(get.offset)
-        if entry is None or (entry[1] == 8) != (get.size == 8):
-            raise ProtocolError(f"Property Get offset {get.offset:#x} size {get.size}",
-                                StatusCode.INVALID_FIELD)
-        cmd.respond(result=entry[0])
-
-    def _property_set(self, cmd: Command, put: PropertySet) -> None:
-        if put.offset != Property.CC or put.size != 4:
-            raise ProtocolError(f"Property Set offset {put.offset:#x} size {put.size}",
-                                StatusCode.INVALID_FIELD)
-        self.set_cc(put.value & 0xFFFFFFFF)
+        """Property Get/Set (admit() already refused every other fabrics command here)."""
+        if cmd.sqe.fctype == FabricsType.PROPERTY_GET:
+            cmd.respond(result=self.state.property_get(PropertyGet.from_sqe(cmd.sqe)))
+            return
+        before = self.state
+        self.state = before.property_set(PropertySet.from_sqe(cmd.sqe))
+        phase = self.state.phase
+        if phase is not before.phase:
+            log.debug("%s: %s -> %s (CSTS %#x)", self.name, before.phase.value, phase.value,
+                      self.state.csts.to_int())
+        if phase in (Phase.DISABLED, Phase.SHUTTING_DOWN, Phase.FAILED) \
+                and before.phase is Phase.READY:
+            self._complete_aers(StatusCode.INTERNAL_ERROR)
+        if phase is Phase.SHUTTING_DOWN:
+            # Every command before this one has been answered or is in the backend pool;
+            # flushing the volumes is what makes a normal shutdown safe.
+            self.target.flush_subsystem(self.subsystem)
+            self.state = self.state.shutdown_complete()
         cmd.respond()
 
-    def set_cc(self, value: int) -> None:
-        """The CC.EN -> CSTS.RDY handshake and CC.SHN -> CSTS.SHST, as nvmet does them."""
-        new = CC.from_int(value)
-        old = CC.from_int(self.cc)
-        self.cc = value
-        csts = CSTS.from_int(self.csts)
-        if new.en and not old.en:
-            if new.iosqes != 6 or new.iocqes != 4 or new.mps != 0 or new.css != 0:
-                csts = CSTS(rdy=False, cfs=True)          # nvmet: fatal status, not ready
-            else:
-                csts = CSTS(rdy=True)
-        elif not new.en and old.en:
-            self._reset()
-            csts = CSTS(rdy=False)
-        if new.shn != Shutdown.NONE and old.shn == Shutdown.NONE:
-            self._complete_aers_on_shutdown()
-            csts = CSTS(rdy=csts.rdy, cfs=csts.cfs, shst=ShutdownStatus.COMPLETE)
-            self.target.flush_subsystem(self.subsystem)
-        elif new.shn == Shutdown.NONE and old.shn != Shutdown.NONE:
-            csts = CSTS(rdy=csts.rdy, cfs=csts.cfs, shst=ShutdownStatus.NORMAL)
-        self.csts = csts.to_int()
-
-    def _reset(self) -> None:
-        self._complete_aers_on_shutdown()
-
-    def _complete_aers_on_shutdown(self) -> None:
+    def _complete_aers(self, status: StatusCode) -> None:
+        """Answer every outstanding AER (the controller is going away or being reset)."""
         aers, self.aers = self.aers, []
         for aer in aers:
-            aer.respond(StatusCode.INTERNAL_ERROR, dnr=True)
+            self.state = self.state.complete_aer()
+            aer.respond(status, dnr=True)
 
     # Identify ---------------------------------------------------------------------------
     def _identify(self, cmd: Command, ident: Identify) -> None:
@@ -346,12 +311,9 @@ class Controller:
         if sf.save:
             raise ProtocolError("features are not saveable", StatusCode.FEATURE_NOT_SAVEABLE)
         if sf.fid == FeatureId.NUM_QUEUES:
-            want = NumberOfQueues.from_int(sf.value)
-            if want.nsqr == 0xFFFF or want.ncqr == 0xFFFF:
-                raise ProtocolError("65536 queues requested", StatusCode.INVALID_FIELD)
-            granted = min(self.max_io_queues, max(want.nsqr, want.ncqr) + 1)
-            self.granted_io_queues = granted
-            cmd.respond(result=NumberOfQueues(nsqr=granted - 1, ncqr=granted - 1).to_int())
+            self.state, granted = self.state.set_number_of_queues(
+                NumberOfQueues.from_int(sf.value))
+            cmd.respond(result=granted.to_int())
         elif sf.fid == FeatureId.KATO:
             self.kato_ms = min(sf.value, self.target.config.keep_alive.max_timeout_ms)
             if self.kato_timer is not None:
@@ -371,7 +333,7 @@ class Controller:
 
     def _get_features(self, cmd: Command, gf: GetFeatures) -> None:
         if gf.fid == FeatureId.NUM_QUEUES:
-            n = self.granted_io_queues - 1
+            n = (self.state.granted_io_queues or self.state.max_io_queues) - 1
             cmd.respond(result=NumberOfQueues(nsqr=n, ncqr=n).to_int())
         elif gf.fid == FeatureId.KATO:
             cmd.respond(result=self.kato_ms)
@@ -387,9 +349,7 @@ class Controller:
 
     # Asynchronous events --------------------------------------------------------------
     def _aer(self, cmd: Command) -> None:
-        if len(self.aers) > AERL:
-            raise ProtocolError("asynchronous event request limit exceeded",
-                                StatusCode.AER_LIMIT_EXCEEDED)
+        self.state = self.state.submit_aer()
         self.aers.append(cmd)
         self._deliver_events()
 
@@ -408,6 +368,7 @@ class Controller:
 
     def _deliver_events(self) -> None:
         while self.aers and self.pending_events:
+            self.state = self.state.complete_aer()
             self.aers.pop(0).respond(result=self.pending_events.pop(0))
 
     # -- data out for admin commands -----------------------------------------------------

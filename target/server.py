@@ -24,14 +24,15 @@ from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
-from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, DYNAMIC_CNTLID, IATTR,
+from blockfabric.protocol.controller import ControllerState, QueueState, admit
+from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATTR,
                                           IPO_DATA_CNTLID, IPO_DATA_HOSTNQN, IPO_DATA_SUBNQN,
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
-                                          ConnectData, connect_invalid_param)
-from blockfabric.protocol.opcodes import FABRICS_OPCODE, FabricsType
+                                          ConnectData,
+                                          connect_invalid_param)
 from blockfabric.rdma import PD, SGE, CMEventType, CMId, Listener, get_provider
 from blockfabric.target import config as cfg
-from blockfabric.target.controller import Controller
+from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.namespace import Subsystem
 
 log = logging.getLogger(__name__)
@@ -61,18 +62,15 @@ class QueueSession:
             ctrl.handle(cmd)
             return
         sqe = cmd.sqe
-        if sqe.opcode != FABRICS_OPCODE or sqe.fctype != FabricsType.CONNECT:
-            cmd.respond(StatusCode.INVALID_OPCODE, dnr=True)
-            return
         try:
+            admit(sqe, QueueState.UNCONNECTED)      # Connect first, nothing else
             connect = ConnectCommand.from_sqe(sqe)
             if connect.qid != self.qid:
                 raise connect_invalid_param(f"Connect qid {connect.qid} on queue {self.qid}",
                                             IATTR.SQE, IPO_SQE_QID)
-            limit = ADMIN_MAX_DEPTH if self.qid == 0 else self.target.config.limits.queue_size
-            if connect.sqsize == 0 or connect.sqsize + 1 > limit:
-                raise connect_invalid_param(f"Connect sqsize {connect.sqsize}", IATTR.SQE,
-                                            IPO_SQE_SQSIZE)
+            if self.qid == 0 and connect.sqsize + 1 > ADMIN_MAX_DEPTH:
+                raise connect_invalid_param(f"admin Connect sqsize {connect.sqsize}",
+                                            IATTR.SQE, IPO_SQE_SQSIZE)
             if cmd.data_length != CONNECT_DATA_SIZE:
                 raise ProtocolError(f"Connect data is {cmd.data_length} bytes, not "
                                     f"{CONNECT_DATA_SIZE}", StatusCode.SGL_DATA_LENGTH_INVALID)
@@ -293,12 +291,12 @@ class Target:
                                     StatusCode.CONNECT_INVALID_HOST)
         if not hostnqn:
             raise connect_invalid_param("empty host NQN", IATTR.DATA, IPO_DATA_HOSTNQN)
+        limits = self.config.limits
         if session.qid == 0:
-            if data.cntlid != DYNAMIC_CNTLID:
-                raise connect_invalid_param(f"admin Connect with cntlid {data.cntlid:#x}",
-                                            IATTR.DATA, IPO_DATA_CNTLID)
-            ctrl = Controller(self, self._alloc_cntlid(), subsystem, hostnqn, data.hostid,
-                              connect.kato, session.provider)
+            state = ControllerState.admin_connect(
+                connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
+                cap=Controller.capabilities(limits.queue_size), aerl=AERL)
+            ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
             ctrl.queues[0] = session.queue
             self.controllers[ctrl.cntlid] = ctrl
             ctrl.start_keep_alive()
@@ -312,13 +310,7 @@ class Target:
                                         IATTR.DATA, IPO_DATA_CNTLID)
         if not ctrl.ready:
             raise ProtocolError("I/O queue Connect before CC.EN", StatusCode.CMD_SEQ_ERROR)
-        if session.qid > ctrl.granted_io_queues:
-            raise connect_invalid_param(f"qid {session.qid} beyond the "
-                                        f"{ctrl.granted_io_queues} granted", IATTR.SQE,
-                                        IPO_SQE_QID)
-        if session.qid in ctrl.queues:
-            raise ProtocolError(f"qid {session.qid} already connected",
-                                StatusCode.CMD_SEQ_ERROR)
+        ctrl.state = ctrl.state.io_connect(connect, data)
         ctrl.queues[session.qid] = session.queue
         return ctrl
 
@@ -345,6 +337,7 @@ class Target:
         self._close_queue(session)
         if ctrl is not None:
             ctrl.queues.pop(queue.qid, None)
+            ctrl.state = ctrl.state.disconnect(queue.qid)
             if queue.qid == 0:
                 self.destroy_controller(ctrl, f"admin queue lost: {reason}")
 

@@ -106,7 +106,12 @@ class Endpoint:
                     break
             for wc in wcs:
                 done += 1
-                self.on_completion(wc)
+                try:
+                    self.on_completion(wc)
+                except Exception:
+                    # The other completions of this batch are already off the CQ: losing
+                    # them to one faulty callback would hang their commands for ever.
+                    log.exception("%s: completion %#x failed", self.name, wc.wr_id)
         return done
 
     def on_completion(self, wc: WC) -> None:  # pragma: no cover - overridden by each side

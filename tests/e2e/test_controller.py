@@ -1,0 +1,170 @@
+"""Controller life: keep-alive, discovery filtering, and hostile command streams."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockfabric.initiator.host import (ConnectOptions, Controller, NvmeError, QueueDead,
+                                        connect, discover)
+from blockfabric.protocol import (SQE, CQE, IOOpcode, KeyedSGL, OffsetSGL, ReadWrite,
+                                  StatusCode)
+
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+
+KATO_GRACE = 1.0  # seconds past KATO within which the target must notice (timer slack)
+
+
+def test_keep_alive_expiry_tears_the_controller_down(ram_target):
+    kato = 1.0
+    ctrl = connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False)
+    try:
+        cntlid = ctrl.cntlid
+        ctrl.namespaces[1].write(0, b"k" * 4096)          # activity re-arms the timer
+        idle_from = time.monotonic()
+        assert ram_target.wait_log(f"ctrl {cntlid} ", 1)
+        assert ram_target.wait_log("keep-alive timeout", kato + KATO_GRACE + 0.5)
+        expired_after = time.monotonic() - idle_from
+        assert expired_after <= kato + KATO_GRACE, expired_after
+        # The controller's queues are gone: I/O fails instead of hanging.
+        with pytest.raises((QueueDead, ConnectionError)):
+            for _ in range(20):
+                ctrl.namespaces[1].read(0, 4096)
+                time.sleep(0.05)
+        # An I/O queue Connect naming the old controller is refused with 0x182 | DNR.
+        late = Controller(ConnectOptions(traddr="127.0.0.1", subnqn=NQN,
+                                         trsvcid=ram_target.port, provider="soft",
+                                         hostnqn=HOSTNQN))
+        late.reactor.start()
+        try:
+            late.cntlid = cntlid
+            late.inline_size = 4096
+            queue = late.open_queue(1, 16)
+            with pytest.raises(NvmeError) as err:
+                late.fabrics_connect(queue, 1, 15, 0)
+            assert (err.value.status, err.value.dnr) == (StatusCode.CONNECT_INVALID_PARAM, True)
+        finally:
+            late.close()
+    finally:
+        ctrl.close()
+
+
+def test_keep_alive_sent_by_the_host_keeps_an_idle_controller(ram_target):
+    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=1, keep_alive_tmo=1.0) as ctrl:
+        time.sleep(2.5)                                   # idle well past KATO
+        ctrl.namespaces[1].write(0, b"a" * 4096)
+        assert ctrl.namespaces[1].read(0, 4096) == b"a" * 4096
+        assert ctrl.queue_stats()[0]["completed"] >= 10   # connect + >= 4 keep-alives
+    assert "keep-alive timeout" not in ram_target.log
+
+
+def test_discovery_shows_a_host_only_what_it_may_use(start_target):
+    port = free_port()
+    config = ram_config(port)
+    config["subsystems"].append({
+        "nqn": "nqn.2026-12.io.blockfabric:private", "allow_any_host": False,
+        "hosts": [OTHER_HOSTNQN],
+        "namespaces": [{"nsid": 1, "backend": "null", "size": "1GiB"}]})
+    start_target(config)
+    seen = {e.subnqn for e in discover("127.0.0.1", port, provider="soft", hostnqn=HOSTNQN)}
+    assert seen == {NQN}
+    seen = {e.subnqn for e in discover("127.0.0.1", port, provider="soft",
+                                       hostnqn=OTHER_HOSTNQN)}
+    assert seen == {NQN, "nqn.2026-12.io.blockfabric:private"}
+    entry = discover("127.0.0.1", port, provider="soft", hostnqn=HOSTNQN)[0]
+    assert (entry.traddr, entry.trsvcid, entry.trtype, entry.adrfam) == \
+        ("127.0.0.1", str(port), 1, 1)
+
+
+def test_normal_shutdown_completes_and_flushes(start_target, tmp_path):
+    port = free_port()
+    path = tmp_path / "v.img"
+    target = start_target(ram_config(port, namespaces=[
+        {"nsid": 1, "backend": "file", "path": str(path), "size": "4MiB"}]))
+    ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN)
+    ctrl.namespaces[1].write(0, b"s" * 4096)
+    ctrl.shutdown()
+    assert (ctrl.property_get(0x1C, 4) >> 2) & 3 == 2        # CSTS.SHST = complete
+    ctrl.close()
+    assert path.read_bytes()[:4096] == b"s" * 4096
+    assert target.alive()
+
+
+# -- hostile command streams -------------------------------------------------------
+
+OPCODES = [0x00, 0x01, 0x02, 0x04, 0x05, 0x08, 0x09, 0x0C, 0x7F, 0x7E, 0xFF,  # I/O, bad
+           0x02, 0x06, 0x09, 0x0A, 0x0C, 0x18, 0x80]                        # admin, bad
+
+
+@st.composite
+def capsules(draw):
+    """A capsule: mostly well formed, with any field turned hostile."""
+    opcode = draw(st.sampled_from(OPCODES))
+    nsid = draw(st.sampled_from([0, 1, 2, 0xFFFFFFFF, draw(st.integers(0, 2**32 - 1))]))
+    dwords = [draw(st.sampled_from([0, 1, 7, 0xFFFF, 0xFFFFFFFF,
+                                    draw(st.integers(0, 2**32 - 1))])) for _ in range(6)]
+    sgl = draw(st.sampled_from(["null", "keyed", "keyed-badkey", "offset", "garbage"]))
+    length = draw(st.sampled_from([0, 1, 512, 4096, 8192, (1 << 24) - 1]))
+    flags = draw(st.sampled_from([0x40, 0x40, 0x00, 0x41, 0x80]))
+    inline = draw(st.sampled_from([0, 0, 16, 4096]))
+    queue = draw(st.sampled_from(["admin", "io"]))
+    return opcode, nsid, dwords, sgl, length, flags, inline, queue
+
+
+def build(ctrl: Controller, spec) -> tuple[bytes, str]:
+    opcode, nsid, dwords, sgl_kind, length, flags, inline, queue = spec
+    arena = ctrl.arena
+    sgl = {"null": KeyedSGL(),
+           "keyed": KeyedSGL(arena.mr.addr, min(length, 65536), arena.mr.rkey),
+           "keyed-badkey": KeyedSGL(arena.mr.addr, length, arena.mr.rkey ^ 0x5A5A),
+           "offset": OffsetSGL(0, length),
+           "garbage": KeyedSGL()}[sgl_kind]
+    sqe = SQE(opcode, flags, 0, nsid, 0, 0, 0, sgl, *dwords)
+    raw = bytearray(sqe.pack())
+    if sgl_kind == "garbage":
+        raw[24:40] = random.Random(length + nsid).randbytes(16)
+    return bytes(raw) + bytes(inline), queue
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(tmp_path_factory):
+    from .conftest import TargetProc
+    port = free_port()
+    proc = TargetProc(ram_config(port), tmp_path_factory.mktemp("fuzz")).start()
+    proc.port = port
+    yield proc
+    if proc.alive():
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(capsules(), min_size=1, max_size=12))
+def test_random_command_streams_never_kill_the_target(fuzz_target, stream):
+    with connect("127.0.0.1", NQN, fuzz_target.port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=1, queue_size=16) as ctrl:
+        for spec in stream:
+            capsule, which = build(ctrl, spec)
+            queue = ctrl.admin if which == "admin" else ctrl.io_queues[0]
+            if queue.dead_reason:
+                continue       # a hostile SGL may legitimately cost the host its queue
+            try:
+                cqe = ctrl.raw(queue, capsule, timeout=10)
+            except QueueDead:
+                continue
+            assert isinstance(cqe, CQE)
+    assert fuzz_target.alive(), fuzz_target.log
+    # Valid commands from a fresh connection still work.
+    with connect("127.0.0.1", NQN, fuzz_target.port, provider="soft",
+                 hostnqn=HOSTNQN) as ctrl:
+        data = os.urandom(8192)
+        ctrl.namespaces[1].write(40960, data)
+        assert ctrl.namespaces[1].read(40960, 8192) == data

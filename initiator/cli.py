@@ -140,15 +140,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# command -> (module under blockfabric.initiator, function); imported only when used, so
+# `blockfabric --help` stays fast and a missing optional dependency only affects its command.
+HANDLERS = {
+    "discover": ("commands", "cmd_discover"),
+    "connect": ("commands", "cmd_connect"),
+    "identify": ("commands", "cmd_identify"),
+    "mount": ("mount", "cmd_mount"),
+    "umount": ("mount", "cmd_umount"),
+    "list": ("mount", "cmd_list"),
+    "disconnect": ("mount", "cmd_disconnect"),
+    "bench": ("bench", "cmd_bench"),
+}
+
+
+def _handler(command: str):
+    import importlib
+    module_name, func = HANDLERS[command]
+    try:
+        module = importlib.import_module(f"blockfabric.initiator.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"blockfabric.initiator.{module_name}":
+            return None
+        raise
+    return getattr(module, func, None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    from blockfabric.initiator import commands
-    handler = {"discover": commands.cmd_discover, "connect": commands.cmd_connect,
-               "identify": commands.cmd_identify}.get(args.command)
+    handler = _handler(args.command)
     if handler is None:
         return not_implemented(f"blockfabric {args.command}")
     setup_logging(1 if args.verbose else 0, level=logging.WARNING)

@@ -315,7 +315,13 @@ class Controller:
             try:
                 accept = cmid.connect(request.pack(), timeout=opts.connect_timeout)
             except ConnectionRejected as exc:
-                raise ConnectionRefusedError(_reject_text(exc.private_data, qid)) from exc
+                where = f"{opts.traddr}:{opts.trsvcid}"
+                if not exc.private_data:
+                    raise ConnectionRefusedError(
+                        f"connection to {where} refused: is a target listening there, with "
+                        f"provider {self.provider.name}?") from exc
+                raise ConnectionRefusedError(f"{where}: " + _reject_text(exc.private_data,
+                                                                          qid)) from exc
             try:
                 CMAccept.unpack_from(accept)
             except ProtocolError as exc:
@@ -621,7 +627,7 @@ def _reject_text(private: bytes, qid: int) -> str:
         rej = CMReject.unpack_from(private)
         reason = rej.reason.name if rej.reason else str(rej.sts)
     except ProtocolError:
-        reason = "no reason given"
+        reason = f"unrecognised reject data {private[:8].hex()}"
     return f"target rejected queue {qid}: {reason}"
 
 

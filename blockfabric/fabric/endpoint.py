@@ -95,6 +95,8 @@ class Endpoint:
 
     def service(self, budget: int = 64) -> int:
         """Drain the CQ (re-arming it race-free) and dispatch each completion."""
+        if self.closed:
+            return 0
         self.cq.ack_events()
         done = 0
         while not self.closed:

@@ -114,8 +114,12 @@ class Reactor:
         elif self._timers:
             until = max(0.0, self._timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
-        for key, _ in self._sel.select(timeout):
-            self._run(key.data)
+        ready = self._sel.select(timeout)
+        registered = self._sel.get_map()
+        for key, _ in ready:
+            # An earlier callback of this batch may have unregistered (and closed) this fd.
+            if registered.get(key.fd) is key:
+                self._run(key.data)
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)

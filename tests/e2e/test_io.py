@@ -64,16 +64,20 @@ def test_flushed_writes_are_in_the_backing_file_after_the_target_is_killed(start
     assert data[8 << 20:(8 << 20) + 4096] == small
 
 
-def test_commands_complete_out_of_order(ram_target):
-    """A large keyed write needs an RDMA READ round trip; small in-capsule writes issued
-    after it on the same queue complete first."""
-    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+def test_commands_complete_out_of_order(start_target, tmp_path):
+    """On one queue: 1 MiB reads of a file-backed namespace go through the target's backend
+    pool, while 4 KiB in-capsule writes to a ramdisk namespace complete inline on the
+    target's reactor, so later commands overtake earlier ones."""
+    port = free_port()
+    start_target(ram_config(port, namespaces=[
+        {"nsid": 1, "backend": "file", "path": str(tmp_path / "slow.img"), "size": "16MiB"},
+        {"nsid": 2, "backend": "ramdisk", "size": "16MiB"}]))
+    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
                  nr_io_queues=1) as ctrl:
-        ns = ctrl.namespaces[1]
+        slow, fast = ctrl.namespaces[1], ctrl.namespaces[2]
         for _ in range(5):
-            futures = [ns.submit_write(0, os.urandom(1 << 20))]
-            futures += [ns.submit_write((2 << 20) + i * 4096, os.urandom(4096))
-                        for i in range(16)]
+            futures = [slow.submit_read(i << 20, 1 << 20) for i in range(4)]
+            futures += [fast.submit_write(i * 4096, os.urandom(4096)) for i in range(16)]
             for fut in futures:
                 fut.result()
         stats = ctrl.queue_stats()[1]

@@ -63,3 +63,30 @@ def test_a_failing_callback_does_not_stop_the_loop(caplog):
     reactor.close()
     assert ran == ["after"]
     assert "unhandled error" in caplog.text
+
+
+def test_a_callback_unregistered_earlier_in_the_same_batch_does_not_run():
+    reactor = Reactor()
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    ran: list[str] = []
+
+    def first() -> None:
+        ran.append("first")
+        reactor.remove_reader(r2)       # e.g. a CM event closing a queue whose CQ is ready
+        reactor.remove_reader(r1)
+
+    def second() -> None:
+        ran.append("second")
+        reactor.remove_reader(r2)
+        reactor.remove_reader(r1)
+
+    reactor.add_reader(r1, first)
+    reactor.add_reader(r2, second)
+    os.write(w1, b"x")
+    os.write(w2, b"x")
+    reactor.run_once(1)
+    reactor.close()
+    for fd in (r1, w1, r2, w2):
+        os.close(fd)
+    assert len(ran) == 1

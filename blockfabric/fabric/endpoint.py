@@ -80,8 +80,9 @@ class Endpoint:
         if reactor is None:
             return
         def unregister() -> None:
-            reactor.remove_reader(self.cq.fileno())
-            reactor.remove_reader(self.cmid.fileno())
+            reactor.remove_reader(self.cq.fileno(), self.service)
+            if self.on_cm_event is not None:
+                reactor.remove_reader(self.cmid.fileno(), self.on_cm_event)
         try:
             reactor.call_sync(unregister)
         except TimeoutError as exc:

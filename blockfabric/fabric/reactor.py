@@ -47,20 +47,36 @@ class Reactor:
         self._seq = itertools.count()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, [self._drain_wake])
         self._running = False
         self._stopping = False
         self.thread: threading.Thread | None = None
 
     # -- registration -------------------------------------------------------------------
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
-        self._sel.register(fd, selectors.EVENT_READ, callback)
-
-    def remove_reader(self, fd: int) -> None:
+        """Call ``callback`` whenever ``fd`` is readable.  Several callbacks may share one fd
+        (a provider may serve many CQs through one completion channel); each runs."""
         try:
-            self._sel.unregister(fd)
+            key = self._sel.get_key(fd)
+        except KeyError:
+            self._sel.register(fd, selectors.EVENT_READ, [callback])
+            return
+        key.data.append(callback)
+
+    def remove_reader(self, fd: int, callback: Callable[[], None] | None = None) -> None:
+        """Stop calling ``callback`` (or every callback) for ``fd``; unknown ones are fine."""
+        try:
+            key = self._sel.get_key(fd)
         except (KeyError, ValueError):
-            pass
+            return
+        if callback is not None:
+            try:
+                key.data.remove(callback)
+            except ValueError:
+                return
+            if key.data:
+                return
+        self._sel.unregister(fd)
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(0.0, delay), callback)
@@ -119,7 +135,9 @@ class Reactor:
         for key, _ in ready:
             # An earlier callback of this batch may have unregistered (and closed) this fd.
             if registered.get(key.fd) is key:
-                self._run(key.data)
+                for callback in tuple(key.data):
+                    if callback in key.data:
+                        self._run(callback)
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)

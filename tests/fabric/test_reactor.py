@@ -90,3 +90,32 @@ def test_a_callback_unregistered_earlier_in_the_same_batch_does_not_run():
     for fd in (r1, w1, r2, w2):
         os.close(fd)
     assert len(ran) == 1
+
+
+def test_several_callbacks_may_share_one_fd():
+    """A provider may serve many CQs through one fd (soft in poll mode: its epoll fd)."""
+    reactor = Reactor()
+    r, w = os.pipe()
+    ran: list[str] = []
+
+    def a() -> None:
+        ran.append("a")
+
+    def b() -> None:
+        ran.append("b")
+        os.read(r, 1)
+
+    reactor.add_reader(r, a)
+    reactor.add_reader(r, b)
+    os.write(w, b"x")
+    reactor.run_once(1)
+    reactor.remove_reader(r, a)
+    os.write(w, b"x")
+    reactor.run_once(1)
+    reactor.remove_reader(r, b)
+    os.write(w, b"x")
+    reactor.run_once(0.05)
+    reactor.close()
+    os.close(r)
+    os.close(w)
+    assert ran == ["a", "b", "b"]

@@ -148,7 +148,15 @@ class SGE:
 
 @dataclass(slots=True)
 class SendWR:
-    """ibv_send_wr.  A list of these passed to :meth:`QP.post_send` is one posted chain."""
+    """ibv_send_wr.  A list of these passed to :meth:`QP.post_send` is one posted chain.
+
+    SEND_WITH_INV: real devices invalidate only memory windows and fast-registered MRs, which
+    this interface does not make; naming an rkey from :meth:`PD.reg_mr` fails the peer's
+    receive (rxe: REM_INV_REQ_ERR, its QP to ERR).  The soft provider delivers the rkey in
+    ``WC.invalidated_rkey`` and leaves the MR valid.  Error statuses are the verbs ones, but
+    devices pick different codes for some errors (a SEND too long for the receive, a bad lkey):
+    the contract tests name the sets real devices use.
+    """
 
     wr_id: int = 0
     opcode: WrOpcode = WrOpcode.SEND
@@ -318,6 +326,12 @@ class CMId(_Closable):
     ``create_qp()``, then ``connect()``.  Passive side: returned by
     :meth:`Listener.get_request` with ``private_data`` set; ``create_qp()`` then ``accept()``
     or ``reject()``.  Later events (DISCONNECTED) arrive through :meth:`get_event`.
+
+    Private data (``private_data`` here, the return of :meth:`connect`, and
+    ``ConnectionRejected.private_data``) starts with exactly the bytes the peer sent.  The soft
+    provider hands over just those; rdma_cm on a real device hands over the whole field, the
+    rest zeros (56 B connect, 196 B accept, 148 B reject), since the wire does not carry the
+    length.  So read fixed-size structures from the front, as NVMe-oF does.
     """
 
     context: Context

@@ -5,7 +5,8 @@ not present here (verbs without pyverbs or without a device) is skipped with the
 BLOCKFABRIC_TEST_ADDR (default 127.0.0.1) is the address to listen on, so the same suite
 runs on rxe0 in the lab.  Soft runs in three topologies: both ends in this process, in two
 peer processes, and in two peer processes in two network namespaces joined by veth; each
-with thread and poll progress.
+with thread and poll progress.  ``soft_world`` is soft alone (in this process and in two),
+whatever BLOCKFABRIC_TEST_PROVIDERS says, for the checks stricter than the contract.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ PROVIDERS = [p.strip() for p in os.environ.get("BLOCKFABRIC_TEST_PROVIDERS", "so
 ADDRESS = os.environ.get("BLOCKFABRIC_TEST_ADDR", "127.0.0.1")
 
 
-def _variants() -> list:
+def _variants(providers: list[str] = PROVIDERS,
+              soft_topologies: tuple = ("local", "proc", "netns")) -> list:
     out = []
-    for provider in PROVIDERS:
+    for provider in providers:
         if provider == "soft":
-            for topo in ("local", "proc", "netns"):
+            for topo in soft_topologies:
                 marks = [pytest.mark.netns] if topo == "netns" else []
                 for progress in ("thread", "poll"):
                     out.append(pytest.param(("soft", progress, topo),
@@ -102,6 +104,14 @@ def world(request, _worlds) -> World:
     got = _worlds(request.param)
     if isinstance(got, str):
         pytest.skip(got)
+    yield got
+    got.reset()
+
+
+@pytest.fixture(params=_variants(["soft"], ("local", "proc")))
+def soft_world(request, _worlds) -> World:
+    """A soft-provider world, for the strict checks where real devices are looser."""
+    got = _worlds(request.param)
     yield got
     got.reset()
 

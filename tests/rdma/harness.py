@@ -100,6 +100,7 @@ class World:
 
     def __init__(self, name: str, a, b, address: str, address6: str | None = None) -> None:
         self.name, self.a, self.b = name, a, b
+        self.provider = name.split("-", 1)[0]
         self.address = address
         self.address6 = address6
 

@@ -13,12 +13,13 @@ import time
 import pytest
 
 from blockfabric.errors import RdmaError
-from blockfabric.rdma import (SGE, Access, CMEventType, QPState, RecvWR, SendWR, WcStatus,
-                              WrOpcode)
+from blockfabric.rdma import (SGE, Access, CMEventType, QPState, RecvWR, SendWR, WcFlags,
+                              WcStatus, WrOpcode)
 from blockfabric.rdma.soft import SoftProvider, wire
 from blockfabric.rdma.soft.wire import Frame
 
 from .agent import AgentCore, LocalAgent, RemoteAgent
+from .harness import LOCAL, recv_wr, wr
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
@@ -112,6 +113,58 @@ def test_cq_channel_fd(progress):
     assert [w.status for w in wcs] == [WcStatus.REM_ACCESS_ERR]
     a.close(), b.close()
     p.close()
+
+
+# ---------------------------------------------------------------------- stricter than the contract
+# The contract accepts what real devices do; here soft's own, precise choices are pinned.
+
+
+@pytest.mark.parametrize("req_len,rep_len", [(0, 0), (1, 7), (56, 196)])
+def test_private_data_is_exact(soft_world, req_len, rep_len):
+    rng = random.Random(req_len + rep_len)
+    req, rep = rng.randbytes(req_len), rng.randbytes(rep_len)
+    assert not isinstance(soft_world.connect(private_data=req, accept_data=rep), dict)
+    assert bytes.fromhex(soft_world.last_request["private_data"]) == req
+    assert soft_world.last_reply == rep
+    result = soft_world.connect(private_data=req, reject=True, accept_data=rep[:148])
+    assert result == {"rejected": rep[:148].hex()}
+
+
+def test_too_long_send_is_invalid_request_and_length_error(soft_world):
+    a, b = soft_world.connect()
+    src, dst = a.reg(200, LOCAL, seed=4), b.reg(200, LOCAL)
+    b.recv(recv_wr(1, dst.sge(0, 100)), recv_wr(2, dst.sge(100, 100)))
+    a.send(wr(WrOpcode.SEND, 3, [src.sge(0, 200)]))
+    assert [w["status"] for w in a.poll()] == [WcStatus.REM_INV_REQ_ERR]
+    assert [w["status"] for w in b.poll("recv", n=2)] == [WcStatus.LOC_LEN_ERR,
+                                                          WcStatus.WR_FLUSH_ERR]
+
+
+def test_unknown_lkey_is_a_protection_error(soft_world):
+    a, b = soft_world.connect()
+    src, dst = a.reg(64, LOCAL, seed=5), b.reg(64, int(RW))
+    b.recv({"wr_id": 1, "sges": [{"addr": dst.addr, "length": 64, "lkey": dst.lkey ^ 0x5A5A00}]})
+    a.send(wr(WrOpcode.SEND, 2, [src.sge()]))
+    assert [w["status"] for w in b.poll("recv")] == [WcStatus.LOC_PROT_ERR]
+    a2, b2 = soft_world.connect()
+    src2, dst2 = a2.reg(64, LOCAL, seed=6), b2.reg(64, int(RW))
+    bad = {"addr": src2.addr, "length": 64, "lkey": src2.lkey ^ 0x100}
+    a2.send(wr(WrOpcode.RDMA_WRITE, 1, [bad], dst2))
+    assert [w["status"] for w in a2.poll()] == [WcStatus.LOC_PROT_ERR]
+
+
+def test_send_with_invalidate_reports_the_rkey_and_keeps_the_mr(soft_world):
+    a, b = soft_world.connect()
+    src, dst = a.reg(64, LOCAL, seed=3), b.reg(256, int(RW))
+    b.recv(recv_wr(1, dst.sge(0, 128)))
+    a.send(wr(WrOpcode.SEND_WITH_INV, 10, [src.sge(0, 16)], invalidate_rkey=dst.rkey))
+    assert [w["status"] for w in a.poll()] == [WcStatus.SUCCESS]
+    (inv,) = b.poll("recv")
+    assert (inv["status"], inv["wc_flags"], inv["invalidated_rkey"], inv["byte_len"]) == \
+        (WcStatus.SUCCESS, WcFlags.WITH_INV, dst.rkey, 16)
+    a.send(wr(WrOpcode.RDMA_WRITE, 11, [src.sge()], dst, off=128))   # the rkey still works
+    assert [w["status"] for w in a.poll()] == [WcStatus.SUCCESS]
+    assert b.read(dst, 128, 64) == a.read(src, 0, 64)
 
 
 # ---------------------------------------------------------------------- hand-made peers

@@ -124,18 +124,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--nqn", required=True, metavar="SUBNQN", help="subsystem NQN")
 
     p = sub.add_parser("bench", help="fio-style benchmark through the host library (no FUSE)",
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter,
+                       description="Drive one namespace through the host library, with fio's "
+                                   "option names, and report IOPS, bandwidth and completion "
+                                   "latency percentiles like fio (or fio's JSON with -o json). "
+                                   "Runs for --runtime seconds by default (fio's time_based); "
+                                   "with --no-time_based each job makes one pass over its "
+                                   "region. Exits 1 on any I/O error or verify failure.")
     add_connection_flags(p)
-    p.add_argument("--rw", default="randread",
+    p.add_argument("--name", metavar="NAME", help="job name (default: RW-BS-qdN)")
+    p.add_argument("--rw", "--readwrite", dest="rw", default="randread",
                    choices=("read", "write", "randread", "randwrite", "randrw"),
                    help="I/O pattern")
-    p.add_argument("--bs", default="4k", help="block size")
-    p.add_argument("--iodepth", type=int, default=16, help="commands in flight per job")
-    p.add_argument("--numjobs", type=int, default=1, help="parallel jobs")
-    p.add_argument("--size", default="256M", help="region of the namespace to use")
-    p.add_argument("--runtime", type=float, default=10.0, help="seconds to run")
-    p.add_argument("--rwmixread", type=int, default=50, help="percentage of reads with randrw")
-    p.add_argument("--verify", choices=("crc32c",), help="verify data read back")
+    p.add_argument("--bs", default="4k", metavar="SIZE",
+                   help="block size, in fio's syntax (4k, 128k, 1m)")
+    p.add_argument("--iodepth", type=int, default=16, metavar="N",
+                   help="commands in flight per job")
+    p.add_argument("--numjobs", type=int, default=1, metavar="N", help="parallel jobs")
+    p.add_argument("--controllers", choices=("shared", "per-job"), default="shared",
+                   help="jobs share one controller (one reactor thread), or each job "
+                        "connects its own")
+    p.add_argument("--size", default=None, metavar="SIZE",
+                   help="region of the namespace to use (default: from --offset to the end)")
+    p.add_argument("--offset", default="0", metavar="SIZE", help="start of the region")
+    p.add_argument("--runtime", type=float, default=10.0, metavar="SEC",
+                   help="seconds to run, after --ramp_time")
+    p.add_argument("--time_based", action=argparse.BooleanOptionalAction, default=True,
+                   help="run for --runtime, wrapping around the region; --no-time_based: "
+                        "one pass over the region (--runtime 0: no time limit)")
+    p.add_argument("--ramp_time", type=float, default=0.0, metavar="SEC",
+                   help="run this long before counting")
+    p.add_argument("--rwmixread", type=int, default=50, metavar="PCT",
+                   help="percentage of reads with randrw")
+    p.add_argument("--verify", choices=("crc32c",),
+                   help="write blocks with a header and CRC-32C, check every block read; "
+                        "writing jobs read back what they wrote at the end")
+    p.add_argument("--nsid", "--namespace-id", dest="nsid", type=int, metavar="NSID",
+                   help="namespace (default: the first active one)")
+    p.add_argument("--seed", "--randseed", dest="seed", type=int, default=1, metavar="N",
+                   help="seed of the offsets, the read/write mix and the data")
+    p.add_argument("--eta", choices=("auto", "always", "never"), default="auto",
+                   help="progress once a second on stderr (auto: when it is a terminal)")
+    p.add_argument("--group_reporting", action="store_true",
+                   help="report all jobs together")
     add_output_format(p)
     return parser
 

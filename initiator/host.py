@@ -12,6 +12,13 @@ writes travel in the command capsule instead.
 
 Thread model: any number of threads may submit.  One reactor thread per controller services
 every queue's completions and the keep-alive timer; a caller blocks only on its own command.
+
+Asynchronous events: an NVM controller keeps an Asynchronous Event Request outstanding.  On a
+Namespace Attribute Changed notice a worker thread (not the reactor, which must keep
+completing the commands it waits for) reads the Changed Namespace List log page, re-identifies
+those namespaces and updates the :class:`Namespace` objects *in place* (a FUSE file that
+reads ``ns.size`` sees a resize), adds and removes namespaces, then calls every function in
+``Controller.namespace_listeners`` with ``(controller, changed_nsids)``.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from typing import Callable, Iterable
 from blockfabric.errors import BlockfabricError, ConnectionRejected
 from blockfabric.fabric.host_side import HostQueue
 from blockfabric.fabric.reactor import Reactor
-from blockfabric.protocol import (CC, CQE, CSTS, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
-                                  ActiveNamespaceList, CMAccept, CMConnectRequest, CMReject,
+from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
+                                  ActiveNamespaceList, AsyncEvent, AsyncEventRequest,
+                                  AsyncEventType, AsyncNotice, ChangedNamespaceList, CMAccept, CMConnectRequest, CMReject,
                                   ConnectCommand, ConnectData, DatasetManagement,
                                   DiscoveryLogEntry, DiscoveryLogHeader, DSMRange, Flush,
                                   GetLogPage, Identify, IdentifyCNS, IdentifyController,
@@ -178,6 +186,8 @@ class Namespace:
     read_only: bool
     nguid: bytes = b""
     identify: IdentifyNamespace | None = field(default=None, repr=False)
+    #: False once the target removed the namespace (I/O then fails with invalid namespace).
+    active: bool = True
 
     @property
     def size(self) -> int:
@@ -290,6 +300,10 @@ class Controller:
         self._closed = False
         self.max_transfer = 128 << 10
         self.inline_size = 0
+        #: Called as ``fn(controller, changed_nsids)`` after namespaces were added, removed
+        #: or changed (resized, read-only flipped); on the event worker thread.
+        self.namespace_listeners: list[Callable[[Controller, set[int]], None]] = []
+        self._events: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- set-up ----------------------------------------------------------------------
     def open_queue(self, qid: int, depth: int) -> HostQueue:
@@ -367,6 +381,7 @@ class Controller:
                 self._schedule_keep_alive(kato_ms)
             if opts.subnqn != DISCOVERY_NQN:
                 self._setup_io(opts)
+                self._start_events()
         except BaseException:
             self.close()
             raise
@@ -402,18 +417,89 @@ class Controller:
             self.fabrics_connect(queue, qid, depth - 1, 0)
         self.rescan()
 
-    def rescan(self) -> None:
-        """Read the active namespace list and identify each namespace."""
-        nsids = ActiveNamespaceList.unpack_from(
-            self._identify(IdentifyCNS.ACTIVE_NS_LIST, 0)).nsids
-        found = {}
-        for nsid in nsids:
+    def rescan(self, nsids: Iterable[int] | None = None) -> set[int]:
+        """Identify ``nsids`` (None: the active namespace list plus those known) and bring
+        ``namespaces`` up to date, changing existing objects in place.  Returns the NSIDs
+        that were added, removed or changed."""
+        if nsids is None:
+            active = ActiveNamespaceList.unpack_from(
+                self._identify(IdentifyCNS.ACTIVE_NS_LIST, 0)).nsids
+            nsids = set(active) | set(self.namespaces)
+        changed = set()
+        for nsid in sorted(n for n in nsids if n):
             ident = IdentifyNamespace.unpack_from(self._identify(IdentifyCNS.NAMESPACE, nsid))
-            if ident.nsze == 0:
+            ns = self.namespaces.get(nsid)
+            if ident.nsze == 0:                     # inactive: the all-zero page
+                if ns is not None:
+                    ns.active = False
+                    del self.namespaces[nsid]
+                    changed.add(nsid)
                 continue
-            found[nsid] = Namespace(self, nsid, ident.block_size, ident.nsze,
-                                    bool(ident.nsattr & 1), ident.nguid, ident)
-        self.namespaces = found
+            read_only = bool(ident.nsattr & 1)
+            if ns is None:
+                self.namespaces[nsid] = Namespace(self, nsid, ident.block_size, ident.nsze,
+                                                  read_only, ident.nguid, ident)
+                changed.add(nsid)
+            elif (ns.nblocks, ns.block_size, ns.read_only) != (ident.nsze, ident.block_size,
+                                                               read_only):
+                ns.block_size, ns.nblocks, ns.read_only = ident.block_size, ident.nsze, \
+                    read_only
+                ns.identify = ident
+                changed.add(nsid)
+        return changed
+
+    # -- asynchronous events -------------------------------------------------------------
+    def _start_events(self) -> None:
+        """Ask for namespace attribute notices and keep an AER outstanding."""
+        self.wait(self.admin, SetFeatures(fid=FeatureId.ASYNC_EVENT,
+                                          value=OAES_NS_ATTR).to_sqe(),
+                  "Set Features (asynchronous event configuration)")
+        self._events = concurrent.futures.ThreadPoolExecutor(1, "nvme-aen")
+        self._submit_aer()
+
+    def _submit_aer(self) -> None:
+        if self._closed or self.admin is None or self.admin.dead_reason:
+            return
+        try:
+            self.submit(self.admin, AsyncEventRequest().to_sqe(), self._on_aer)
+        except (ConnectionError, TimeoutError) as exc:
+            log.debug("AER not submitted: %s", exc)
+
+    def _on_aer(self, cqe: CQE | None, _data, error: str | None) -> None:
+        """On the reactor: hand the event to the worker (it must wait for commands)."""
+        if error is not None or cqe is None or self._closed:
+            return
+        if cqe.status != StatusCode.SUCCESS:        # 0x4006: the controller is going away
+            log.debug("AER completed with %s", cqe.status)
+            return
+        event = AsyncEvent.from_int(cqe.result & 0xFFFFFFFF)
+        try:
+            self._events.submit(self._handle_event, event)
+        except RuntimeError:                        # closing
+            pass
+
+    def _handle_event(self, event: AsyncEvent) -> None:
+        changed: set[int] = set()
+        try:
+            if event.event_type == AsyncEventType.NOTICE \
+                    and event.info == AsyncNotice.NS_ATTR_CHANGED:
+                page = ChangedNamespaceList.unpack_from(
+                    self.get_log_page(LogPageId.CHANGED_NS, 4096))   # re-arms the event
+                changed = self.rescan(None if page.overflowed else page.nsids)
+                log.info("namespaces changed: %s", sorted(changed) or "none")
+            else:
+                log.info("asynchronous event %s ignored", event)
+        except (BlockfabricError, ConnectionError, TimeoutError) as exc:
+            if not self._closed:
+                log.warning("handling %s: %s", event, exc)
+            return
+        finally:
+            self._submit_aer()
+        for listener in list(self.namespace_listeners):
+            try:
+                listener(self, changed)
+            except Exception:  # one subscriber must not starve the others
+                log.exception("namespace listener %r failed", listener)
 
     def _identify(self, cns: int, nsid: int = 0) -> bytes:
         _, data = self.wait(self.admin, Identify(nsid=nsid, cns=cns).to_sqe(),
@@ -598,6 +684,8 @@ class Controller:
             return
         self.shutdown()
         self._closed = True
+        if self._events is not None:
+            self._events.shutdown(wait=False, cancel_futures=True)
         if self._ka_timer is not None:
             self._ka_timer.cancel()
         self.reactor.stop()

@@ -92,6 +92,20 @@ class Backend(abc.ABC):
         self._check(0, 0)
         self._flush()
 
+    def resize(self, size: int) -> None:
+        """Change the volume's size (a reload).  Memory regions over ``memory`` must be gone
+        first, since the mapping may move."""
+        if self.closed:
+            raise OSError(errno.EBADF, f"{self!r} is closed")
+        if size <= 0 or size % self.block_size:
+            raise OSError(errno.EINVAL, f"size {size} is not a positive multiple of block "
+                                        f"size {self.block_size}")
+        self._resize(size)
+        self.size = size
+
+    def _resize(self, size: int) -> None:
+        pass
+
     def close(self) -> None:
         """Release the volume (idempotent).  Memory regions over ``memory`` go first."""
         if not self.closed:
@@ -170,6 +184,15 @@ class RamdiskBackend(Backend):
         else:
             _fill_zero(self._view[offset:offset + length])
 
+    def _resize(self, size: int) -> None:
+        # mremap keeps the pages (no copy, and untouched pages stay unallocated); growing
+        # adds zero pages, shrinking hands the tail back.
+        self._view.release()
+        try:
+            self._map.resize(size)
+        finally:
+            self._view = memoryview(self._map)
+
     def _close(self) -> None:
         self._view.release()
         self._map.close()   # BufferError here means a memory region still holds the volume
@@ -245,6 +268,25 @@ class FileBackend(Backend):
     @property
     def memory(self) -> memoryview | None:
         return self._view
+
+    def _resize(self, size: int) -> None:
+        # Grow only: shrinking a file would destroy the data past the new end.
+        if size < self.size:
+            raise OSError(errno.EINVAL, f"cannot shrink a file volume from "
+                          f"{format_size(self.size)} to {format_size(size)} (data would be "
+                          "lost)", self.path)
+        if self.read_only:
+            raise OSError(errno.EROFS, "a read-only volume is never grown", self.path)
+        st = os.fstat(self._fd)
+        if stat.S_ISBLK(st.st_mode):
+            raise OSError(errno.EINVAL, "a block device takes its size from the device",
+                          self.path)
+        os.ftruncate(self._fd, size)
+        if self._map is not None:
+            self._view.release()
+            self._map.resize(size)
+            self._view = memoryview(self._map)
+        log.info("%s: grew sparse to %s", self.path, format_size(size))
 
     def fileno(self) -> int:
         return self._fd

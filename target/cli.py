@@ -9,7 +9,7 @@ import signal
 import sys
 
 from blockfabric import __version__
-from blockfabric.cliutil import EXIT_USAGE, HelpFormatter, not_implemented
+from blockfabric.cliutil import EXIT_USAGE, HelpFormatter
 from blockfabric.errors import BlockfabricError, ConfigError
 from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as config_model
@@ -30,7 +30,9 @@ EPILOG = """\
 examples:
   blockfabric-target run --config configs/target.yaml
   blockfabric-target check --config /etc/blockfabric/target.yaml
+  blockfabric-target check --explain nqn.2014-08.org.nvmexpress:uuid:... --nqn NQN
   blockfabric-target status
+  systemctl reload blockfabric-target   (SIGHUP: apply the edited configuration)
 
 files:
   /etc/blockfabric/target.yaml   default configuration
@@ -70,12 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-C", "--config", metavar="PATH",
                        help=f"YAML configuration file (default: {DEFAULT_CONFIG}, or the "
                             "embedded default configuration where that file does not exist)")
+    check.add_argument("--explain", metavar="HOSTNQN",
+                       help="instead of printing the configuration, say whether this host may "
+                            "connect, to which subsystems, on which listeners and providers, "
+                            "and why not (exit 0 if it can connect, 1 if not)")
+    check.add_argument("-n", "--nqn", metavar="SUBNQN",
+                       help="with --explain: only this subsystem")
 
     status = sub.add_parser(
         "status", help="show listeners, subsystems, controllers and counters of a running target",
         formatter_class=HelpFormatter)
-    status.add_argument("--socket", default="/run/blockfabric/target.sock", metavar="PATH",
-                        help="control socket of the running target")
+    status.add_argument("--socket", metavar="PATH",
+                        help="control socket of the running target (default: control_socket "
+                             f"of --config, else {config_model.DEFAULT_CONTROL_SOCKET})")
+    status.add_argument("-C", "--config", metavar="PATH",
+                        help="read the control socket's path from this configuration")
     status.add_argument("--output-format", choices=("normal", "json"), default="normal",
                         help="output format")
     return parser
@@ -88,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "check":
+        if args.explain:
+            return check_explain(args.config, args.explain, args.nqn)
+        if args.nqn:
+            parser.error("--nqn goes with --explain")
         return check(args.config)
     if args.command == "run":
         return run(args.config, args.verbose)
-    return not_implemented(f"blockfabric-target {args.command}")
+    return status(args.socket, args.config, args.output_format)
 
 
 def load_config(path: str | None) -> tuple[config_model.TargetConfig, str]:
@@ -115,6 +130,45 @@ def check(path: str | None) -> int:
     return 0
 
 
+def check_explain(path: str | None, hostnqn: str, subnqn: str | None) -> int:
+    """Say why ``hostnqn`` can or cannot connect; exit 0 if it can, 1 if not."""
+    from blockfabric.target.explain import explain
+    try:
+        config, _shown = load_config(path)
+    except ConfigError as exc:
+        print(f"blockfabric-target: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    text, ok = explain(config, hostnqn, subnqn)
+    sys.stdout.write(text)
+    return 0 if ok else 1
+
+
+def status(socket_path: str | None, config_path: str | None, output_format: str) -> int:
+    """Ask the running target over its control socket; print for a person or as JSON."""
+    import json
+
+    from blockfabric.target.control import ControlError, format_status, request
+    if socket_path is None:
+        socket_path = config_model.DEFAULT_CONTROL_SOCKET
+        if config_path is not None:
+            try:
+                socket_path = config_model.load(config_path).control_socket
+            except ConfigError as exc:
+                print(f"blockfabric-target: error: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+    try:
+        answer = request(socket_path, "status")
+    except ControlError as exc:
+        print(f"blockfabric-target: error: {exc}", file=sys.stderr)
+        return 1
+    if output_format == "json":
+        json.dump(answer, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_status(answer))
+    return 0
+
+
 def run(path: str | None, verbose: int) -> int:
     """Serve in the foreground until SIGTERM/SIGINT; exit 0 after an orderly stop."""
     from blockfabric.logutil import setup_logging
@@ -133,12 +187,18 @@ def run(path: str | None, verbose: int) -> int:
         print(f"blockfabric-target: error: {shown}: {exc}", file=sys.stderr)
         return 1
     with target:
+        # Handlers only wake the reactor; the drain and the reload run there.
         def stop(signum: int, _frame: object) -> None:
-            log.info("%s: stopping", signal.Signals(signum).name)
-            target.stop()
+            log.info("%s: draining and stopping", signal.Signals(signum).name)
+            target.request_stop()
+
+        def reload(_signum: int, _frame: object) -> None:
+            log.info("SIGHUP: reloading %s", shown)
+            target.request_reload(lambda: load_config(path)[0])
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGHUP, reload)
         try:
             target.start()
         except (OSError, BlockfabricError) as exc:
@@ -146,9 +206,11 @@ def run(path: str | None, verbose: int) -> int:
             return 1
         log.info("ready: %d listener(s), %d subsystem(s) from %s", len(target.listeners),
                  len(target.subsystems), shown)
-        sd_notify("READY=1\nSTATUS=serving")
+        sd_notify(f"READY=1\nSTATUS=serving {len(target.listeners)} listener(s)\n"
+                  f"MAINPID={os.getpid()}")
         target.serve_forever()
-        sd_notify("STOPPING=1")
+        if not target.draining:         # stopped some other way: still say so
+            sd_notify("STOPPING=1")
     log.info("stopped")
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Callable
 
 from blockfabric.fabric.target_side import Command, TargetQueue
@@ -27,6 +28,7 @@ from blockfabric.protocol.fabrics import CAP, VS, PropertyGet, PropertySet
 from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
                                           FeatureId, IdentifyCNS, IOOpcode, LogPageId)
 from blockfabric.rdma import SGE
+from blockfabric.target.metrics import READ, WRITE, IoStats
 
 if TYPE_CHECKING:
     from blockfabric.target.server import Target
@@ -89,15 +91,26 @@ class Controller:
         self.last_activity = time.monotonic()
         self.kato_timer = None
         self.dead = False
+        self.listener = None                # the cfg.Listener it came in on (set by connect)
+        self.peer = ""
         # counters (host-visible through SMART, operator-visible through status/metrics)
-        self.reads = self.writes = self.read_bytes = self.written_bytes = 0
-        self.errors = 0
+        self.io = IoStats()
+        self.admin_errors = 0
 
     # -- identity --------------------------------------------------------------------
     @property
+    def subnqn(self) -> str:
+        return self.subsystem.nqn if self.subsystem else self.target.discovery_nqn
+
+    @property
     def name(self) -> str:
-        sub = self.subsystem.nqn if self.subsystem else "discovery"
-        return f"ctrl {self.cntlid} ({self.hostnqn} -> {sub})"
+        """The log context of every line about this controller (key=value, greppable)."""
+        return f"ctrl {self.cntlid} hostnqn={self.hostnqn} subnqn={self.subnqn}"
+
+    @property
+    def queue_depth_in_use(self) -> int:
+        """Commands held by the target on all of this controller's queues (AERs included)."""
+        return sum(q.outstanding for q in self.queues.values())
 
     @property
     def ready(self) -> bool:
@@ -123,7 +136,7 @@ class Controller:
             return
         idle = time.monotonic() - self.last_activity
         if idle * 1000 >= self.kato_ms:
-            log.warning("%s: keep-alive timeout (%d ms, idle %.1f s): tearing it down",
+            log.warning("%s: keep-alive timeout kato_ms=%d idle_s=%.1f: tearing it down",
                         self.name, self.kato_ms, idle)
             self.target.destroy_controller(self, "keep-alive expired")
             return
@@ -133,6 +146,10 @@ class Controller:
     # -- dispatch --------------------------------------------------------------------
     def handle(self, cmd: Command) -> None:
         """A command on one of this controller's queues (after Connect)."""
+        if self.target.draining:
+            # Stopping: hold the command unanswered.  It was not executed, so the host may
+            # retry it elsewhere or after a reconnect; it dies with the queue.
+            return
         self.last_activity = time.monotonic()
         sqe = cmd.sqe
         try:
@@ -142,16 +159,22 @@ class Controller:
             else:
                 self._io(cmd)
         except ProtocolError as exc:
-            self.errors += 1
-            log.debug("%s: q%d cid %d opcode %#x: %s", self.name, cmd.queue.qid, sqe.cid,
+            self._count_error(cmd)
+            log.debug("%s qid=%d: cid %d opcode %#x: %s", self.name, cmd.queue.qid, sqe.cid,
                       sqe.opcode, exc)
             cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
         except Exception:
             # A bug here must not leave the host waiting for an answer that never comes.
-            self.errors += 1
-            log.exception("%s: q%d cid %d opcode %#x: internal error", self.name,
+            self._count_error(cmd)
+            log.exception("%s qid=%d: cid %d opcode %#x: internal error", self.name,
                           cmd.queue.qid, sqe.cid, sqe.opcode)
             cmd.respond(StatusCode.INTERNAL_ERROR, dnr=True)
+
+    def _count_error(self, cmd: Command) -> None:
+        if cmd.queue.qid:
+            self.io.errors += 1
+        else:
+            self.admin_errors += 1
 
     # -- admin -------------------------------------------------------------------------
     def _admin(self, cmd: Command) -> None:
@@ -286,9 +309,10 @@ class Controller:
         elif lid == LogPageId.ERROR:
             page = bytes(64)
         elif lid == LogPageId.SMART:
-            page = lp.SmartLog(data_units_read=-(-self.read_bytes // 512000),
-                               data_units_written=-(-self.written_bytes // 512000),
-                               host_reads=self.reads, host_writes=self.writes,
+            io = self.io
+            page = lp.SmartLog(data_units_read=-(-io.bytes[READ] // 512000),
+                               data_units_written=-(-io.bytes[WRITE] // 512000),
+                               host_reads=io.ops[READ], host_writes=io.ops[WRITE],
                                temperature=300).pack()
         elif lid == LogPageId.CHANGED_NS:
             nsids = sorted(self.changed_nsids)
@@ -386,21 +410,25 @@ class Controller:
     def _io(self, cmd: Command) -> None:
         sqe = cmd.sqe
         op = sqe.opcode
+        nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
+        if any(ns.paused for ns in nss):
+            # A namespace is being resized: run the command once it is done.
+            next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
+            return
         if op == IOOpcode.READ or op == IOOpcode.WRITE:
-            self._read_write(cmd, op == IOOpcode.WRITE)
+            self._read_write(cmd, nss[0], op == IOOpcode.WRITE)
         elif op == IOOpcode.FLUSH:
-            ns = self._io_namespace(sqe.nsid, flush=True)
-            self._backend_call(cmd, lambda: [n.backend.flush() for n in ns], True,
+            self._backend_call(cmd, nss, lambda: [n.backend.flush() for n in nss], True,
                                blocking=True)
         elif op == IOOpcode.WRITE_ZEROES:
             wz = nio.WriteZeroes.from_sqe(sqe)
-            ns = self._io_namespace(sqe.nsid)[0]
+            ns = nss[0]
             self._check_range(ns, wz.slba, wz.blocks, write=True)
             off, length = wz.slba * ns.block_size, wz.blocks * ns.block_size
-            self._backend_call(cmd, lambda: ns.backend.write_zeroes(off, length), True,
+            self._backend_call(cmd, nss, lambda: ns.backend.write_zeroes(off, length), True,
                                blocking=ns.memory is None)
         elif op == IOOpcode.DATASET_MANAGEMENT:
-            self._dsm(cmd, nio.DatasetManagement.from_sqe(sqe))
+            self._dsm(cmd, nss[0], nio.DatasetManagement.from_sqe(sqe))
         else:
             raise ProtocolError(f"I/O opcode {op:#x} not supported", StatusCode.INVALID_OPCODE)
 
@@ -421,9 +449,43 @@ class Controller:
             raise ProtocolError(f"namespace {ns.nsid} is read-only",
                                 StatusCode.NS_WRITE_PROTECTED)
 
-    def _read_write(self, cmd: Command, write: bool) -> None:
+    # Every command that touches a namespace's backend is counted in flight from _begin to
+    # _end: a resize or removal waits for that count to reach zero before it touches the
+    # volume, and a drain waits for it before flushing.
+    def _begin(self, nss: list[Namespace]) -> int:
+        for ns in nss:
+            ns.stats.inflight += 1
+        self.io.inflight += 1
+        return perf_counter_ns()
+
+    def _unpin(self, nss: list[Namespace]) -> None:
+        for ns in nss:
+            ns.stats.inflight -= 1
+        self.io.inflight -= 1
+
+    def _end(self, cmd: Command, nss: list[Namespace], started: int,
+             status: int = StatusCode.SUCCESS, *, dnr: bool = False,
+             data: tuple[SGE, ...] = (), rw: int | None = None, nbytes: int = 0,
+             pinned: bool = False) -> None:
+        """Count and answer; ``pinned``: the answer's RDMA WRITE reads the volume's memory,
+        so the command stays in flight until its response SEND completes."""
+        ok = status == StatusCode.SUCCESS
+        if not pinned:
+            self._unpin(nss)
+        for ns in nss:
+            if rw is not None:
+                ns.stats.done(rw, nbytes, started, ok)
+            elif not ok:
+                ns.stats.errors += 1
+        io = self.io
+        if rw is not None:
+            io.done(rw, nbytes, started, ok)
+        elif not ok:
+            io.errors += 1
+        cmd.respond(status, dnr=dnr, data=data)
+
+    def _read_write(self, cmd: Command, ns: Namespace, write: bool) -> None:
         rw = nio.ReadWrite.from_sqe(cmd.sqe)
-        ns = self._io_namespace(rw.nsid)[0]
         length = rw.blocks * ns.block_size
         if cmd.data_length != length:
             raise ProtocolError(f"SGL length {cmd.data_length} for {rw.blocks} blocks of "
@@ -435,37 +497,40 @@ class Controller:
         offset = rw.slba * ns.block_size
         queue = cmd.queue
         mr = ns.mr(queue.pd)
-        if write:
-            self.writes += 1
-            self.written_bytes += length
-        else:
-            self.reads += 1
-            self.read_bytes += length
+        nss = [ns]
+        direction = WRITE if write else READ
+        started = self._begin(nss)
         if mr is not None:                      # zero copy: RDMA to and from the volume
             sge = SGE(mr.addr + offset, length, mr.lkey)
             if write:
                 view = ns.memory[offset:offset + length]
-                cmd.fetch(view, sge, _respond_ok)
+                cmd.fetch(view, sge, lambda c: self._end(c, nss, started, rw=direction,
+                                                         nbytes=length))
             else:
-                cmd.respond(data=(sge,))
+                cmd.on_released = lambda _c: self._unpin(nss)
+                self._end(cmd, nss, started, data=(sge,), rw=direction, nbytes=length,
+                          pinned=True)
             return
         self.target.with_bounce(cmd, length, lambda view, sge, release:
                                 self._bounce_rw(cmd, ns, offset, length, write, view, sge,
-                                                release))
+                                                release, started))
 
     def _bounce_rw(self, cmd: Command, ns: Namespace, offset: int, length: int, write: bool,
-                   view: memoryview, sge: SGE, release: Callable[[Command], None]) -> None:
+                   view: memoryview, sge: SGE, release: Callable[[Command], None],
+                   started: int) -> None:
         cmd.on_released = release
         part = view[:length]
+        direction = WRITE if write else READ
         if write:
             cmd.fetch(part, sge, lambda c: self._backend_call(
-                c, lambda: ns.backend.write(offset, part), True, blocking=True))
+                c, [ns], lambda: ns.backend.write(offset, part), True, blocking=True,
+                started=started, rw=direction, nbytes=length))
         else:
-            self._backend_call(cmd, lambda: ns.backend.readinto(offset, part), False,
-                               blocking=True, data=(SGE(sge.addr, length, sge.lkey),))
+            self._backend_call(cmd, [ns], lambda: ns.backend.readinto(offset, part), False,
+                               blocking=True, data=(SGE(sge.addr, length, sge.lkey),),
+                               started=started, rw=direction, nbytes=length)
 
-    def _dsm(self, cmd: Command, dsm: nio.DatasetManagement) -> None:
-        ns = self._io_namespace(dsm.nsid)[0]
+    def _dsm(self, cmd: Command, ns: Namespace, dsm: nio.DatasetManagement) -> None:
         nranges = dsm.ranges
         if cmd.data_length != dsm.data_length:
             raise ProtocolError(f"SGL length {cmd.data_length} for {nranges} DSM ranges",
@@ -478,6 +543,7 @@ class Controller:
                                 StatusCode.NS_WRITE_PROTECTED)
         view, sge, release = self.target.control_buffer(cmd.queue, cmd.data_length)
         cmd.on_released = release
+        started = self._begin([ns])
 
         def fetched(c: Command) -> None:
             try:
@@ -485,30 +551,35 @@ class Controller:
                 for slba, nlb in ranges:
                     self._check_range(ns, slba, nlb, write=True)
             except ProtocolError as exc:
-                c.respond(exc.status, dnr=exc.dnr)
+                self._end(c, [ns], started, exc.status, dnr=exc.dnr)
                 return
             bs = ns.block_size
-            self._backend_call(c, lambda: [ns.backend.discard(s * bs, n * bs)
-                                           for s, n in ranges if n], True,
-                               blocking=ns.memory is None)
+            self._backend_call(c, [ns], lambda: [ns.backend.discard(s * bs, n * bs)
+                                                 for s, n in ranges if n], True,
+                               blocking=ns.memory is None, started=started)
 
         cmd.fetch(view, sge, fetched)
 
-    def _backend_call(self, cmd: Command, work: Callable[[], object], writing: bool, *,
-                      blocking: bool, data: tuple[SGE, ...] = ()) -> None:
+    def _backend_call(self, cmd: Command, nss: list[Namespace], work: Callable[[], object],
+                      writing: bool, *, blocking: bool, data: tuple[SGE, ...] = (),
+                      started: int | None = None, rw: int | None = None,
+                      nbytes: int = 0) -> None:
         """Run ``work`` (inline, or on the I/O pool when it may block) and respond."""
+        if started is None:
+            started = self._begin(nss)
+
         def finish(exc: BaseException | None) -> None:
             if exc is None:
-                cmd.respond(data=data)
+                self._end(cmd, nss, started, data=data, rw=rw, nbytes=nbytes)
             elif isinstance(exc, OSError):
-                self.errors += 1
                 status = errno_status(exc, writing)
                 log.warning("%s: backend error %s -> %s", self.name, exc, status.name)
-                cmd.respond(status, dnr=status != StatusCode.INTERNAL_ERROR)
+                self._end(cmd, nss, started, status, dnr=status != StatusCode.INTERNAL_ERROR,
+                          rw=rw, nbytes=nbytes)
             else:
-                self.errors += 1
                 log.error("%s: backend failure: %r", self.name, exc)
-                cmd.respond(StatusCode.INTERNAL_ERROR, dnr=False)
+                self._end(cmd, nss, started, StatusCode.INTERNAL_ERROR, rw=rw,
+                          nbytes=nbytes)
 
         if not blocking:
             try:
@@ -519,7 +590,3 @@ class Controller:
                 finish(None)
             return
         self.target.run_blocking(work, finish)
-
-
-def _respond_ok(cmd: Command) -> None:
-    cmd.respond()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Callable
 
 from blockfabric.rdma import MR, PD, Access
 from blockfabric.target import config as cfg
 from blockfabric.target.backends import Backend, open_backend
+from blockfabric.target.metrics import IoStats
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,11 @@ class Namespace:
         self._mrs: dict[int, tuple[PD, MR]] = {}
         # Zero-copy only where the volume is memory; others go through bounce buffers.
         self.memory = self.backend.memory
+        self.stats = IoStats()
+        # While paused (a resize waits for in-flight I/O to finish), new commands are held
+        # here and re-dispatched afterwards.
+        self.paused = False
+        self.held: list[Callable[[], None]] = []
 
     @property
     def size(self) -> int:
@@ -47,13 +54,29 @@ class Namespace:
             self._mrs[id(pd)] = entry
         return entry[1]
 
-    def close(self) -> None:
+    def resize(self, conf: cfg.Namespace) -> None:
+        """Take the new size of ``conf``.  Only with no I/O in flight: the memory regions
+        over the old mapping are dropped (the mapping may move) and registered again on
+        first use."""
+        self._deregister()
+        self.memory = None
+        try:
+            self.backend.resize(conf.size)
+        finally:
+            self.memory = self.backend.memory
+        self.conf = conf
+        self.nblocks = self.backend.size // self.block_size
+
+    def _deregister(self) -> None:
         for _pd, mr in self._mrs.values():
             try:
                 mr.close()
             except Exception as exc:  # teardown continues
                 log.debug("ns %d: deregistering: %s", self.nsid, exc)
         self._mrs.clear()
+
+    def close(self) -> None:
+        self._deregister()
         self.memory = None
         self.backend.close()
 
@@ -65,6 +88,7 @@ class Subsystem:
         self.conf = conf
         self.nqn = conf.nqn
         self.namespaces: dict[int, Namespace] = {}
+        self.retired = IoStats()    # the history of namespaces removed by a reload
         try:
             for ns_conf in conf.namespaces:
                 self.namespaces[ns_conf.nsid] = Namespace(ns_conf)
@@ -82,6 +106,14 @@ class Subsystem:
 
     def allows(self, hostnqn: str) -> bool:
         return self.conf.allows(hostnqn)
+
+    def stats(self) -> IoStats:
+        """The subsystem's totals: its namespaces plus those removed since start."""
+        total = self.retired.copy()
+        for ns in self.namespaces.values():
+            total.add(ns.stats)
+            total.inflight += ns.stats.inflight
+        return total
 
     def close(self) -> None:
         for ns in self.namespaces.values():

@@ -6,22 +6,30 @@ is made with one posted receive per SQ entry, and the connection is accepted.  T
 command on the queue must be a Fabrics Connect: on the admin queue it creates a controller
 (or a discovery controller), on an I/O queue it joins the existing controller it names.
 
-Teardown happens in one ordered place (:meth:`Target.close`); signal handlers only ask for it.
+Teardown happens in one ordered place (:meth:`Target.close`); signal handlers only ask for it
+(:meth:`Target.request_stop`, :meth:`Target.request_reload` wake the reactor, and the drain or
+the reload runs there, between commands, like everything else).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
-from typing import Callable
+import time
+from typing import Any, Callable
 
 from blockfabric import __version__
+from blockfabric.errors import BlockfabricError
+from blockfabric.sdnotify import sd_notify
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
+from blockfabric.protocol.admin import AsyncNotice
+from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.controller import ControllerState, QueueState, admit
@@ -32,8 +40,11 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           connect_invalid_param)
 from blockfabric.rdma import PD, SGE, CMEventType, CMId, Listener, get_provider
 from blockfabric.target import config as cfg
+from blockfabric.target import metrics as mx
+from blockfabric.target import reload as rl
+from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
-from blockfabric.target.namespace import Subsystem
+from blockfabric.target.namespace import Namespace, Subsystem
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,11 @@ ADMIN_MAX_DEPTH = 32
 CONTROL_SLOT = 4096
 BOUNCE_SLOTS = 64
 MAX_CNTLID = 0xFFEF
+#: How long a drain waits for commands in flight, and a resize or removal for a namespace's
+#: I/O to finish.  Below the unit's TimeoutStopSec (30 s), so a stop ends in exit 0.
+DRAIN_TIMEOUT = 20.0
+IDLE_TIMEOUT = 10.0
+IDLE_POLL = 0.005
 
 
 class QueueSession:
@@ -86,8 +102,9 @@ class QueueSession:
             data = ConnectData.unpack_from(view[:CONNECT_DATA_SIZE])
             ctrl = self.target.connect(self, connect, data)
         except ProtocolError as exc:
-            log.info("connect refused: host %r subsystem %r qid %d: %s (status %#x)",
-                     _safe_nqn(view, 512), _safe_nqn(view, 256), self.qid, exc, exc.status)
+            log.info("connect refused: hostnqn=%s subnqn=%s qid=%d peer=%s: %s (status %#x)",
+                     _safe_nqn(view, 512), _safe_nqn(view, 256), self.qid,
+                     _peer(self.queue), exc, exc.status)
             cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
             return
         self.controller = ctrl
@@ -96,6 +113,13 @@ class QueueSession:
 
     def queue_broken(self, queue: TargetQueue, reason: str) -> None:
         self.target.queue_broken(self, queue, reason)
+
+
+def _peer(queue: TargetQueue | None) -> str:
+    try:
+        return "%s:%s" % tuple(queue.cmid.peer_address[:2])
+    except Exception:
+        return "?"
 
 
 def _safe_nqn(view: memoryview, at: int) -> str:
@@ -124,6 +148,13 @@ class Target:
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
         self.genctr = 0
+        self.draining = False
+        self.started = time.time()
+        self.reloads = 0
+        self.last_reload_error: str | None = None
+        self.metrics_server: mx.MetricsServer | None = None
+        self.control_server: ControlServer | None = None
+        self._closing: list[Namespace] = []     # removed, closed once their I/O is done
         try:
             for sub in config.subsystems:
                 self.subsystems[sub.nqn] = Subsystem(sub)
@@ -139,26 +170,76 @@ class Target:
 
     # -- listeners ---------------------------------------------------------------------
     def start(self) -> None:
-        """Open every listener (all or nothing)."""
+        """Open every listener (all or nothing), then the metrics listener and the control
+        socket: when this returns, every listener accepts."""
         try:
             for lconf in self.config.listeners:
-                provider = get_provider(lconf.provider, lconf.address)
-                listener = provider.listen(lconf.address, lconf.port)
-                self.listeners.append((lconf, provider.name, listener))
-                self.reactor.add_reader(listener.fileno(),
-                                        lambda lc=lconf, p=provider.name, li=listener:
-                                        self._on_requests(lc, p, li))
-                log.info("listening on %s (%s provider)", lconf.endpoint, provider.name)
+                self._add_listener(self._open_listener(lconf))
+            self._start_metrics()
         except BaseException:
             self.close()
             raise
+        self._start_control()
+        self._start_watchdog()
         self._started.set()
+
+    def _open_listener(self, lconf: cfg.Listener) -> tuple[cfg.Listener, str, Listener]:
+        provider = get_provider(lconf.provider, lconf.address)
+        return lconf, provider.name, provider.listen(lconf.address, lconf.port)
+
+    def _add_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
+        lconf, provider, listener = entry
+        self.listeners.append(entry)
+        self.reactor.add_reader(listener.fileno(),
+                                lambda: self._on_requests(lconf, provider, listener))
+        log.info("listening on %s (%s provider)", lconf.endpoint, provider)
+
+    def _close_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
+        self.listeners.remove(entry)
+        self.reactor.remove_reader(entry[2].fileno())
+        entry[2].close()
+
+    def _start_metrics(self) -> None:
+        m = self.config.metrics
+        if m is not None:
+            self.metrics_server = mx.MetricsServer(m.address, m.port, self.metrics_text).start()
+            log.info("metrics on http://%s:%d/metrics", m.address, self.metrics_server.port)
+
+    def _start_control(self) -> None:
+        """The control socket is for ``status``: a target without one still serves I/O."""
+        try:
+            self.control_server = ControlServer(self.config.control_socket,
+                                                self._control_request).start()
+        except OSError as exc:
+            log.warning("no control socket at %s: %s", self.config.control_socket, exc)
+
+    def _start_watchdog(self) -> None:
+        """WATCHDOG=1 from the reactor itself at half of WatchdogSec: a stuck reactor gets
+        the service restarted."""
+        usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
+        pid = os.environ.get("WATCHDOG_PID")
+        if not usec or (pid and int(pid) != os.getpid()):
+            return
+
+        def ping() -> None:
+            sd_notify("WATCHDOG=1")
+            self.reactor.call_later(usec / 2e6, ping)
+        self.reactor.call_later(usec / 2e6, ping)
 
     def serve_forever(self) -> None:
         self.reactor.run_forever()
 
     def stop(self) -> None:
         self.reactor.stop()
+
+    # -- signals: only wake the reactor ------------------------------------------------
+    def request_stop(self) -> None:
+        """For a signal handler: drain and stop (a second request stops at once)."""
+        self.reactor.call_soon_threadsafe(self.drain)
+
+    def request_reload(self, load: Callable[[], cfg.TargetConfig]) -> None:
+        """For a signal handler: reload with the configuration ``load()`` returns."""
+        self.reactor.call_soon_threadsafe(lambda: self.reload_from(load))
 
     def _on_requests(self, lconf: cfg.Listener, provider: str, listener: Listener) -> None:
         while True:
@@ -286,7 +367,8 @@ class Target:
                 raise connect_invalid_param(f"unknown subsystem {subnqn!r}", IATTR.DATA,
                                             IPO_DATA_SUBNQN)
             if not subsystem.allows(hostnqn):
-                log.warning("host %r is not allowed on %s", hostnqn, subnqn)
+                log.warning("access denied: hostnqn=%s subnqn=%s qid=%d peer=%s: host not "
+                            "allowed", hostnqn, subnqn, session.qid, _peer(session.queue))
                 raise ProtocolError(f"host {hostnqn!r} not allowed",
                                     StatusCode.CONNECT_INVALID_HOST)
         if not hostnqn:
@@ -297,11 +379,13 @@ class Target:
                 connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
                 cap=Controller.capabilities(limits.queue_size), aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
+            ctrl.listener = session.listener
+            ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
             self.controllers[ctrl.cntlid] = ctrl
             ctrl.start_keep_alive()
-            log.info("%s: created (kato %d ms, via %s %s)", ctrl.name, ctrl.kato_ms,
-                     session.provider, session.listener.endpoint)
+            log.info("%s: created (kato %d ms, via %s %s, peer %s)", ctrl.name, ctrl.kato_ms,
+                     session.provider, session.listener.endpoint, ctrl.peer)
             return ctrl
         ctrl = self.controllers.get(data.cntlid)
         if ctrl is None or ctrl.dead or ctrl.subsystem is not subsystem \
@@ -312,10 +396,13 @@ class Target:
             raise ProtocolError("I/O queue Connect before CC.EN", StatusCode.CMD_SEQ_ERROR)
         ctrl.state = ctrl.state.io_connect(connect, data)
         ctrl.queues[session.qid] = session.queue
+        log.debug("%s qid=%d: connected (depth %d)", ctrl.name, session.qid,
+                  session.queue.depth)
         return ctrl
 
     def _exposed(self, subsystem: Subsystem, listener: cfg.Listener) -> bool:
-        return listener in self.config.listeners_for(subsystem.conf)
+        key = rl.listener_key(listener)
+        return any(rl.listener_key(x) == key for x in self.config.listeners_for(subsystem.conf))
 
     def _alloc_cntlid(self) -> int:
         for _ in range(MAX_CNTLID):
@@ -333,7 +420,7 @@ class Target:
         ctrl = session.controller
         level = logging.INFO if "disconnect" in reason or "flushed" in reason \
             else logging.WARNING
-        log.log(level, "%s q%d: %s", ctrl.name if ctrl else queue.name, queue.qid, reason)
+        log.log(level, "%s qid=%d: %s", ctrl.name if ctrl else queue.name, queue.qid, reason)
         self._close_queue(session)
         if ctrl is not None:
             ctrl.queues.pop(queue.qid, None)
@@ -344,8 +431,14 @@ class Target:
     def _close_queue(self, session: QueueSession) -> None:
         queue = session.queue
         self.sessions.discard(session)
-        if queue is not None:
+        if queue is not None and not queue.closed:
             queue.close()
+            # Answered commands whose response SEND will now never complete still hold a
+            # bounce buffer or a namespace's memory: let go of them.
+            for cmd in queue.commands:
+                release, cmd.on_released = cmd.on_released, None
+                if release is not None and cmd.responded:
+                    release(cmd)
 
     def destroy_controller(self, ctrl: Controller, reason: str) -> None:
         if ctrl.dead:
@@ -381,6 +474,303 @@ class Target:
                     tsas=lp.RdmaTsas()))
         return bytes(lp.pack_discovery_log(self.genctr, entries))
 
+    # -- drain (SIGTERM) ---------------------------------------------------------------
+    def inflight(self) -> int:
+        """Commands executing on any namespace (held ones, and AERs, are not counted)."""
+        nss = [ns for sub in self.subsystems.values() for ns in sub.namespaces.values()]
+        return sum(ns.stats.inflight for ns in nss + self._closing)
+
+    def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
+        """Stop accepting, let the commands in flight finish (new ones are held, not run),
+        flush every volume, disconnect every host, and stop the reactor."""
+        if self.draining:
+            log.warning("stop requested again while draining: stopping now")
+            self.reactor.stop()
+            return
+        self.draining = True
+        sd_notify("STOPPING=1")
+        for entry in list(self.listeners):
+            self._close_listener(entry)
+        log.info("draining: listeners closed, %d command(s) in flight, %d controller(s)",
+                 self.inflight(), len(self.controllers))
+        deadline = time.monotonic() + timeout
+
+        def check() -> None:
+            left = self.inflight()
+            if left and time.monotonic() < deadline:
+                self.reactor.call_later(IDLE_POLL, check)
+                return
+            if left:
+                log.error("drain: %d command(s) still in flight after %.0f s; stopping anyway",
+                          left, timeout)
+            for sub in self.subsystems.values():
+                self.flush_subsystem(sub)
+            for ctrl in list(self.controllers.values()):
+                self.destroy_controller(ctrl, "target stopping")
+            log.info("drained: volumes flushed, hosts disconnected")
+            self.reactor.stop()
+        check()
+
+    # -- reload (SIGHUP) ---------------------------------------------------------------
+    def reload_from(self, load: Callable[[], cfg.TargetConfig]) -> bool:
+        """Load a new configuration and apply it; on any error keep the old one whole."""
+        if self.draining:
+            log.warning("reload ignored: the target is stopping")
+            return False
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            try:
+                new = load()
+            except BlockfabricError as exc:
+                self._reload_failed(str(exc))
+                return False
+            return self.reload(new)
+        finally:
+            sd_notify("READY=1\nSTATUS=serving")
+
+    def _reload_failed(self, error: str) -> None:
+        self.last_reload_error = error
+        log.error("reload rejected, the running configuration is unchanged: %s", error)
+
+    def reload(self, new: cfg.TargetConfig) -> bool:
+        """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
+        plan = rl.plan(self.config, new)
+        opened: list[tuple[cfg.Listener, str, Listener]] = []
+        subsystems: list[Subsystem] = []
+        namespaces: dict[tuple[str, int], Namespace] = {}
+        metrics = None
+        try:
+            for change in plan.changed:
+                for ns_conf in change.resized:
+                    self._check_resize(change.new.nqn, ns_conf)
+            for lconf in plan.added_listeners:
+                opened.append(self._open_listener(lconf))
+            for sconf in plan.added_subsystems:
+                subsystems.append(Subsystem(sconf))
+            for change in plan.changed:
+                for ns_conf in change.added + change.replaced:
+                    namespaces[change.new.nqn, ns_conf.nsid] = Namespace(ns_conf)
+            if plan.metrics_changed and new.metrics is not None:
+                old = self.metrics_server
+                if old is not None and old.port == new.metrics.port:
+                    old.close()      # the same port: it must be free for the new one
+                    self.metrics_server = None
+                metrics = mx.MetricsServer(new.metrics.address, new.metrics.port,
+                                           self.metrics_text)
+        except (OSError, BlockfabricError, ValueError) as exc:
+            for _l, _p, listener in opened:
+                listener.close()
+            for sub in subsystems:
+                sub.close()
+            for ns in namespaces.values():
+                ns.close()
+            self._reload_failed(f"{new.source}: {exc}")
+            return False
+        self._commit(plan, new, opened, subsystems, namespaces, metrics)
+        self.reloads += 1
+        self.last_reload_error = None
+        log.info("reloaded %s: %s", new.source, plan.summary())
+        return True
+
+    def _check_resize(self, nqn: str, ns_conf: cfg.Namespace) -> None:
+        ns = self.subsystems[nqn].namespaces[ns_conf.nsid]
+        if ns_conf.backend == "file" and ns_conf.size < ns.size:
+            raise ValueError(f"subsystem {nqn} namespace {ns_conf.nsid}: a file volume cannot "
+                             f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
+
+    def _commit(self, plan: rl.ReloadPlan, new: cfg.TargetConfig,
+                opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
+                namespaces: dict[tuple[str, int], Namespace],
+                metrics: mx.MetricsServer | None) -> None:
+        """Apply a prepared plan; nothing here is expected to fail."""
+        removed = {rl.listener_key(x) for x in plan.removed_listeners}
+        for entry in [e for e in self.listeners if rl.listener_key(e[0]) in removed]:
+            self._close_listener(entry)
+            log.info("stopped listening on %s", entry[0].endpoint)
+        renamed = {rl.listener_key(x): x for x in new.listeners}
+        self.listeners = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in self.listeners]
+        for entry in opened:
+            self._add_listener(entry)
+        self.config = new
+        for nqn in plan.removed_subsystems:
+            sub = self.subsystems.pop(nqn)
+            self._destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
+            for ns in sub.namespaces.values():
+                self._retire(sub, ns)
+            sub.namespaces.clear()
+            log.info("subsystem removed: subnqn=%s", nqn)
+        for sub in subsystems:
+            self.subsystems[sub.nqn] = sub
+            log.info("subsystem added: subnqn=%s namespaces=%d", sub.nqn, len(sub.namespaces))
+        for change in plan.changed:
+            self._commit_subsystem(change, namespaces)
+        # Controllers that came in on a listener that no longer exists, or that no longer
+        # exposes their subsystem, or whose host is no longer allowed, go.
+        self._destroy_where(lambda c: not c.is_discovery and not self._may_stay(c),
+                            "no longer allowed by the configuration")
+        self._destroy_where(lambda c: rl.listener_key(c.listener) in removed,
+                            "listener removed")
+        if plan.control_socket_changed:
+            if self.control_server is not None:
+                self.control_server.close()
+                self.control_server = None
+            self._start_control()
+        if plan.metrics_changed:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+            self.metrics_server = metrics.start() if metrics is not None else None
+        if plan.discovery_changed:
+            self.genctr += 1
+            for ctrl in list(self.controllers.values()):
+                if ctrl.is_discovery:
+                    ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
+
+    def _may_stay(self, ctrl: Controller) -> bool:
+        sub = ctrl.subsystem
+        return (self.subsystems.get(sub.nqn) is sub and sub.allows(ctrl.hostnqn)
+                and self._exposed(sub, ctrl.listener))
+
+    def _destroy_where(self, condition: Callable[[Controller], bool], reason: str) -> None:
+        for ctrl in [c for c in self.controllers.values() if condition(c)]:
+            self.destroy_controller(ctrl, reason)
+
+    def _commit_subsystem(self, change: rl.SubsystemChange,
+                          namespaces: dict[tuple[str, int], Namespace]) -> None:
+        sub = self.subsystems[change.new.nqn]
+        sub.conf = change.new
+        for nsid in change.removed + [n.nsid for n in change.replaced]:
+            self._retire(sub, sub.namespaces.pop(nsid))
+        for ns_conf in change.added + change.replaced:
+            sub.namespaces[ns_conf.nsid] = namespaces[sub.nqn, ns_conf.nsid]
+        for ns_conf in change.flipped:
+            ns = sub.namespaces[ns_conf.nsid]
+            ns.conf = ns_conf
+            ns.read_only = ns.backend.read_only = ns_conf.read_only
+        if change.changed_nsids:
+            log.info("namespaces changed: subnqn=%s added=%s removed=%s replaced=%s "
+                     "read_only=%s", sub.nqn, [n.nsid for n in change.added], change.removed,
+                     [n.nsid for n in change.replaced], [n.nsid for n in change.flipped])
+        self._notify_ns_changed(sub, change.changed_nsids)
+        for ns_conf in change.resized:
+            self._resize(sub, sub.namespaces[ns_conf.nsid], ns_conf)
+
+    def _notify_ns_changed(self, sub: Subsystem, nsids: tuple[int, ...]) -> None:
+        """Namespace Attribute Changed to every controller of ``sub`` (spec sheet 10)."""
+        if not nsids:
+            return
+        for ctrl in list(self.controllers.values()):
+            if ctrl.subsystem is sub and not ctrl.dead:
+                ctrl.notify(AsyncNotice.NS_ATTR_CHANGED, LogPageId.CHANGED_NS, nsids)
+
+    def _retire(self, sub: Subsystem, ns: Namespace) -> None:
+        """A namespace left the configuration: no new command finds it; close it once the
+        commands already running on it are done."""
+        sub.retired.add(ns.stats)
+        self._closing.append(ns)
+        self._when_idle(ns, lambda: (_close_namespace(ns), self._closing.remove(ns)),
+                        f"closing subnqn={sub.nqn} nsid={ns.nsid}")
+
+    def _resize(self, sub: Subsystem, ns: Namespace, conf: cfg.Namespace) -> None:
+        """Hold new commands, wait for those running, resize, release, tell the hosts."""
+        ns.paused = True
+
+        def resize() -> None:
+            old = ns.size
+            try:
+                ns.resize(conf)
+            except OSError as exc:
+                log.error("resize failed: subnqn=%s nsid=%d: %s", sub.nqn, ns.nsid, exc)
+            else:
+                log.info("namespace resized: subnqn=%s nsid=%d %d -> %d bytes", sub.nqn,
+                         ns.nsid, old, ns.size)
+            finally:
+                ns.paused = False
+                held, ns.held = ns.held, []
+                for run in held:
+                    run()
+            self._notify_ns_changed(sub, (ns.nsid,))
+
+        self._when_idle(ns, resize, f"resizing subnqn={sub.nqn} nsid={ns.nsid}")
+
+    def _when_idle(self, ns: Namespace, action: Callable[[], Any], what: str,
+                   timeout: float = IDLE_TIMEOUT) -> None:
+        """Run ``action`` on the reactor once ``ns`` has no command in flight.  A
+        BufferError means a posted RDMA operation still holds the volume's memory: retry."""
+        deadline = time.monotonic() + timeout
+
+        def attempt() -> None:
+            late = time.monotonic() >= deadline
+            if ns.stats.inflight and not late:
+                self.reactor.call_later(IDLE_POLL, attempt)
+                return
+            try:
+                action()
+            except BufferError:
+                if late:
+                    log.error("%s: the volume's memory is still in use after %.0f s", what,
+                              timeout)
+                    return
+                self.reactor.call_later(IDLE_POLL, attempt)
+        attempt()
+
+    # -- status and metrics -------------------------------------------------------------
+    def _control_request(self, request: dict[str, Any]) -> Any:
+        """The control socket's handler (on its thread): answers come from the reactor."""
+        command = request.get("command")
+        if command != "status":
+            raise ValueError(f"unknown command {command!r} (known: status)")
+        box: list[dict[str, Any]] = []
+        self.reactor.call_sync(lambda: box.append(self.snapshot()))
+        return box[0]
+
+    def metrics_text(self) -> str:
+        box: list[dict[str, Any]] = []
+        self.reactor.call_sync(lambda: box.append(self.snapshot()))
+        return render_metrics(box[0])
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything ``status`` and the metrics show, copied on the reactor."""
+        per_listener: dict[tuple, int] = {}
+        for ctrl in self.controllers.values():
+            key = rl.listener_key(ctrl.listener)
+            per_listener[key] = per_listener.get(key, 0) + 1
+        subsystems = []
+        for sub in self.subsystems.values():
+            subsystems.append({
+                "nqn": sub.nqn, "allow_any_host": sub.conf.allow_any_host,
+                "hosts": list(sub.conf.hosts),
+                "listeners": [x.endpoint for x in self.config.listeners_for(sub.conf)],
+                "controllers": sum(1 for c in self.controllers.values() if c.subsystem is sub),
+                "io": sub.stats(),
+                "namespaces": [{"nsid": ns.nsid, "backend": ns.conf.backend,
+                                "path": ns.conf.path, "size": ns.size,
+                                "block_size": ns.block_size, "read_only": ns.read_only,
+                                "io": ns.stats.copy()}
+                               for ns in sorted(sub.namespaces.values(), key=lambda n: n.nsid)]})
+        controllers = []
+        for ctrl in sorted(self.controllers.values(), key=lambda c: c.cntlid):
+            controllers.append({
+                "cntlid": ctrl.cntlid, "hostnqn": ctrl.hostnqn, "subnqn": ctrl.subnqn,
+                "discovery": ctrl.is_discovery, "provider": ctrl.provider,
+                "listener": ctrl.listener.endpoint, "peer": ctrl.peer,
+                "kato_ms": ctrl.kato_ms, "created": ctrl.created,
+                "queues": [{"qid": qid, "depth": q.depth, "in_use": q.outstanding}
+                           for qid, q in sorted(ctrl.queues.items())],
+                "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors})
+        now = time.time()
+        return {
+            "version": __version__, "pid": os.getpid(), "config": self.config.source,
+            "started": self.started, "uptime_s": now - self.started,
+            "state": "draining" if self.draining else "serving",
+            "reloads": self.reloads, "last_reload_error": self.last_reload_error,
+            "genctr": self.genctr,
+            "listeners": [{"endpoint": lc.endpoint, "name": lc.name, "address": lc.address,
+                           "port": lc.port, "provider": p,
+                           "controllers": per_listener.get(rl.listener_key(lc), 0)}
+                          for lc, p, _li in self.listeners],
+            "subsystems": subsystems, "controllers": controllers,
+        }
+
     # -- teardown --------------------------------------------------------------------
     def close(self) -> None:
         """Stop accepting, close every queue, flush and close every volume; idempotent."""
@@ -392,11 +782,18 @@ class Target:
             self.destroy_controller(ctrl, "target stopping")
         for session in list(self.sessions):
             self._close_queue(session)
+        for server in (self.control_server, self.metrics_server):
+            if server is not None:
+                server.close()
+        self.control_server = self.metrics_server = None
         self.executor.shutdown(wait=True)
         for sub in self.subsystems.values():
             self.flush_subsystem(sub)
             sub.close()
         self.subsystems.clear()
+        for ns in self._closing:
+            _close_namespace(ns)
+        self._closing.clear()
         for pool in list(self._control.values()) + list(self._bounce.values()):
             pool.close()
         self._control.clear()
@@ -406,3 +803,51 @@ class Target:
         self._pds.clear()
         self.reactor.close()
 
+
+
+def _close_namespace(ns: Namespace) -> None:
+    try:
+        ns.backend.flush()
+    except OSError as exc:
+        log.error("flushing nsid=%d: %s", ns.nsid, exc)
+    ns.close()
+
+
+def render_metrics(st: dict[str, Any]) -> str:
+    """The snapshot in the Prometheus text format, every name prefixed ``blockfabric_``."""
+    up = mx.Family("blockfabric_up", "gauge", "1 while the target serves, 0 while it drains.",
+                   [({}, 0 if st["state"] == "draining" else 1)])
+    reloads = mx.Family("blockfabric_reloads_total", "counter",
+                        "Configuration reloads applied.", [({}, st["reloads"])])
+    reload_ok = mx.Family("blockfabric_last_reload_ok", "gauge",
+                          "0 when the last reload was rejected.",
+                          [({}, 0 if st["last_reload_error"] else 1)])
+    listeners = mx.Family("blockfabric_listener_controllers", "gauge",
+                          "Controllers connected through each listener.",
+                          [({"listener": x["endpoint"], "provider": x["provider"]},
+                            x["controllers"]) for x in st["listeners"]])
+    sub_fams, ns_fams, ctrl_fams = (mx.IoFamilies(x) for x in
+                                    ("subsystem", "namespace", "controller"))
+    conns = mx.Family("blockfabric_subsystem_controllers", "gauge",
+                      "Controllers connected to each subsystem.")
+    size = mx.Family("blockfabric_namespace_size_bytes", "gauge", "Namespace size.")
+    for sub in st["subsystems"]:
+        labels = {"subnqn": sub["nqn"]}
+        sub_fams.add(labels, sub["io"])
+        conns.samples.append((labels, sub["controllers"]))
+        for ns in sub["namespaces"]:
+            nl = dict(labels, nsid=str(ns["nsid"]))
+            ns_fams.add(nl, ns["io"])
+            size.samples.append((nl, ns["size"]))
+    depth = mx.Family("blockfabric_controller_queue_depth_in_use", "gauge",
+                      "Commands the target holds on each queue (AERs included).")
+    queues = mx.Family("blockfabric_controller_queues", "gauge", "Connected queues.")
+    for c in st["controllers"]:
+        labels = {"cntlid": str(c["cntlid"]), "hostnqn": c["hostnqn"], "subnqn": c["subnqn"]}
+        if not c["discovery"]:
+            ctrl_fams.add(labels, c["io"])
+        queues.samples.append((labels, len(c["queues"])))
+        for q in c["queues"]:
+            depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
+    return mx.render([up, reloads, reload_ok, listeners, conns, size, queues, depth]
+                     + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

@@ -1,0 +1,204 @@
+"""I/O counters and latency histograms, and their Prometheus text exposition.
+
+The hot path pays for one ``perf_counter_ns`` pair, a ``bisect`` over 16 bucket bounds and a
+few integer additions per I/O, on the reactor thread, with no lock: only the reactor writes
+these numbers, and a scrape copies them on the reactor (``Reactor.call_sync``) before
+formatting.  That is why the exposition is written by hand instead of using
+prometheus_client: its metric objects take a lock on every increment, and it would be a new
+dependency for about sixty lines of text formatting.
+"""
+
+from __future__ import annotations
+
+import bisect
+import http.server
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+#: Upper bounds of the latency buckets, in seconds (a Prometheus ``le`` label each).
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                   50e-3, 100e-3, 250e-3, 500e-3, 1.0, 5.0)
+_BOUNDS_NS = [int(b * 1e9) for b in LATENCY_BUCKETS]
+
+READ, WRITE = 0, 1
+
+
+class IoStats:
+    """Counts for one namespace, controller or subsystem; index 0 reads, 1 writes."""
+
+    __slots__ = ("ops", "bytes", "errors", "buckets", "latency_ns", "inflight")
+
+    def __init__(self) -> None:
+        self.ops = [0, 0]
+        self.bytes = [0, 0]
+        self.errors = 0
+        # One more bucket than bounds: the +Inf bucket.  Stored per bucket, cumulated when
+        # exposed, so that an update touches one slot.
+        self.buckets = [[0] * (len(_BOUNDS_NS) + 1), [0] * (len(_BOUNDS_NS) + 1)]
+        self.latency_ns = [0, 0]
+        self.inflight = 0
+
+    def done(self, direction: int, nbytes: int, started_ns: int, ok: bool) -> None:
+        """One read or write finished (``started_ns`` from ``time.perf_counter_ns``)."""
+        elapsed = time.perf_counter_ns() - started_ns
+        if ok:
+            self.ops[direction] += 1
+            self.bytes[direction] += nbytes
+            self.buckets[direction][bisect.bisect_left(_BOUNDS_NS, elapsed)] += 1
+            self.latency_ns[direction] += elapsed
+        else:
+            self.errors += 1
+
+    def add(self, other: IoStats) -> None:
+        """Fold ``other`` in (a subsystem keeps the history of a removed namespace)."""
+        for d in (READ, WRITE):
+            self.ops[d] += other.ops[d]
+            self.bytes[d] += other.bytes[d]
+            self.latency_ns[d] += other.latency_ns[d]
+            self.buckets[d] = [a + b for a, b in zip(self.buckets[d], other.buckets[d])]
+        self.errors += other.errors
+
+    def copy(self) -> IoStats:
+        out = IoStats()
+        out.add(self)
+        out.inflight = self.inflight
+        return out
+
+    def as_dict(self) -> dict[str, int]:
+        return {"reads": self.ops[READ], "writes": self.ops[WRITE],
+                "read_bytes": self.bytes[READ], "written_bytes": self.bytes[WRITE],
+                "errors": self.errors, "inflight": self.inflight}
+
+
+# --- exposition ------------------------------------------------------------------------------
+
+@dataclass
+class Family:
+    """One metric family: name, type, help, and its samples (labels, value)."""
+
+    name: str
+    kind: str
+    help: str
+    samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value)) if value != float("inf") else "+Inf"
+
+
+def render(families: Iterable[Family]) -> str:
+    """The Prometheus text format (version 0.0.4)."""
+    lines = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {fam.help}")
+        lines.append(f"# TYPE {fam.name} {fam.kind}")
+        for labels, value in fam.samples:
+            suffix = ""
+            if "__suffix" in labels:
+                labels = dict(labels)
+                suffix = labels.pop("__suffix")
+            lines.append(f"{fam.name}{suffix}{_labels(labels)} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+class IoFamilies:
+    """The I/O families of one level (subsystem, namespace or controller)."""
+
+    def __init__(self, level: str) -> None:
+        p = f"blockfabric_{level}"
+        self.ops = Family(f"{p}_io_total", "counter",
+                          f"Reads and writes completed without error, per {level}.")
+        self.bytes = Family(f"{p}_io_bytes_total", "counter",
+                            f"Bytes moved by completed reads and writes, per {level}.")
+        self.errors = Family(f"{p}_io_errors_total", "counter",
+                             f"I/O commands that completed with an error status, per {level}.")
+        self.latency = Family(f"{p}_io_latency_seconds", "histogram",
+                              f"Time from command to response, per {level}.")
+        self.inflight = Family(f"{p}_io_inflight", "gauge",
+                               f"I/O commands being executed now, per {level}.")
+
+    def add(self, labels: dict[str, str], stats: IoStats) -> None:
+        for d, op in ((READ, "read"), (WRITE, "write")):
+            lab = dict(labels, op=op)
+            self.ops.samples.append((lab, stats.ops[d]))
+            self.bytes.samples.append((lab, stats.bytes[d]))
+            total = 0
+            for bound, count in zip(LATENCY_BUCKETS + (float("inf"),), stats.buckets[d]):
+                total += count
+                le = "+Inf" if bound == float("inf") else repr(bound)
+                self.latency.samples.append((dict(lab, le=le, __suffix="_bucket"), total))
+            self.latency.samples.append((dict(lab, __suffix="_sum"),
+                                         stats.latency_ns[d] / 1e9))
+            self.latency.samples.append((dict(lab, __suffix="_count"), total))
+        self.errors.samples.append((labels, stats.errors))
+        self.inflight.samples.append((labels, stats.inflight))
+
+    def families(self) -> list[Family]:
+        return [self.ops, self.bytes, self.errors, self.latency, self.inflight]
+
+
+# --- the HTTP listener -------------------------------------------------------------------
+
+class MetricsServer:
+    """``GET /metrics`` on a small thread; ``collect()`` returns the exposition text."""
+
+    def __init__(self, address: str, port: int, collect: Callable[[], str]) -> None:
+        collector = collect
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                try:
+                    body = collector().encode()
+                except Exception as exc:  # a scrape must not kill the thread
+                    log.warning("metrics scrape failed: %s", exc)
+                    self.send_error(503, "the target did not answer")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt: str, *args: object) -> None:
+                log.debug("metrics: " + fmt, *args)
+
+        server_class = http.server.HTTPServer
+        if ":" in address:
+            server_class = type("HTTPServer6", (http.server.HTTPServer,),
+                                {"address_family": socket.AF_INET6})
+        self.httpd = server_class((address, port), Handler)
+        self.address = address
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="metrics",
+                                       daemon=True)
+
+    def start(self) -> MetricsServer:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.httpd.shutdown()
+            self.thread.join(5)
+        self.httpd.server_close()

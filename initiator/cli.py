@@ -104,24 +104,41 @@ def build_parser() -> argparse.ArgumentParser:
                                    "which namespace NSID is the file n<NSID> and .status "
                                    "describes the controller. Runs in the background unless -f.")
     add_connection_flags(p)
-    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    for action in p._actions:   # not required with --config: checked by the command
+        if action.dest in ("traddr", "nqn"):
+            action.required = False
+    p.add_argument("mountpoint", metavar="MOUNTPOINT", nargs="?")
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", default="", metavar="OPT[,OPT...]",
-                   help="mount options: ro, allow_other, direct_io, ...")
+                   help="mount options: ro, allow_other, direct_io (default) or cache (the "
+                        "page cache), threads=N (FUSE worker threads, 1 = single-threaded), "
+                        "and any libfuse option")
+    p.add_argument("--config", metavar="FILE",
+                   help="mount what an initiator YAML lists (configs/initiator.yaml): the "
+                        "entry for MOUNTPOINT, or every entry with --all")
+    p.add_argument("--all", action="store_true", help="with --config: every listed mount")
     p.add_argument("--output-format", choices=("normal", "json"), default="normal",
                    help="output format")
 
     p = sub.add_parser("umount", help="unmount a blockfabric mount and disconnect its controller",
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter,
+                       description="Unmount (fusermount3 -u) and wait until the mount's "
+                                   "process has disconnected its controller and exited.")
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
     p = sub.add_parser("list", help="list active mounts and their controllers",
-                       formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter,
+                       description="List the mounts recorded under /run/blockfabric whose "
+                                   "process is alive and still mounted; stale records are "
+                                   "removed.")
     add_output_format(p)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
     p = sub.add_parser("disconnect", help="disconnect the controller of a mount (by subsystem NQN)",
                        formatter_class=HelpFormatter)
     p.add_argument("-n", "--nqn", required=True, metavar="SUBNQN", help="subsystem NQN")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
     p = sub.add_parser("bench", help="fio-style benchmark through the host library (no FUSE)",
                        formatter_class=HelpFormatter,

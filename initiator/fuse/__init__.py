@@ -1,0 +1,1 @@
+"""The FUSE mount: a binding-free filesystem (volumefs) behind one binding module."""

@@ -1,0 +1,351 @@
+"""The mounted filesystem, with no FUSE binding in it: files ``n<nsid>`` and ``.status``.
+
+Every operation here takes plain values (path, offset, bytes) and returns plain values or
+raises ``OSError`` with an errno, so the binding module (``binding.py``) stays a thin
+translation and can be swapped.  Calls arrive on many threads at once (the binding's worker
+pool); each one submits to the host library and blocks only on its own commands, so many
+NVMe commands are in flight while several FUSE requests are.
+
+Unaligned edges become read-modify-write of whole blocks.  Two RMWs of one block must not
+lose each other's bytes, so each edge block is held under a striped lock for the whole
+read-patch-write (whole-block writes take no lock: overlapping concurrent writes have no
+defined order on a block device either).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from blockfabric.initiator.host import Controller, Namespace, NvmeError, QueueDead
+from blockfabric.protocol import StatusCode
+
+STATUS_NAME = ".status"
+SUBTYPE = "blockfabric"          # the mount shows as fuse.blockfabric
+DEFAULT_THREADS = 16
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+_LOCK_STRIPES = 256
+
+# NVMe statuses that have a natural errno; the rest are EIO (what a disk error is).
+_ERRNO_OF_STATUS = {
+    StatusCode.LBA_OUT_OF_RANGE: errno.ENOSPC,
+    StatusCode.CAPACITY_EXCEEDED: errno.ENOSPC,
+    StatusCode.NS_WRITE_PROTECTED: errno.EROFS,
+    StatusCode.INVALID_OPCODE: errno.EOPNOTSUPP,
+}
+
+
+@dataclass
+class MountOptions:
+    """What ``-o`` may say.  ``direct_io`` bypasses the page cache (the default: a remote
+    volume shared with others must not be served stale from a local cache)."""
+
+    read_only: bool = False
+    allow_other: bool = False
+    direct_io: bool = True
+    threads: int = DEFAULT_THREADS     # FUSE worker threads; 1 = single-threaded loop
+    extra: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: str) -> MountOptions:
+        """Parse ``-o ro,allow_other,cache,threads=N``; unknown words go to libfuse."""
+        opts = cls()
+        for word in filter(None, (w.strip() for w in text.split(","))):
+            if word == "ro":
+                opts.read_only = True
+            elif word == "rw":
+                opts.read_only = False
+            elif word == "allow_other":
+                opts.allow_other = True
+            elif word == "direct_io":
+                opts.direct_io = True
+            elif word in ("cache", "page_cache", "no_direct_io"):
+                opts.direct_io = False
+            elif word.startswith("threads="):
+                opts.threads = _positive(word)
+            elif word == "single_thread":
+                opts.threads = 1
+            else:
+                opts.extra.append(word)
+        return opts
+
+    def words(self) -> list[str]:
+        return (["ro" if self.read_only else "rw"] + (["allow_other"] if self.allow_other else [])
+                + ["direct_io" if self.direct_io else "cache", f"threads={self.threads}"]
+                + self.extra)
+
+
+def _positive(word: str) -> int:
+    key, _, value = word.partition("=")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"mount option {key}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+class Counters:
+    """What the mount did, in FUSE terms (the NVMe queues keep their own counters)."""
+
+    NAMES = ("reads", "writes", "read_bytes", "write_bytes", "rmw_blocks", "flushes",
+             "discards", "write_zeroes", "errors", "largest_request")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for key, value in deltas.items():
+                self.values[key] += value
+
+    def request(self, size: int) -> None:
+        with self._lock:
+            if size > self.values["largest_request"]:
+                self.values["largest_request"] = size
+
+
+def nvme_errno(exc: BaseException) -> int:
+    """The errno a file user should see for a failed command."""
+    if isinstance(exc, NvmeError):
+        return _ERRNO_OF_STATUS.get(exc.status, errno.EIO)
+    if isinstance(exc, (QueueDead, ConnectionError)):
+        return errno.ENOTCONN
+    if isinstance(exc, TimeoutError):
+        return errno.ETIMEDOUT
+    return errno.EIO
+
+
+def _fail(code: int, what: str = "") -> OSError:
+    return OSError(code, os.strerror(code) + (f": {what}" if what else ""))
+
+
+class VolumeFS:
+    """A flat directory: one regular file per namespace, plus ``.status``."""
+
+    def __init__(self, ctrl: Controller, options: MountOptions) -> None:
+        self.ctrl = ctrl
+        self.options = options
+        self.counters = Counters()
+        self.started = time.time()
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self._stripes = [threading.Lock() for _ in range(_LOCK_STRIPES)]
+        self.files: dict[str, Namespace] = {f"n{nsid}": ns
+                                            for nsid, ns in sorted(ctrl.namespaces.items())}
+
+    # -- names and attributes ---------------------------------------------------------
+    def namespace(self, path: str) -> Namespace:
+        ns = self.files.get(path.lstrip("/"))
+        if ns is None:
+            raise _fail(errno.ENOENT)
+        return ns
+
+    def writable(self, ns: Namespace) -> bool:
+        return not (ns.read_only or self.options.read_only)
+
+    def names(self) -> list[str]:
+        return list(self.files) + [STATUS_NAME]
+
+    def getattr(self, path: str) -> dict[str, Any]:
+        name = path.lstrip("/")
+        born = int(self.started * 1e9)          # nanoseconds, as the binding expects
+        base = {"st_uid": self.uid, "st_gid": self.gid, "st_atime": born, "st_mtime": born,
+                "st_ctime": born}
+        if name == "":
+            return dict(base, st_mode=stat.S_IFDIR | 0o755, st_nlink=2)
+        if name == STATUS_NAME:
+            return dict(base, st_mode=stat.S_IFREG | 0o444, st_nlink=1,
+                        st_size=len(self.status_text()), st_mtime=time.time_ns())
+        ns = self.namespace(path)
+        mode = 0o644 if self.writable(ns) else 0o444
+        return dict(base, st_mode=stat.S_IFREG | mode, st_nlink=1, st_size=ns.size,
+                    st_blksize=ns.block_size, st_blocks=ns.size // 512)
+
+    def check_open(self, path: str, flags: int) -> None:
+        """Refuse what cannot work before any I/O: writing a read-only file is EROFS."""
+        name = path.lstrip("/")
+        writing = (flags & os.O_ACCMODE) != os.O_RDONLY or flags & os.O_TRUNC
+        if name == STATUS_NAME:
+            if writing:
+                raise _fail(errno.EROFS)
+            return
+        ns = self.namespace(path)
+        if writing and not self.writable(ns):
+            raise _fail(errno.EROFS)
+
+    def statfs(self) -> dict[str, int]:
+        total = sum(ns.size for ns in self.files.values())
+        bsize = 4096
+        return {"f_bsize": bsize, "f_frsize": bsize, "f_blocks": total // bsize,
+                "f_bfree": 0, "f_bavail": 0, "f_files": len(self.files) + 1, "f_ffree": 0,
+                "f_namemax": 255}
+
+    # -- data ------------------------------------------------------------------------
+    def read(self, path: str, size: int, offset: int) -> bytes:
+        if path.lstrip("/") == STATUS_NAME:
+            return self.status_text()[offset:offset + size]
+        ns = self.namespace(path)
+        end = min(offset + size, ns.size)
+        if offset >= end:
+            return b""
+        bs = ns.block_size
+        start = offset - offset % bs
+        stop = -(-end // bs) * bs
+        self.counters.request(size)
+        data = self._wait(ns.submit_read(start, stop - start))
+        self.counters.add(reads=1, read_bytes=end - offset)
+        return data[offset - start:end - start] if (start, stop) != (offset, end) else data
+
+    def write(self, path: str, data: bytes, offset: int) -> int:
+        ns = self._writable(path)
+        if offset + len(data) > ns.size:
+            if offset >= ns.size:
+                raise _fail(errno.ENOSPC, "past the end of the namespace")
+            data = data[:ns.size - offset]
+        self.counters.request(len(data))
+        self._patch(ns, offset, data)
+        self.counters.add(writes=1, write_bytes=len(data))
+        return len(data)
+
+    def fsync(self, path: str) -> None:
+        if path.lstrip("/") == STATUS_NAME:
+            return
+        ns = self.namespace(path)
+        self._call(ns.flush)
+        self.counters.add(flushes=1)
+
+    def fallocate(self, path: str, mode: int, offset: int, length: int) -> None:
+        """PUNCH_HOLE -> Dataset Management deallocate, ZERO_RANGE -> Write Zeroes; the
+        unaligned edges are zeroed by read-modify-write.  Plain allocation is a no-op: every
+        block of a namespace already exists."""
+        ns = self.namespace(path)
+        if offset < 0 or length <= 0:
+            raise _fail(errno.EINVAL)
+        known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+        if mode & ~known or (mode & FALLOC_FL_PUNCH_HOLE and not mode & FALLOC_FL_KEEP_SIZE):
+            raise _fail(errno.EOPNOTSUPP)
+        if mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE) and not self.writable(ns):
+            raise _fail(errno.EROFS)
+        end = min(offset + length, ns.size)
+        if not mode & (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE):
+            if offset + length > ns.size:
+                raise _fail(errno.EFBIG, "a namespace cannot grow")
+            return
+        if offset >= end:
+            return
+        bs = ns.block_size
+        first = -(-offset // bs) * bs          # first whole block inside the range
+        last = end // bs * bs                  # end of the last whole block inside it
+        if last <= first:                      # inside one block (or straddling two)
+            self._patch(ns, offset, bytes(end - offset))
+            return
+        if offset < first:
+            self._patch(ns, offset, bytes(first - offset))
+        if end > last:
+            self._patch(ns, last, bytes(end - last))
+        if mode & FALLOC_FL_PUNCH_HOLE and (ns.identify is None or ns.identify.dlfeat & 7 == 1):
+            self._call(ns.discard, first, last - first)
+            self.counters.add(discards=1)
+        else:
+            # Deallocate that does not promise zeroes on read-back cannot make a hole: say
+            # "write zeroes, and deallocate if you can" instead.
+            self._call(ns.write_zeroes, first, last - first,
+                       bool(mode & FALLOC_FL_PUNCH_HOLE))
+            self.counters.add(write_zeroes=1)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _writable(self, path: str) -> Namespace:
+        if path.lstrip("/") == STATUS_NAME:
+            raise _fail(errno.EROFS)
+        ns = self.namespace(path)
+        if not self.writable(ns):
+            raise _fail(errno.EROFS)
+        return ns
+
+    def _patch(self, ns: Namespace, offset: int, data: bytes) -> None:
+        """Write ``data`` at any offset: whole blocks as they are, partial edge blocks read,
+        patched and written back under their stripe locks, all as one command."""
+        bs = ns.block_size
+        end = offset + len(data)
+        start = offset - offset % bs
+        stop = -(-end // bs) * bs
+        if start == offset and stop == end:
+            self._wait(ns.submit_write(offset, data))
+            return
+        edges = sorted({start // bs, (stop - bs) // bs})
+        stripes = sorted({block % _LOCK_STRIPES for block in edges})
+        for i in stripes:
+            self._stripes[i].acquire()
+        try:
+            buf = bytearray(stop - start)
+            reads = [(block * bs, ns.submit_read(block * bs, bs)) for block in edges
+                     if not (block * bs >= offset and block * bs + bs <= end)]
+            for at, fut in reads:
+                buf[at - start:at - start + bs] = self._wait(fut)
+            buf[offset - start:end - start] = data
+            self._wait(ns.submit_write(start, buf))
+            self.counters.add(rmw_blocks=len(reads))
+        finally:
+            for i in reversed(stripes):
+                self._stripes[i].release()
+
+    def _wait(self, fut) -> Any:
+        try:
+            return fut.result()
+        except Exception as exc:
+            self.counters.add(errors=1)
+            raise _fail(nvme_errno(exc), str(exc)) from exc
+
+    def _call(self, func: Callable, *args: Any) -> Any:
+        try:
+            return func(*args)
+        except Exception as exc:
+            self.counters.add(errors=1)
+            raise _fail(nvme_errno(exc), str(exc)) from exc
+
+    # -- .status ---------------------------------------------------------------------
+    def status_text(self) -> bytes:
+        """The controller, its paths, queues, keep-alive, state and counters, in words."""
+        return status_report(self).encode()
+
+
+def status_report(fs: VolumeFS) -> str:
+    ctrl = fs.ctrl
+    opts = ctrl.opts
+    ident = ctrl.identify
+    dead = [q.qid for q in ctrl.io_queues if q.dead_reason]
+    admin_dead = ctrl.admin is None or ctrl.admin.dead_reason
+    state = "live" if not dead and not admin_dead else "degraded" if not admin_dead else "dead"
+    lines = [
+        f"subsystem   {opts.subnqn}",
+        f"controller  {ctrl.cntlid} (model {ident.mn.strip()!r}, serial {ident.sn.strip()!r}, "
+        f"firmware {ident.fr.strip()!r})" if ident else f"controller  {ctrl.cntlid}",
+        f"path        rdma {opts.traddr}:{opts.trsvcid} via the {ctrl.provider.name} provider",
+        f"host        {ctrl.hostnqn}",
+        f"state       {state}",
+        f"keep-alive  {opts.keep_alive_tmo:g} s timeout, sent every {opts.keep_alive_tmo / 2:g} s",
+        f"max transfer {ctrl.max_transfer} bytes, in-capsule data {ctrl.inline_size} bytes",
+        f"mount       {','.join(fs.options.words())}, up since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fs.started))}",
+        "namespaces",
+    ]
+    for name, ns in fs.files.items():
+        ro = "read-only" if not fs.writable(ns) else "read-write"
+        lines.append(f"  {name}: {ns.size} bytes, {ns.nblocks} blocks of {ns.block_size} "
+                     f"bytes, {ro}")
+    lines.append("queues")
+    for qid, st in ctrl.queue_stats().items():
+        kind = "admin" if qid == 0 else "io"
+        lines.append(f"  queue {qid} ({kind}): submitted {st['submitted']}, completed "
+                     f"{st['completed']}, in flight {st['inflight']}, max in flight "
+                     f"{st['max_inflight']}, errors {st['errors']}")
+    lines.append("counters")
+    for key, value in fs.counters.values.items():
+        lines.append(f"  {key.replace('_', ' ')}: {value}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,281 @@
+"""``blockfabric mount``, ``umount``, ``list`` and ``disconnect``.
+
+A mount is one process: it holds the controller, serves FUSE, and on unmount (SIGTERM,
+``blockfabric umount``, ``fusermount -u``) disconnects and removes its record.  Without
+``-f`` the command forks that process and exits 0 only once the mount is live, or non-zero
+with the child's reason: a caller (a script, a systemd unit) can trust the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from blockfabric.errors import BlockfabricError
+from blockfabric.initiator import runtime
+from blockfabric.initiator.fuse.volumefs import MountOptions, VolumeFS
+from blockfabric.initiator.host import ConnectOptions, Controller
+
+log = logging.getLogger(__name__)
+
+READY = b"ready\n"
+UMOUNT_WAIT = 15.0
+_TERM_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+class MountError(BlockfabricError):
+    """A mount could not be set up or taken down; the message says why."""
+
+
+# --------------------------------------------------------------------------- mounting
+
+def check_mountpoint(mountpoint: str) -> str:
+    """The resolved mount point (resolved now, before it is mounted: later a stat of it
+    would go through FUSE), or MountError if it cannot take a mount now."""
+    path = os.path.realpath(mountpoint)
+    if not os.path.isdir(path):
+        raise MountError(f"mount point {path} does not exist or is not a directory")
+    if path in runtime.blockfabric_mounts():
+        raise MountError(f"{path} already carries a blockfabric mount")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise MountError("/dev/fuse is missing or not accessible (is the fuse module loaded?)")
+    return path
+
+
+def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
+                on_ready: Callable[[], None] | None = None) -> None:
+    """Connect, mount, serve until unmounted, then disconnect and drop the record.
+
+    Termination signals are blocked while the controller's threads start, so that they
+    inherit the block and libfuse's handler runs in the main thread, the one it wakes."""
+    from blockfabric.initiator.fuse import binding
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
+    try:
+        ctrl = Controller(conn).connect()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    live = False
+    try:
+        fs = VolumeFS(ctrl, options)
+
+        def ready() -> None:
+            nonlocal live
+            runtime.write_record(make_record(ctrl, mountpoint, options))
+            live = True
+            log.info("mounted %s at %s", conn.subnqn, mountpoint)
+            if on_ready is not None:
+                on_ready()
+
+        try:
+            binding.serve(fs, mountpoint, fsname=conn.subnqn, on_ready=ready)
+        except RuntimeError as exc:
+            # libfuse reports "ended by a signal" as an error code too; only a mount that
+            # never came up is a failure.
+            if not live:
+                raise MountError(f"could not mount at {mountpoint} (libfuse error {exc})") \
+                    from exc
+    finally:
+        if live:
+            runtime.remove_record(mountpoint, os.getpid())
+        ctrl.close()
+        log.info("unmounted %s and disconnected", mountpoint)
+
+
+def make_record(ctrl: Controller, mountpoint: str, options: MountOptions) -> runtime.MountRecord:
+    opts = ctrl.opts
+    return runtime.MountRecord(
+        mountpoint=mountpoint, pid=os.getpid(), subnqn=opts.subnqn, traddr=opts.traddr,
+        trsvcid=opts.trsvcid, provider=ctrl.provider.name, cntlid=ctrl.cntlid,
+        hostnqn=ctrl.hostnqn, options=options.words(),
+        namespaces=[{"nsid": ns.nsid, "file": f"n{ns.nsid}", "size": ns.size,
+                     "block_size": ns.block_size, "read_only": ns.read_only}
+                    for ns in ctrl.namespaces.values()],
+        started=time.time())
+
+
+def daemonize(run: Callable[[Callable[[], None]], None]) -> int:
+    """Fork ``run(on_ready)``; return 0 once it reports ready, 1 with its reason if not.
+
+    The child detaches (new session, stdio to /dev/null once live, so a caller's pipes
+    close) and exits when ``run`` returns."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(wfd)
+        with os.fdopen(rfd, "rb") as pipe:
+            message = pipe.read()
+        if message.startswith(READY):
+            return 0
+        os.waitpid(pid, 0)
+        text = message.decode(errors="replace").strip() or "the mount process exited early"
+        print(f"blockfabric mount: {text}", file=sys.stderr)
+        return 1
+    os.close(rfd)
+    os.setsid()
+    code = 0
+
+    def on_ready() -> None:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+        os.write(wfd, READY)
+        os.close(wfd)
+
+    try:
+        run(on_ready)
+    except (BlockfabricError, OSError, TimeoutError, ValueError) as exc:
+        code = 1
+        _tell(wfd, str(exc))
+    except BaseException as exc:  # noqa: BLE001  (the parent must hear why, whatever it is)
+        code = 1
+        _tell(wfd, f"{type(exc).__name__}: {exc}")
+    os._exit(code)
+
+
+def _tell(fd: int, text: str) -> None:
+    try:
+        os.write(fd, text.encode() + b"\n")
+    except OSError:
+        pass  # already reported ready and closed: stdio is gone, nothing left to tell
+
+
+def mount_one(conn: ConnectOptions, mountpoint: str, options: MountOptions,
+              foreground: bool) -> int:
+    mountpoint = check_mountpoint(mountpoint)
+    if foreground:
+        serve_mount(conn, mountpoint, options)
+        return 0
+    return daemonize(lambda ready: serve_mount(conn, mountpoint, options, ready))
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    if getattr(args, "config", None):
+        return mount_from_config(args)
+    missing = [flag for flag, value in (("-a/--traddr", args.traddr), ("-n/--nqn", args.nqn),
+                                        ("MOUNTPOINT", args.mountpoint)) if not value]
+    if missing:
+        print(f"blockfabric mount: missing {', '.join(missing)} (or use --config FILE --all)",
+              file=sys.stderr)
+        return 2
+    from blockfabric.initiator.commands import options as connect_options
+    try:
+        mopts = MountOptions.parse(args.options)
+    except ValueError as exc:
+        print(f"blockfabric mount: {exc}", file=sys.stderr)
+        return 2
+    return mount_one(connect_options(args, args.nqn), args.mountpoint, mopts, args.foreground)
+
+
+def mount_from_config(args: argparse.Namespace) -> int:
+    """Bring up the mounts a config file lists (all, or the ones named by mount point),
+    each as its own daemonised ``blockfabric mount``; skip those already mounted."""
+    from blockfabric.initiator.initiator_config import load
+    config = load(args.config)
+    wanted = config.mounts if args.all else [
+        m for m in config.mounts if args.mountpoint and
+        os.path.abspath(m.mountpoint) == os.path.abspath(args.mountpoint)]
+    if not wanted:
+        print(f"blockfabric mount: {args.config}: no mount selected (give --all or a "
+              f"MOUNTPOINT the file lists)", file=sys.stderr)
+        return 2
+    failed = 0
+    mounted = runtime.blockfabric_mounts()
+    for spec in wanted:
+        if os.path.abspath(spec.mountpoint) in mounted:
+            print(f"{spec.mountpoint}: already mounted")
+            continue
+        argv = [sys.executable, "-m", "blockfabric.initiator.cli", "mount", *spec.argv()]
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, check=False)
+        if proc.returncode:
+            failed += 1
+        else:
+            print(f"{spec.mountpoint}: mounted {spec.nqn}")
+    return 1 if failed else 0
+
+
+# --------------------------------------------------------------------------- unmounting
+
+def unmount(mountpoint: str, timeout: float = UMOUNT_WAIT) -> None:
+    """Unmount and wait until the mount's process has disconnected and exited."""
+    rec = runtime.find_record(mountpoint)
+    path = rec.mountpoint if rec is not None else os.path.abspath(mountpoint)
+    if rec is None and path not in runtime.blockfabric_mounts():
+        raise MountError(f"{path} is not a blockfabric mount")
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool is not None:
+        done = subprocess.run([tool, "-u", path], capture_output=True, text=True, check=False)
+        if done.returncode and rec is not None:
+            log.info("%s -u failed (%s); asking the mount process", tool, done.stderr.strip())
+            _signal(rec.pid, signal.SIGTERM)
+        elif done.returncode:
+            raise MountError(f"{tool} -u {path}: {done.stderr.strip()}")
+    elif rec is not None:
+        _signal(rec.pid, signal.SIGTERM)
+    else:
+        raise MountError("neither fusermount3 nor fusermount is installed")
+    if rec is not None and not wait_gone(rec.pid, timeout):
+        raise MountError(f"mount process {rec.pid} of {path} did not exit within {timeout:g} s")
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)   # reap it if it happens to be our child
+        except ChildProcessError:
+            pass
+        if not runtime.pid_alive(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    unmount(args.mountpoint)
+    return 0
+
+
+def cmd_disconnect(args: argparse.Namespace) -> int:
+    records = [r for r in runtime.active_records() if r.subnqn == args.nqn]
+    if not records:
+        print(f"blockfabric disconnect: no mount of {args.nqn}", file=sys.stderr)
+        return 1
+    for rec in records:
+        unmount(rec.mountpoint)
+        print(f"NQN:{args.nqn} disconnected (unmounted {rec.mountpoint})")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    records = runtime.active_records()
+    if args.output_format == "json":
+        json.dump({"mounts": [vars(r) for r in records]}, sys.stdout, indent=2)
+        print()
+        return 0
+    if not records:
+        print("no blockfabric mounts")
+        return 0
+    header = ("Mountpoint", "Subsystem NQN", "Address", "Cntlid", "Namespaces", "PID")
+    rows = [(r.mountpoint, r.subnqn, f"rdma {r.traddr}:{r.trsvcid} ({r.provider})",
+             str(r.cntlid), " ".join(n["file"] for n in r.namespaces), str(r.pid))
+            for r in records]
+    widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+    for row in [header, tuple("-" * w for w in widths)] + rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0

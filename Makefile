@@ -21,13 +21,15 @@ PYTEST_ARGS ?=
 DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ibverbs-providers iproute2 util-linux e2fsprogs strace
 
-.PHONY: all deps venv test demo clean help
+.PHONY: all deps venv test demo lab bench-rdma bench-rdma-lab clean help
 
 all: help
 
 help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
 	@echo "make test   set up and run the full test suite"
+	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
+	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
 	@echo "make clean  remove the venv and build leftovers"
 
 deps:
@@ -58,6 +60,26 @@ test: venv
 
 demo: venv
 	$(PY) scripts/demo.py
+
+# The lab boots Debian's stock kernel under QEMU with rdma_rxe (Soft-RoCE) and runs suites
+# against rxe0 with the verbs provider. lab/setup installs what it needs and exits 77 where
+# QEMU or the kernel package cannot be had: only then is the lab skipped.
+LAB_TIMEOUT ?= 1200
+lab: venv
+	@rc=0; lab/setup || rc=$$?; \
+	if [ $$rc = 77 ]; then echo "make lab: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \
+	[ $$rc = 0 ] || exit $$rc; \
+	set -o pipefail; \
+	{ echo "# lab/run tests/lab/run-suite.sh  ($$(date -u +%F), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest under QEMU, rxe0 on labnet0)"; \
+	  LAB_TIMEOUT=$(LAB_TIMEOUT) lab/run tests/lab/run-suite.sh 2>&1; } | tee tests/lab/last-run.txt
+
+# Benchmarks are never part of `make test`: they take minutes and want a quiet machine.
+bench-rdma: venv
+	$(PY) benchmarks/rdma_bw.py --runs 5 --bytes 1G $(BENCH_ARGS)
+	$(PY) benchmarks/rdma_bw.py --runs 5 --bytes 1G --progress poll $(BENCH_ARGS)
+
+bench-rdma-lab: venv
+	LAB_OUT=benchmarks/results lab/run tests/lab/bench-verbs.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

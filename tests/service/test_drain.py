@@ -3,6 +3,7 @@ acknowledged is in the file after the daemon exits, and the exit code is 0."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
@@ -74,3 +75,60 @@ def test_sigterm_drains_and_loses_no_acknowledged_write(tmp_path, start_service)
     missing = [b for b, data in acked.items() if on_disk[b * BS:b * BS + len(data)] != data]
     assert not missing, f"{len(missing)} of {len(acked)} acknowledged writes are not on disk"
     assert errors, "the host never noticed the target going away"
+
+
+def test_drain_fdatasyncs_after_the_last_write(tmp_path):
+    """The flush is real: under strace, an fdatasync follows the volume's last pwritev."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+    import yaml
+
+    if shutil.which("strace") is None:
+        pytest.skip("strace is missing (Debian package strace)")
+    from blockfabric.initiator.host import connect
+
+    from .conftest import NQN, HOSTNQN
+    volume = tmp_path / "vol.img"
+    port = free_port()
+    config = base_config(tmp_path, port)
+    config["subsystems"][0]["namespaces"] = [
+        {"nsid": 1, "backend": "file", "path": str(volume), "size": "4MiB"}]
+    conf = tmp_path / "t.yaml"
+    conf.write_text(yaml.safe_dump(config))
+    trace = tmp_path / "trace"
+    proc = subprocess.Popen(["strace", "-f", "-qq", "-e", "trace=pwritev,pwritev2,fdatasync",
+                             "-o", str(trace), sys.executable, "-m", "blockfabric.target.cli",
+                             "run", "-C", str(conf)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
+                               nr_io_queues=1)
+                break
+            except ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        with ctrl:
+            for i in range(8):
+                ctrl.namespaces[1].write(i * 8192, random.Random(i).randbytes(8192))
+            # SIGTERM to the daemon itself (strace does not pass signals on); its pid
+            # comes from the control socket.
+            from blockfabric.target.control import request
+            pid = request(config["control_socket"], "status")["pid"]
+            assert pid != proc.pid
+            os.kill(pid, signal.SIGTERM)
+            assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = trace.read_text().splitlines()
+    writes = [i for i, line in enumerate(lines) if "pwritev" in line and "= 8192" in line]
+    syncs = [i for i, line in enumerate(lines) if "fdatasync(" in line and "= 0" in line]
+    assert len(writes) >= 8, lines[-20:]
+    assert syncs and syncs[-1] > writes[-1], lines[-20:]

@@ -18,8 +18,9 @@ PYTEST_ARGS ?=
 #   iproute2           ip netns/veth, used by the multi-host tests
 #   util-linux e2fsprogs   losetup, mkfs.ext4, fsck for the block-device tests
 #   strace             tests that prove fsync/rename ordering with the real syscalls
+#   systemd            systemd-analyze verify on the unit files (PID 1 need not be systemd)
 DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
-            ibverbs-providers iproute2 util-linux e2fsprogs strace
+            ibverbs-providers iproute2 util-linux e2fsprogs strace systemd
 
 .PHONY: all deps venv test demo lab bench-rdma bench-rdma-lab clean help
 

@@ -152,19 +152,37 @@ def mount_one(conn: ConnectOptions, mountpoint: str, options: MountOptions,
               foreground: bool) -> int:
     mountpoint = check_mountpoint(mountpoint)
     if foreground:
-        serve_mount(conn, mountpoint, options)
+        from blockfabric.sdnotify import sd_notify
+        serve_mount(conn, mountpoint, options, lambda: sd_notify("READY=1"))
         return 0
     return daemonize(lambda ready: serve_mount(conn, mountpoint, options, ready))
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    if getattr(args, "config", None):
-        return mount_from_config(args)
-    missing = [flag for flag, value in (("-a/--traddr", args.traddr), ("-n/--nqn", args.nqn),
-                                        ("MOUNTPOINT", args.mountpoint)) if not value]
-    if missing:
-        print(f"blockfabric mount: missing {', '.join(missing)} (or use --config FILE --all)",
-              file=sys.stderr)
+    """Flags as nvme-cli; or, without -a/-n, MOUNTPOINT names an entry of the initiator
+    YAML (--config, default /etc/blockfabric/initiator.yaml), as the systemd unit does."""
+    from blockfabric.initiator.initiator_config import DEFAULT_PATH, load
+    if args.all or not (args.traddr and args.nqn):
+        if args.traddr or args.nqn:
+            print("blockfabric mount: give both -a and -n, or neither (to use --config)",
+                  file=sys.stderr)
+            return 2
+        if not args.all and not args.mountpoint:
+            print("blockfabric mount: give -a, -n and MOUNTPOINT, or --config FILE --all",
+                  file=sys.stderr)
+            return 2
+        config = load(args.config or DEFAULT_PATH)
+        if args.all:
+            return mount_all(config.mounts)
+        spec = config.find(args.mountpoint)
+        if spec is None:
+            print(f"blockfabric mount: {config.path}: no mount named or mounted at "
+                  f"{args.mountpoint}", file=sys.stderr)
+            return 2
+        return mount_one(spec.connect_options(), spec.mountpoint, spec.mount_options(),
+                         args.foreground)
+    if not args.mountpoint:
+        print("blockfabric mount: missing MOUNTPOINT", file=sys.stderr)
         return 2
     from blockfabric.initiator.commands import options as connect_options
     try:
@@ -175,27 +193,21 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return mount_one(connect_options(args, args.nqn), args.mountpoint, mopts, args.foreground)
 
 
-def mount_from_config(args: argparse.Namespace) -> int:
-    """Bring up the mounts a config file lists (all, or the ones named by mount point),
-    each as its own daemonised ``blockfabric mount``; skip those already mounted."""
-    from blockfabric.initiator.initiator_config import load
-    config = load(args.config)
-    wanted = config.mounts if args.all else [
-        m for m in config.mounts if args.mountpoint and
-        os.path.abspath(m.mountpoint) == os.path.abspath(args.mountpoint)]
-    if not wanted:
-        print(f"blockfabric mount: {args.config}: no mount selected (give --all or a "
-              f"MOUNTPOINT the file lists)", file=sys.stderr)
-        return 2
+def mount_all(specs: list) -> int:
+    """Bring up every listed mount (each daemonised, in turn), skipping live ones; one
+    failure does not stop the others."""
     failed = 0
-    mounted = runtime.blockfabric_mounts()
-    for spec in wanted:
-        if os.path.abspath(spec.mountpoint) in mounted:
+    for spec in specs:
+        if os.path.abspath(spec.mountpoint) in runtime.blockfabric_mounts():
             print(f"{spec.mountpoint}: already mounted")
             continue
-        argv = [sys.executable, "-m", "blockfabric.initiator.cli", "mount", *spec.argv()]
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, check=False)
-        if proc.returncode:
+        try:
+            code = mount_one(spec.connect_options(), spec.mountpoint, spec.mount_options(),
+                             foreground=False)
+        except MountError as exc:
+            print(f"blockfabric mount: {spec.name}: {exc}", file=sys.stderr)
+            code = 1
+        if code:
             failed += 1
         else:
             print(f"{spec.mountpoint}: mounted {spec.nqn}")

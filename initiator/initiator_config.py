@@ -1,0 +1,149 @@
+"""The initiator's YAML: mounts that should come up at boot (configs/initiator.yaml).
+
+One model, loaded and validated in one place: a bad file fails whole at load with a
+:class:`ConfigError` naming the file, the key path and what was expected, so no mount starts
+half-configured.  Defaults match ``blockfabric mount``'s flags (and so nvme-cli's).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+from blockfabric.errors import ConfigError
+from blockfabric.initiator.fuse.volumefs import MountOptions
+from blockfabric.initiator.host import ConnectOptions
+
+DEFAULT_PATH = "/etc/blockfabric/initiator.yaml"
+PROVIDERS = ("auto", "soft", "verbs")
+
+
+@dataclass
+class MountSpec:
+    """One mount: where the subsystem is, where it goes, and how."""
+
+    traddr: str
+    nqn: str
+    mountpoint: str
+    name: str = ""
+    trsvcid: int = 4420
+    provider: str = "auto"
+    hostnqn: str | None = None
+    options: list[str] = field(default_factory=list)
+    nr_io_queues: int = 2
+    queue_size: int = 128
+    keep_alive_tmo: int = 5
+    reconnect_delay: int = 10
+    ctrl_loss_tmo: int = 600
+
+    def connect_options(self) -> ConnectOptions:
+        return ConnectOptions(traddr=self.traddr, subnqn=self.nqn, trsvcid=self.trsvcid,
+                              hostnqn=self.hostnqn, provider=self.provider,
+                              nr_io_queues=self.nr_io_queues, queue_size=self.queue_size,
+                              keep_alive_tmo=self.keep_alive_tmo,
+                              reconnect_delay=self.reconnect_delay,
+                              ctrl_loss_tmo=self.ctrl_loss_tmo)
+
+    def mount_options(self) -> MountOptions:
+        return MountOptions.parse(",".join(self.options))
+
+
+@dataclass
+class InitiatorConfig:
+    path: str
+    mounts: list[MountSpec]
+
+    def find(self, name: str) -> MountSpec | None:
+        """The entry called ``name``, or mounted at ``name`` (with or without a leading /,
+        as a systemd instance name gives it)."""
+        as_path = os.path.abspath("/" + name.lstrip("/"))
+        for spec in self.mounts:
+            if name == spec.name or as_path == os.path.abspath(spec.mountpoint):
+                return spec
+        return None
+
+
+_REQUIRED = ("traddr", "nqn", "mountpoint")
+_INTS = {"trsvcid": (1, 65535), "nr_io_queues": (1, 1024), "queue_size": (16, 1024),
+         "keep_alive_tmo": (0, 3600), "reconnect_delay": (1, 3600),
+         "ctrl_loss_tmo": (-1, 1 << 31)}
+
+
+def load(path: str) -> InitiatorConfig:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(path, "(file)", "a readable YAML file", exc.strerror) from exc
+    return loads(text, path)
+
+
+def loads(text: str, path: str = "<string>") -> InitiatorConfig:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(path, "(file)", "valid YAML", str(exc).splitlines()[0]) from exc
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigError(path, "(top level)", "a mapping with the key 'mounts'", doc)
+    unknown = set(doc) - {"mounts"}
+    if unknown:
+        raise ConfigError(path, sorted(unknown)[0], "only 'mounts' at the top level")
+    raw = doc.get("mounts") or []
+    if not isinstance(raw, list):
+        raise ConfigError(path, "mounts", "a list of mounts", raw)
+    mounts = [_spec(path, f"mounts[{i}]", item) for i, item in enumerate(raw)]
+    seen: dict[str, str] = {}
+    for i, spec in enumerate(mounts):
+        for key, value in (("mountpoint", os.path.abspath(spec.mountpoint)), ("name", spec.name)):
+            if (key, value) in seen:
+                raise ConfigError(path, f"mounts[{i}].{key}",
+                                  f"a {key} not used by {seen[(key, value)]}", value)
+            seen[(key, value)] = f"mounts[{i}]"
+    return InitiatorConfig(path, mounts)
+
+
+def _spec(path: str, where: str, item: Any) -> MountSpec:
+    if not isinstance(item, dict):
+        raise ConfigError(path, where, "a mapping (traddr, nqn, mountpoint, ...)", item)
+    known = {f.name for f in fields(MountSpec)}
+    for key in item:
+        if key not in known:
+            raise ConfigError(path, f"{where}.{key}", f"one of {', '.join(sorted(known))}")
+    for key in _REQUIRED:
+        if not isinstance(item.get(key), str) or not item[key]:
+            raise ConfigError(path, f"{where}.{key}", "a non-empty string", item.get(key))
+    if not os.path.isabs(item["mountpoint"]):
+        raise ConfigError(path, f"{where}.mountpoint", "an absolute path", item["mountpoint"])
+    values = dict(item)
+    for key, (low, high) in _INTS.items():
+        if key in values:
+            value = values[key]
+            if isinstance(value, str) and value.isdigit():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(path, f"{where}.{key}", f"an integer {low}..{high}",
+                                  values[key])
+            values[key] = value
+    if values.get("provider", "auto") not in PROVIDERS:
+        raise ConfigError(path, f"{where}.provider", f"one of {', '.join(PROVIDERS)}",
+                          values["provider"])
+    opts = values.get("options", [])
+    if isinstance(opts, str):
+        opts = [w for w in opts.split(",") if w]
+    if not isinstance(opts, list) or not all(isinstance(w, str) for w in opts):
+        raise ConfigError(path, f"{where}.options", "a list of mount options (or 'a,b')", opts)
+    values["options"] = opts
+    try:
+        MountOptions.parse(",".join(opts))
+    except ValueError as exc:
+        raise ConfigError(path, f"{where}.options", "valid mount options", str(exc)) from exc
+    for key in ("name", "hostnqn"):
+        if key in values and values[key] is not None and not isinstance(values[key], str):
+            raise ConfigError(path, f"{where}.{key}", "a string", values[key])
+    values.setdefault("name", os.path.basename(values["mountpoint"].rstrip("/")) or "root")
+    return MountSpec(**values)

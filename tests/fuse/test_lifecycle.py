@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import pwd
 import shutil
 import signal
 import subprocess
+import tempfile
 
 import pytest
 import yaml
@@ -16,7 +19,7 @@ import yaml
 from blockfabric.errors import ConfigError
 from blockfabric.initiator.initiator_config import load, loads
 
-from .conftest import NQN, Mount, free_port, mounted_at, run_cli, wait_gone
+from .conftest import BIN, NQN, Mount, free_port, mounted_at, run_cli, wait_gone
 
 
 def leftovers(m: Mount) -> list[str]:
@@ -169,3 +172,36 @@ def test_loop_device_ext4_copy_and_fsck(make_mount, tmp_path):
         if mounted:
             subprocess.run(["umount", "-l", str(fsdir)], check=False)
         subprocess.run(["losetup", "-d", loop], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root to become an ordinary user (setpriv)")
+def test_ordinary_user_mounts_uses_and_unmounts(target):
+    """As nobody: mount (fusermount3 does the privileged part), write and read, umount."""
+    nobody = pwd.getpwnam("nobody")
+    base = tempfile.mkdtemp(prefix="bf-user-")
+    try:
+        os.chmod(base, 0o755)
+        os.makedirs(os.path.join(base, "mnt"))
+        for path in (base, os.path.join(base, "mnt")):
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        m = Mount(target, pathlib.Path(base), name="mnt")
+        as_user = ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}",
+                   "--clear-groups", "env", f"HOME={base}"]
+        env = dict(m.env, BLOCKFABRIC_RUNTIME_DIR=os.path.join(base, "run"))
+        blockfabric = str(BIN / "blockfabric")
+        subprocess.run(as_user + [blockfabric, *m.argv()], env=env, check=True, timeout=30)
+        try:
+            out = subprocess.run(as_user + ["sh", "-c", f"printf user | dd of={m.file('n1')} "
+                                 f"conv=notrunc status=none; head -c 4 {m.file('n1')}; "
+                                 f"grep -c 'state       live' {m.file('.status')}"],
+                                 capture_output=True, text=True, timeout=30)
+            assert out.stdout == "user1\n", out
+        finally:
+            subprocess.run(as_user + [blockfabric, "umount", m.path], env=env, timeout=30)
+        assert not mounted_at(m.path)
+        assert leftovers(m) == []
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", os.path.join(base, "mnt")],
+                       capture_output=True, check=False)
+        shutil.rmtree(base, ignore_errors=True)

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from blockfabric.errors import ConfigError
-from blockfabric.initiator.fuse.volumefs import MountOptions
+from blockfabric.initiator.fusefs import MountOptions
 from blockfabric.initiator.host import ConnectOptions
 
 DEFAULT_PATH = "/etc/blockfabric/initiator.yaml"

@@ -21,7 +21,7 @@ from typing import Callable
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.initiator import runtime
-from blockfabric.initiator.fuse.volumefs import MountOptions, VolumeFS
+from blockfabric.initiator.fusefs import MountOptions, VolumeFS
 from blockfabric.initiator.host import ConnectOptions, Controller
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
 
     Termination signals are blocked while the controller's threads start, so that they
     inherit the block and libfuse's handler runs in the main thread, the one it wakes."""
-    from blockfabric.initiator.fuse import binding
+    from blockfabric.initiator import fuse_binding as binding
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
     try:
         ctrl = Controller(conn).connect()

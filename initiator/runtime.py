@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from blockfabric.initiator.fuse.volumefs import SUBTYPE
+from blockfabric.initiator.fusefs import SUBTYPE
 
 ROOT_RUNTIME_DIR = "/run/blockfabric"
 RECORD_PREFIX = "mount-"

@@ -13,7 +13,7 @@ import errno
 import os
 import sys
 
-from blockfabric.initiator.fuse.volumefs import MountOptions, VolumeFS
+from blockfabric.initiator.fusefs import MountOptions, VolumeFS
 from blockfabric.initiator.host import connect
 
 

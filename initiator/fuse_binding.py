@@ -22,7 +22,7 @@ os.environ.setdefault("FUSE_LIBRARY_PATH", "libfuse3.so.3")
 
 import mfusepy  # noqa: E402  (must follow the library choice above)
 
-from blockfabric.initiator.fuse.volumefs import STATUS_NAME, SUBTYPE, VolumeFS  # noqa: E402
+from blockfabric.initiator.fusefs import STATUS_NAME, SUBTYPE, VolumeFS  # noqa: E402
 
 MAX_REQUEST = 1 << 20
 

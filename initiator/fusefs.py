@@ -1,7 +1,7 @@
 """The mounted filesystem, with no FUSE binding in it: files ``n<nsid>`` and ``.status``.
 
 Every operation here takes plain values (path, offset, bytes) and returns plain values or
-raises ``OSError`` with an errno, so the binding module (``binding.py``) stays a thin
+raises ``OSError`` with an errno, so the binding module (``fuse_binding.py``) stays a thin
 translation and can be swapped.  Calls arrive on many threads at once (the binding's worker
 pool); each one submits to the host library and blocks only on its own commands, so many
 NVMe commands are in flight while several FUSE requests are.

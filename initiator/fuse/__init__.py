@@ -1,1 +1,0 @@
-"""The FUSE mount: a binding-free filesystem (volumefs) behind one binding module."""

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockfabric.initiator.bench import (BenchError, DirStats, VerifyHeader, _crc32c,
+from blockfabric.initiator.bench import (BenchError, DirStats, VerifyHeader, _crc32c, crc32c_py,
                                          check_block, fill_block, fio_num, parse_fio_size)
 
 crc = _crc32c()
@@ -67,3 +67,9 @@ def test_percentiles_are_nearest_rank_with_fios_keys():
 
 def test_fio_style_numbers():
     assert [fio_num(v) for v in (950, 12345, 1_234_567)] == ["950", "12.3k", "1.23M"]
+
+
+def test_the_pure_python_crc32c_matches_the_check_value_and_continues():
+    assert crc32c_py(b"123456789") == 0xE3069283              # RFC 3720's check value
+    data = random.Random(5).randbytes(3000)
+    assert crc32c_py(data[1000:], crc32c_py(data[:1000])) == crc32c_py(data) == crc(data)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from blockfabric.fileutil import atomic_write
 from blockfabric.initiator.fusefs import SUBTYPE
 
 ROOT_RUNTIME_DIR = "/run/blockfabric"
@@ -68,23 +68,7 @@ def write_record(record: MountRecord, directory: str | None = None) -> str:
     directory = directory or runtime_dir()
     os.makedirs(directory, mode=0o755, exist_ok=True)
     path = record_path(record.mountpoint, directory)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(asdict(record), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(path, json.dumps(asdict(record), indent=2) + "\n", mode=0o644)
     return path
 
 

@@ -39,7 +39,6 @@ import hashlib
 import ipaddress
 import os
 import re
-import tempfile
 import uuid
 from dataclasses import dataclass, fields
 from importlib import resources
@@ -48,6 +47,7 @@ from typing import Any, ClassVar, Iterable, NoReturn, TypeVar
 import yaml
 
 from blockfabric.errors import ConfigError
+from blockfabric.fileutil import atomic_write
 from blockfabric.sizes import KiB, MiB, SizeError, format_size, parse_size
 
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
@@ -610,23 +610,3 @@ def default_config() -> TargetConfig:
     return loads(default_text(), f"<embedded {DEFAULT_CONFIG_RESOURCE}>")
 
 
-def atomic_write(path: str | os.PathLike[str], text: str) -> None:
-    """Replace ``path`` with ``text`` so that a crash leaves the old or the new file, never a
-    torn one: temp file (mode 0600) in the same directory, fsync, rename, fsync the directory."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -136,8 +136,15 @@ class VolumeFS:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self._stripes = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-        self.files: dict[str, Namespace] = {f"n{nsid}": ns
-                                            for nsid, ns in sorted(ctrl.namespaces.items())}
+        self.files: dict[str, Namespace] = {}
+        self._refresh_files()
+        # Namespaces added, removed or resized on the target (a reload) reach the host as an
+        # asynchronous event; the host library rescans and tells its listeners.  Sizes need
+        # nothing here (the Namespace objects are updated in place); the file list does.
+        ctrl.namespace_listeners.append(lambda _ctrl, _nsids: self._refresh_files())
+
+    def _refresh_files(self) -> None:
+        self.files = {f"n{nsid}": ns for nsid, ns in sorted(self.ctrl.namespaces.items())}
 
     # -- names and attributes ---------------------------------------------------------
     def namespace(self, path: str) -> Namespace:

@@ -57,7 +57,7 @@ venv: deps $(STAMP)
 # reactors themselves (poll progress) instead of its own thread: both modes are supported.
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
-	BLOCKFABRIC_SOFT_PROGRESS=poll $(PY) -m pytest -q tests/e2e $(PYTEST_ARGS)
+	BLOCKFABRIC_SOFT_PROGRESS=poll $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) scripts/demo.py

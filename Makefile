@@ -19,8 +19,9 @@ PYTEST_ARGS ?=
 #   util-linux e2fsprogs   losetup, mkfs.ext4, fsck for the block-device tests
 #   strace             tests that prove fsync/rename ordering with the real syscalls
 #   systemd            systemd-analyze verify on the unit files (PID 1 need not be systemd)
+#   qemu-utils         qemu-img, one of the block-image tools the mounted files must satisfy
 DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
-            ibverbs-providers iproute2 util-linux e2fsprogs strace systemd
+            ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils
 
 .PHONY: all deps venv test demo lab bench-rdma bench-rdma-lab clean help
 

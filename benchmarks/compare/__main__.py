@@ -1,0 +1,283 @@
+"""``make bench``: blockfabric side by side with its peers, the same fio jobs on each, in turns.
+
+Systems: blockfabric (soft provider, ramdisk target, FUSE mount) with the soft engine on its own
+thread and driven by the reactors (poll), nbdkit memory + nbdfuse, nbdkit's Python plugin (a
+small memory plugin, memplugin.py) + nbdfuse, and a file on tmpfs.  Rounds are interleaved (each
+round runs every job on every system, rotating the system order), so a burst of load from
+other users of the machine hits all systems alike; the report gives medians and min-max.
+Then the library level: ``blockfabric bench`` against libnbd's Python bindings (no FUSE).
+
+    python benchmarks/compare [--rounds 3] [--runtime 5] [--out benchmarks/results]
+    python benchmarks/compare --quick --out DIR     # a smoke run of seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import report  # noqa: E402
+import systems  # noqa: E402
+from report import JOBS, Job  # noqa: E402
+
+FIO_JOBS = systems.ROOT / "benchmarks" / "fio"
+#: Library-level workloads: (key, title, blockfabric bench flags, nbd_qd flags, metric).
+LIBRARY = (
+    ("randread-4k-qd1", "randread 4k QD1", ["--rw", "randread", "--bs", "4k", "--iodepth", "1"],
+     ["--rw", "randread", "--bs", "4096", "--iodepth", "1"], "iops"),
+    ("randread-4k-qd16", "randread 4k QD16",
+     ["--rw", "randread", "--bs", "4k", "--iodepth", "16"],
+     ["--rw", "randread", "--bs", "4096", "--iodepth", "16"], "iops"),
+    ("seqread-1m-qd8", "seq read 1M QD8", ["--rw", "read", "--bs", "1m", "--iodepth", "8"],
+     ["--rw", "read", "--bs", str(1 << 20), "--iodepth", "8"], "bw"),
+)
+
+
+class Runner:
+    """Runs the rounds and keeps every number and command for the report."""
+
+    def __init__(self, args: argparse.Namespace, ws: systems.Workspace) -> None:
+        self.args = args
+        self.ws = ws
+        self.fio: dict[str, dict[str, list[float]]] = {}    # job -> system -> values
+        self.p99: dict[str, dict[str, list[float]]] = {}    # job -> system -> clat p99 (us)
+        self.lib: dict[str, dict[str, list[float]]] = {}    # workload -> side -> values
+        self.load: list[float] = [report.loadavg()]
+        self.fio_cmd = ""
+        self.lib_cmds: dict[str, str] = {}
+
+    def job_file(self, job: Job) -> pathlib.Path:
+        """The job file of benchmarks/fio/ with this run's runtime and ramp time."""
+        text = (FIO_JOBS / f"{job.key}.fio").read_text()
+        text = re.sub(r"(?m)^runtime=\S+", f"runtime={self.args.runtime_text}", text)
+        text = re.sub(r"(?m)^ramp_time=\S+", f"ramp_time={self.args.ramp_text}", text)
+        path = self.ws.tmp / f"{job.key}.fio"
+        path.write_text(text)
+        return path
+
+    def run_fio(self, job: Job, system: systems.System) -> None:
+        argv = ["fio", f"--filename={system.path}", "--output-format=json",
+                str(self.job_file(job))]
+        self.fio_cmd = "fio --filename=FILE --output-format=json JOBFILE"
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                              stdin=subprocess.DEVNULL, cwd=self.ws.tmp)
+        if done.returncode != 0:
+            raise systems.SetupError(f"fio {job.key} on {system.label}: {done.stderr}")
+        res = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+        rd, wr = res["read"], res["write"]
+        value = (rd["bw_bytes"] + wr["bw_bytes"]) if job.metric == "bw" \
+            else rd["iops"] + wr["iops"]
+        side = rd if rd["io_bytes"] else wr
+        p99 = side["clat_ns"]["percentile"]["99.000000"] / 1000
+        self.fio.setdefault(job.key, {}).setdefault(system.key, []).append(value)
+        self.p99.setdefault(job.key, {}).setdefault(system.key, []).append(p99)
+        self.load.append(report.loadavg())
+        say(f"  {job.key:<26}{system.label:<26}{report.fmt(job.metric, value):>12}"
+            f"  p99 {p99:.0f} us")
+
+    def fio_rounds(self, order: list[systems.System]) -> None:
+        for rnd in range(self.args.rounds):
+            say(f"round {rnd + 1}/{self.args.rounds}")
+            turn = order[rnd % len(order):] + order[:rnd % len(order)]
+            for job in JOBS:
+                for system in turn:
+                    self.run_fio(job, system)
+
+    def library_rounds(self, bfs: list[systems.System], nbd: systems.System) -> None:
+        """blockfabric bench (host library, no FUSE) vs libnbd's Python bindings."""
+        runtime, ramp = str(self.args.runtime), str(self.args.ramp)
+        for rnd in range(self.args.rounds):
+            say(f"library round {rnd + 1}/{self.args.rounds}")
+            for key, _title, bf_flags, nbd_flags, metric in LIBRARY:
+                for bf in bfs:
+                    progress = bf.key.split("-")[1]
+                    env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
+                    argv = [str(systems.BIN / "blockfabric"), "bench",
+                            *systems.connect_flags(bf.port), "--runtime", runtime,
+                            "--ramp_time", ramp, "--eta", "never", "-o", "json", *bf_flags]
+                    self.lib_cmds[f"{bf.key} {key}"] = systems.shell(argv, env)
+                    out = run_json(argv, env)["jobs"][0]["read"]
+                    self._lib(key, bf.key, out["bw_bytes"] if metric == "bw"
+                              else out["iops"], metric)
+                argv = [sys.executable, str(pathlib.Path(__file__).parent / "nbd_qd.py"),
+                        "--port", str(nbd.port), "--runtime", runtime, "--ramp", ramp,
+                        *nbd_flags]
+                self.lib_cmds[f"libnbd {key}"] = systems.shell(argv)
+                out = run_json(argv)
+                self._lib(key, "libnbd", out["bw_bytes"] if metric == "bw" else out["iops"],
+                          metric)
+
+    def _lib(self, key: str, side: str, value: float, metric: str) -> None:
+        self.lib.setdefault(key, {}).setdefault(side, []).append(value)
+        self.load.append(report.loadavg())
+        say(f"  {key:<26}{side:<26}{report.fmt(metric, value):>12}")
+
+
+def run_json(argv: list[str], env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+    if done.returncode != 0:
+        raise systems.SetupError(f"{' '.join(argv)} failed: {done.stderr}")
+    return json.loads(done.stdout)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def markdown(r: Runner, order: list[systems.System], started: str, elapsed: float,
+             png: str) -> str:
+    a = r.args
+    labels = {s.key: s.label for s in order}
+    m = report.machine()
+    load = r.load
+    out = [f"# blockfabric vs its peers, {started}",
+           "",
+           f"`python benchmarks/compare {' '.join(a.argv)}` ({elapsed / 60:.1f} min). fio "
+           f"--direct=1 on a {systems.VOLUME >> 20} MiB volume over loopback, {a.rounds} "
+           f"interleaved rounds, {a.runtime_text} per job after {a.ramp_text} ramp. Values are "
+           "medians with (min-max) over the rounds.",
+           "",
+           busy_note(load, int(m["cores"])),
+           "",
+           f"- machine: {m['cores']} cores, {m['cpu']}, {m['memory']} RAM, Linux {m['kernel']}",
+           f"- load average (1 min) during the run: min {min(load):.2f}, median "
+           f"{statistics.median(load):.2f}, max {max(load):.2f} (sampled after every job)",
+           f"- {m['fio']}, {m['nbdkit']}, {m['nbdfuse']}, Python {m['python']}",
+           "",
+           "## fio through the mounts",
+           "",
+           "| fio job | " + " | ".join(labels.values()) + " |",
+           "|---|" + "---|" * len(labels)]
+    for job in JOBS:
+        cells = [report.spread(r.fio.get(job.key, {}).get(k, []), job.metric) for k in labels]
+        out.append(f"| {job.title} | " + " | ".join(cells) + " |")
+    out += ["", "randread 4k psync QD1, completion latency p99 (us), median over rounds:", "",
+            "| " + " | ".join(labels.values()) + " |", "|" + "---|" * len(labels),
+            "| " + " | ".join(f"{statistics.median(r.p99['randread-4k-qd1'][k]):.0f}"
+                              if r.p99.get("randread-4k-qd1", {}).get(k) else "-"
+                              for k in labels) + " |", ""]
+    out += ratios(r, [s for s in order if s.key.startswith("bf-")], labels)
+    out += library(r)
+    out += ["", f"![bars per job and system]({png})", "", "## Exact commands", "",
+            "Servers and mounts:", "", "```"]
+    out += [c for s in order for c in s.commands]
+    out += ["```", "", f"Each fio job: `{r.fio_cmd}`, JOBFILE being benchmarks/fio/<job>.fio "
+            f"with runtime={a.runtime_text} and ramp_time={a.ramp_text}; FILE is n1 in the "
+            "blockfabric mounts, nbd in the nbdfuse mounts, and a 256 MiB file on the tmpfs.",
+            "", "Library level (one round):", "", "```"]
+    out += list(r.lib_cmds.values()) + ["```", ""]
+    return "\n".join(out)
+
+
+def busy_note(load: list[float], cores: int) -> str:
+    """Say how busy the machine was, since other sessions share it."""
+    if statistics.median(load) < 0.5 * cores:
+        return ("The machine is shared with other sessions but was fairly quiet during this "
+                "run (load average below half the cores).")
+    return (f"**The machine is shared and was busy** (median load average "
+            f"{statistics.median(load):.1f} on {cores} cores, much of it from this run's own "
+            "servers and fio, the rest from other sessions): single numbers move by tens of "
+            "percent; compare systems within this file, by ratios of medians.")
+
+
+def ratios(r: Runner, bfs: list[systems.System], labels: dict[str, str]) -> list[str]:
+    peers = [k for k in labels if not k.startswith("bf-")]
+    out = ["## Ratios blockfabric / peer (medians), against issue 7's goals", "",
+           "| fio job | blockfabric | " + " | ".join(f"/ {labels[p]}" for p in peers) + " |",
+           "|---|---|" + "---|" * len(peers)]
+    for job in JOBS:
+        for bf in bfs:
+            cells = []
+            for p in peers:
+                goal = {"nbd-memory": report.GOALS_VS_MEMORY.get(job.key),
+                        "nbd-python": report.GOAL_VS_PYTHON}.get(p)
+                got = report.ratio(r.fio.get(job.key, {}).get(bf.key, []),
+                                   r.fio.get(job.key, {}).get(p, []))
+                cells.append(report.verdict(got, goal))
+            out.append(f"| {job.title} | {bf.label} | " + " | ".join(cells) + " |")
+    qd1 = r.p99.get("randread-4k-qd1", {})
+    if "nbd-memory" in qd1:
+        for bf in bfs:
+            if bf.key in qd1:
+                a, b = statistics.median(qd1[bf.key]), statistics.median(qd1["nbd-memory"])
+                out.append(f"\nQD1 p99 latency, {bf.label}: {a:.0f} us vs nbdfuse's {b:.0f} us:"
+                           f" goal (no worse) {'met' if a <= b else 'NOT met'}.")
+    return out + [""]
+
+
+def library(r: Runner) -> list[str]:
+    out = ["## Library level, no FUSE: blockfabric bench vs libnbd Python bindings "
+           "(nbdkit memory)", "",
+           "| workload | blockfabric bench (thread) | blockfabric bench (poll) | "
+           "libnbd (Python) | ratio thread | ratio poll |", "|---|---|---|---|---|---|"]
+    for key, title, _bf, _nbd, metric in LIBRARY:
+        d = r.lib.get(key, {})
+        cells = [report.spread(d.get(s, []), metric) for s in ("bf-thread", "bf-poll", "libnbd")]
+        cells += [report.verdict(report.ratio(d.get(s, []), d.get("libnbd", [])), None)
+                  for s in ("bf-thread", "bf-poll")]
+        out.append(f"| {title} | " + " | ".join(cells) + " |")
+    return out
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job")
+    p.add_argument("--ramp", type=float, default=1.0, help="fio ramp_time, seconds")
+    p.add_argument("--out", type=pathlib.Path, default=systems.ROOT / "benchmarks" / "results")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: one round, 0.3 s jobs, a 32 MiB volume")
+    p.add_argument("--no-install", action="store_true", help="do not apt-get missing peers")
+    a = p.parse_args(argv)
+    a.argv = argv
+    if a.quick:
+        a.rounds, a.runtime, a.ramp = 1, 0.3, 0.0
+        systems.VOLUME = 32 << 20
+    a.runtime_text = f"{int(a.runtime * 1000)}ms"
+    a.ramp_text = f"{int(a.ramp * 1000)}ms"
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if not args.no_install:
+        systems.install_peers()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "compare-quick" if args.quick else f"{started:%Y-%m-%d}"
+    with systems.Workspace() as ws:
+        say(f"workspace {ws.tmp}: starting the systems")
+        order = [ws.blockfabric("thread"), ws.blockfabric("poll"), ws.nbd_memory(),
+                 ws.nbd_python(), ws.tmpfs()]
+        runner = Runner(args, ws)
+        runner.fio_rounds(order)
+        runner.library_rounds(order[:2], order[2])
+        elapsed = time.monotonic() - t0
+        png = f"{stem}.png"
+        labels = {s.key: s.label for s in order}
+        report.chart(args.out / png, runner.fio, labels,
+                     f"fio --direct=1, {systems.VOLUME >> 20} MiB, loopback, "
+                     f"{started:%Y-%m-%d}: median, min-max whiskers (log scale)")
+        text = markdown(runner, order, f"{started:%Y-%m-%d %H:%M} UTC", elapsed, png)
+        (args.out / f"{stem}.md").write_text(text)
+        (args.out / f"{stem}.json").write_text(json.dumps(
+            {"fio": runner.fio, "p99_us": runner.p99, "library": runner.lib,
+             "load": runner.load}, indent=1))
+    say(f"wrote {args.out / (stem + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

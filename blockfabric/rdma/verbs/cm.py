@@ -318,6 +318,12 @@ class VerbsCMId(_Endpoint, base.CMId):
         if raw.type != CMEventType.CONNECT_RESPONSE:
             raise RdmaError(f"connect to {self.peer_address}: got {_event_name(raw.type)}"
                             f" (status {raw.status})", errno=abs(raw.status) or None)
+        # INIT again, now that the connection exists: before connect() rdma_init_qp_attr
+        # only knows the port, and grants no remote access at all; from the CM's state it
+        # grants REMOTE_WRITE, and REMOTE_READ when the peer may read (librdmacm's own
+        # ucma_modify_qp_rtr does the same).  Without it a peer's RDMA READ of our buffers
+        # is NAKed "remote invalid request", which is how nvmet-rdma met our Connect.
+        self._qp_to(self._pv.e.IBV_QPS_INIT, "INIT")
         self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
         self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
         try:
@@ -331,9 +337,14 @@ class VerbsCMId(_Endpoint, base.CMId):
         self._need_qp("accept")
         req = self._request
         ours = self.context._device.max_rd_atom
-        # what we take of the peer's reads, and issue ourselves, is bounded by both sides
-        resources = min(ours, req.initiator_depth) if req else ours
-        depth = min(ours, req.responder_resources) if req else ours
+        # The request event reports the peer's numbers from *our* side (the IB CM swaps
+        # them): initiator_depth is how many reads we may have outstanding at the peer (its
+        # responder resources), responder_resources how many it will issue to us.  nvmet-rdma
+        # sizes its own initiator depth the same way.  The Linux host offers responder
+        # resources and asks for none: answering with depth 0 left its QP without
+        # REMOTE_READ, and our RDMA READ of its Connect data was NAKed.
+        depth = min(ours, req.initiator_depth) if req else ours
+        resources = min(ours, req.responder_resources) if req else ours
         self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
         self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
         try:

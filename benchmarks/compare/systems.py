@@ -155,6 +155,7 @@ class Workspace:
             "    allow_any_host: true\n"
             "    namespaces:\n"
             f"      - {{nsid: 1, backend: ramdisk, size: {VOLUME}, block_size: 4096}}\n"
+            f"control_socket: {self.tmp}/control-{port}.sock\n"
             + extra_yaml)
         env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
         argv = [BIN / "blockfabric-target", "run", "-C", config]

@@ -24,6 +24,7 @@ reads ``ns.size`` sees a resize), adds and removes namespaces, then calls every 
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import itertools
 import logging
 import mmap
@@ -73,6 +74,55 @@ class NvmeError(BlockfabricError):
 
 class QueueDead(BlockfabricError, ConnectionError):
     """The queue (or the whole controller) went away before the command completed."""
+
+
+class ControllerLost(QueueDead):
+    """Reconnecting gave up (ctrl_loss_tmo ran out, or the controller was closed): a held
+    command is failed for good.  A file user sees EIO, as with the kernel host."""
+
+
+class CtrlState(str, enum.Enum):
+    """The host controller's life, as the Linux host's LIVE / CONNECTING / DELETING."""
+
+    CONNECTING = "connecting"
+    LIVE = "live"
+    RECONNECTING = "reconnecting"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass
+class RecoveryStats:
+    """What reconnecting did, for ``.status``, metrics and tests that must show I/O was held
+    and re-issued across a fault rather than merely absent."""
+
+    losses: int = 0             # times the controller was found dead
+    attempts: int = 0           # reconnect attempts (each tries every path once)
+    reconnects: int = 0         # successful reconnects
+    failovers: int = 0          # reconnects that landed on a path other than the lost one
+    held: int = 0               # commands held while reconnecting (new or in flight)
+    retried: int = 0            # held commands re-issued after a reconnect
+    failed: int = 0             # held commands failed after ctrl_loss_tmo
+    last_reason: str = ""
+
+    def as_dict(self) -> dict[str, int | str]:
+        return dict(self.__dict__)
+
+
+class _Request:
+    """An I/O command that can be issued again: read, write, flush, write zeroes and DSM
+    are idempotent, so a command lost with its queue is simply re-sent after a reconnect."""
+
+    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen")
+
+    def __init__(self, make_sqe: Callable[[], SQE], callback: Callable, data_out=None,
+                 data_in: int = 0, inline: bool = False) -> None:
+        self.make_sqe = make_sqe
+        self.callback = callback        # (cqe, data, exception or None)
+        self.data_out = data_out
+        self.data_in = data_in
+        self.inline = inline
+        self.gen = -1
 
 
 # --------------------------------------------------------------------------- host identity
@@ -224,13 +274,13 @@ class Namespace:
         self.submit_write(offset, data).result()
 
     def flush(self) -> None:
-        self.ctrl.wait(self.ctrl.io_queue(), Flush(nsid=self.nsid).to_sqe(), "Flush")
+        self.ctrl.wait_io(lambda: Flush(nsid=self.nsid).to_sqe(), "Flush")
 
     def write_zeroes(self, offset: int, length: int, deallocate: bool = False) -> None:
         self._check(offset, length)
         bs = self.block_size
         for start, count in _chunks(offset // bs, length // bs, 0x10000):
-            self.ctrl.wait(self.ctrl.io_queue(), WriteZeroes(
+            self.ctrl.wait_io(lambda: WriteZeroes(
                 nsid=self.nsid, slba=start, nlb=count - 1, deac=deallocate).to_sqe(),
                 "Write Zeroes")
 
@@ -243,8 +293,10 @@ class Namespace:
         for i in range(0, len(ranges), 256):
             batch = ranges[i:i + 256]
             payload = b"".join(r.pack() for r in batch)
-            sqe = DatasetManagement(nsid=self.nsid, nr=len(batch) - 1, ad=True).to_sqe()
-            self.ctrl.wait(self.ctrl.io_queue(), sqe, "Dataset Management", data_out=payload)
+            nr = len(batch) - 1
+            self.ctrl.wait_io(lambda: DatasetManagement(nsid=self.nsid, nr=nr,
+                                                        ad=True).to_sqe(),
+                              "Dataset Management", data_out=payload)
 
 
 def _chunks(start: int, count: int, most: int) -> Iterable[tuple[int, int]]:
@@ -276,6 +328,9 @@ class ConnectOptions:
     arena_size: int = DEFAULT_ARENA
     disable_sqflow: bool = False
     send_keep_alive: bool = True    # False only to test a target's keep-alive timeout
+    #: Further listeners (traddr, trsvcid) of the same subsystem: after a loss, reconnecting
+    #: tries the lost path and then these in turn (multipath failover).
+    paths: list[tuple[str, int]] = field(default_factory=list)
 
 
 class Controller:
@@ -304,21 +359,38 @@ class Controller:
         #: or changed (resized, read-only flipped); on the event worker thread.
         self.namespace_listeners: list[Callable[[Controller, set[int]], None]] = []
         self._events: concurrent.futures.ThreadPoolExecutor | None = None
+        self.paths = [(opts.traddr, int(opts.trsvcid))] + [(a, int(p)) for a, p in opts.paths]
+        self.path_index = 0
+        self.state = CtrlState.CONNECTING
+        self.recovery = RecoveryStats()
+        self._state_lock = threading.Lock()
+        self._held: list[_Request] = []
+        self._gen = 0
+        self._loss_deadline: float | None = None
+        self._wake = threading.Event()
+        self._recovery_thread: threading.Thread | None = None
+        self._ka_sent: float | None = None
+
+    @property
+    def path(self) -> tuple[str, int]:
+        """The (traddr, trsvcid) in use, or last used."""
+        return self.paths[self.path_index]
 
     # -- set-up ----------------------------------------------------------------------
     def open_queue(self, qid: int, depth: int) -> HostQueue:
         """Set up the RDMA connection of queue ``qid`` (CM private data exchanged, receives
         posted, serviced by this controller's reactor), not yet bound by a Fabrics Connect."""
         opts = self.opts
+        traddr, trsvcid = self.path
         cmid: CMId = self.provider.create_id()
         try:
-            cmid.resolve(opts.traddr, opts.trsvcid, timeout=opts.connect_timeout)
+            cmid.resolve(traddr, trsvcid, timeout=opts.connect_timeout)
             if self.pd is None:
                 self.pd = cmid.context.alloc_pd()
                 self.arena = Arena(self.pd, opts.arena_size)
             inline = self.inline_size if qid else 0
             queue = HostQueue(cmid, self.pd, qid=qid, depth=depth, inline_size=inline,
-                              name=f"{opts.traddr}:{opts.trsvcid} q{qid}")
+                              name=f"{traddr}:{trsvcid} q{qid}")
         except BaseException:
             cmid.close()
             raise
@@ -329,7 +401,7 @@ class Controller:
             try:
                 accept = cmid.connect(request.pack(), timeout=opts.connect_timeout)
             except ConnectionRejected as exc:
-                where = f"{opts.traddr}:{opts.trsvcid}"
+                where = f"{traddr}:{trsvcid}"
                 if not exc.private_data:
                     raise ConnectionRefusedError(
                         f"connection to {where} refused: is a target listening there, with "
@@ -359,33 +431,40 @@ class Controller:
         return cqe.result & 0xFFFF
 
     def connect(self) -> Controller:
-        opts = self.opts
         self.reactor.start()
         try:
-            self.admin = self.open_queue(0, ADMIN_DEPTH)
-            kato_ms = int(opts.keep_alive_tmo * 1000)
-            if opts.subnqn == DISCOVERY_NQN:
-                kato_ms = 0
-            self.cntlid = self.fabrics_connect(self.admin, 0, ADMIN_DEPTH - 1, kato_ms)
-            self._enable()
-            self.identify = IdentifyController.unpack_from(self._identify(IdentifyCNS.CONTROLLER))
-            if self.identify.cntlid != self.cntlid:
-                log.warning("Identify cntlid %d differs from Connect's %d",
-                            self.identify.cntlid, self.cntlid)
-            if self.identify.mdts:
-                self.max_transfer = min(4096 << self.identify.mdts, 8 << 20)
-            else:
-                self.max_transfer = 8 << 20
-            self.inline_size = max(0, self.identify.ioccsz * 16 - 64)
-            if kato_ms and opts.send_keep_alive:
-                self._schedule_keep_alive(kato_ms)
-            if opts.subnqn != DISCOVERY_NQN:
-                self._setup_io(opts)
-                self._start_events()
+            self._establish()
         except BaseException:
             self.close()
             raise
+        self.state = CtrlState.LIVE
         return self
+
+    def _establish(self) -> None:
+        """Everything ``nvme connect`` does, on the current path; also each reconnect."""
+        opts = self.opts
+        with self._state_lock:
+            self._gen += 1          # what the lost connection left behind is stale now
+        self.admin = self.open_queue(0, ADMIN_DEPTH)
+        kato_ms = int(opts.keep_alive_tmo * 1000)
+        if opts.subnqn == DISCOVERY_NQN:
+            kato_ms = 0
+        self.cntlid = self.fabrics_connect(self.admin, 0, ADMIN_DEPTH - 1, kato_ms)
+        self._enable()
+        self.identify = IdentifyController.unpack_from(self._identify(IdentifyCNS.CONTROLLER))
+        if self.identify.cntlid != self.cntlid:
+            log.warning("Identify cntlid %d differs from Connect's %d",
+                        self.identify.cntlid, self.cntlid)
+        if self.identify.mdts:
+            self.max_transfer = min(4096 << self.identify.mdts, 8 << 20)
+        else:
+            self.max_transfer = 8 << 20
+        self.inline_size = max(0, self.identify.ioccsz * 16 - 64)
+        if kato_ms and opts.send_keep_alive:
+            self._schedule_keep_alive(kato_ms)
+        if opts.subnqn != DISCOVERY_NQN:
+            self._setup_io(opts)
+            self._start_events()
 
     def _enable(self) -> None:
         cap = self.property_get(Property.CAP, 8)
@@ -454,7 +533,8 @@ class Controller:
         self.wait(self.admin, SetFeatures(fid=FeatureId.ASYNC_EVENT,
                                           value=OAES_NS_ATTR).to_sqe(),
                   "Set Features (asynchronous event configuration)")
-        self._events = concurrent.futures.ThreadPoolExecutor(1, "nvme-aen")
+        if self._events is None:
+            self._events = concurrent.futures.ThreadPoolExecutor(1, "nvme-aen")
         self._submit_aer()
 
     def _submit_aer(self) -> None:
@@ -525,19 +605,35 @@ class Controller:
 
     # -- keep-alive ------------------------------------------------------------------
     def _schedule_keep_alive(self, kato_ms: int) -> None:
+        """Send a Keep Alive every KATO/2; one unanswered for KATO means the target is gone
+        (paused, partitioned) even though no queue has reported an error."""
+        gen = self._gen
+        self._ka_sent = None
+
         def send() -> None:
-            if self._closed or self.admin is None or self.admin.dead_reason:
+            if self._closed or gen != self._gen or self.admin is None \
+                    or self.admin.dead_reason:
                 return
-            try:
-                self.submit(self.admin, KeepAlive().to_sqe(), _ka_done)
-            except (ConnectionError, TimeoutError) as exc:
-                log.warning("keep-alive not sent: %s", exc)
-                return
+            now = time.monotonic()
+            if self._ka_sent is not None:
+                if now - self._ka_sent >= kato_ms / 1000:
+                    self._lost(f"keep-alive unanswered for {kato_ms} ms")
+                    return
+            else:
+                self._ka_sent = now
+                try:
+                    self.submit(self.admin, KeepAlive().to_sqe(), _ka_done)
+                except (ConnectionError, TimeoutError) as exc:
+                    self._lost(f"keep-alive not sent: {exc}")
+                    return
             self._ka_timer = self.reactor.call_later(kato_ms / 2000, send)
 
         def _ka_done(cqe, _data, error) -> None:
+            if gen != self._gen:
+                return
+            self._ka_sent = None
             if error or (cqe is not None and cqe.status != StatusCode.SUCCESS):
-                log.warning("keep-alive failed: %s", error or cqe.status.name)
+                self._lost(f"keep-alive failed: {error or cqe.status.name}")
 
         self.reactor.call_soon_threadsafe(
             lambda: setattr(self, "_ka_timer", self.reactor.call_later(kato_ms / 2000, send)))
@@ -590,6 +686,8 @@ class Controller:
             fut.set_result((cqe, data, error))
 
         self.submit(queue, sqe, cb, data_out=data_out, data_in=data_in, inline=inline)
+        if timeout is None and self.state != CtrlState.LIVE:
+            timeout = self.opts.connect_timeout     # (re)connecting to a target that hangs
         cqe, data, error = fut.result(timeout)
         if error is not None:
             raise QueueDead(f"{what}: {error}")
@@ -623,7 +721,7 @@ class Controller:
             def cb(cqe, out, error) -> None:
                 with lock:
                     if error is not None and state["error"] is None:
-                        state["error"] = QueueDead(f"{what}: {error}")
+                        state["error"] = error
                     elif cqe is not None and cqe.status != StatusCode.SUCCESS \
                             and state["error"] is None:
                         state["error"] = NvmeError(what, cqe.status, cqe.dnr, cqe.result)
@@ -641,27 +739,186 @@ class Controller:
             return cb
 
         bs = ns.block_size
-        try:
-            for i, (start, count) in enumerate(pieces):
-                sqe = ReadWrite(IOOpcode(opcode), ns.nsid, start // bs, count // bs - 1).to_sqe()
-                queue = self.io_queue()
-                if opcode == IOOpcode.WRITE:
-                    chunk = data[start - offset:start - offset + count]
-                    self.submit(queue, sqe, make_cb(i), data_out=chunk,
-                                inline=count <= queue.inline_size)
-                else:
-                    self.submit(queue, sqe, make_cb(i), data_in=count)
-        except BaseException as exc:
-            with lock:
-                if state["error"] is None:
-                    state["error"] = exc
-            raise
+        for i, (start, count) in enumerate(pieces):
+            def make_sqe(start: int = start, count: int = count) -> SQE:
+                return ReadWrite(IOOpcode(opcode), ns.nsid, start // bs,
+                                 count // bs - 1).to_sqe()
+            if opcode == IOOpcode.WRITE:
+                req = _Request(make_sqe, make_cb(i),
+                               data_out=data[start - offset:start - offset + count],
+                               inline=True)
+            else:
+                req = _Request(make_sqe, make_cb(i), data_in=count)
+            self._dispatch(req)
         return fut
+
+    def wait_io(self, make_sqe: Callable[[], SQE], what: str, *, data_out=None) -> CQE:
+        """An I/O command with no data back (flush, write zeroes, DSM), held and re-issued
+        across a reconnect like reads and writes; raise NvmeError on an error status."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._dispatch(_Request(make_sqe, lambda cqe, _d, exc: fut.set_result((cqe, exc)),
+                                data_out=data_out))
+        cqe, exc = fut.result()
+        if exc is not None:
+            raise exc
+        if cqe.status != StatusCode.SUCCESS:
+            raise NvmeError(what, cqe.status, cqe.dnr, cqe.result)
+        return cqe
+
+    # -- reconnecting (nvme-cli semantics: reconnect_delay, ctrl_loss_tmo) ---------------
+    def _dispatch(self, req: _Request) -> None:
+        """Send ``req`` on an I/O queue, or hold it while the controller reconnects."""
+        with self._state_lock:
+            state = self.state
+            if state == CtrlState.RECONNECTING:
+                self._held.append(req)
+                self.recovery.held += 1
+                return
+            req.gen = self._gen
+        if state in (CtrlState.FAILED, CtrlState.CLOSED):
+            req.callback(None, None, ControllerLost(f"controller {state.value}: "
+                                                    f"{self.recovery.last_reason}"))
+            return
+        try:
+            queue = self.io_queue()
+            inline = req.inline and req.data_out is not None \
+                and len(req.data_out) <= queue.inline_size
+            self.submit(queue, req.make_sqe(), lambda cqe, data, error: self._io_done(
+                req, cqe, data, error), data_out=req.data_out, data_in=req.data_in,
+                inline=inline)
+        except ConnectionError as exc:
+            self._hold(req, str(exc))
+
+    def _io_done(self, req: _Request, cqe: CQE | None, data, error: str | None) -> None:
+        if error is None:
+            req.callback(cqe, data, None)
+        else:
+            self._hold(req, error)
+
+    def _hold(self, req: _Request, reason: str) -> None:
+        """A command lost with its queue: keep it for the reconnect (or fail it, if
+        reconnecting is over)."""
+        with self._state_lock:
+            state = self.state
+            stale = state == CtrlState.LIVE and req.gen != self._gen
+            if state in (CtrlState.LIVE, CtrlState.RECONNECTING) and not stale:
+                self._held.append(req)
+                self.recovery.held += 1
+                self._start_recovery(reason)
+                return
+        if stale:                       # lost with a queue of an earlier connection
+            with self._state_lock:
+                self.recovery.retried += 1
+            self._dispatch(req)
+            return
+        req.callback(None, None, ControllerLost(f"controller {state.value}: {reason}"))
+
+    def _lost(self, reason: str) -> None:
+        """Any sign the target is gone (keep-alive, a queue error): start reconnecting."""
+        with self._state_lock:
+            self._start_recovery(reason)
+
+    def _start_recovery(self, reason: str) -> None:
+        """With ``_state_lock`` held."""
+        if self.state != CtrlState.LIVE or self._closed:
+            return
+        self.state = CtrlState.RECONNECTING
+        self.recovery.losses += 1
+        self.recovery.last_reason = reason
+        tmo = self.opts.ctrl_loss_tmo
+        self._loss_deadline = None if tmo < 0 else time.monotonic() + tmo
+        log.warning("%s:%s %s: controller lost (%s); reconnecting every %g s for %s",
+                    *self.path, self.opts.subnqn, reason, self.opts.reconnect_delay,
+                    "ever" if tmo < 0 else f"{tmo:g} s")
+        self._recovery_thread = threading.Thread(target=self._recover, name="nvme-reconnect",
+                                                 daemon=True)
+        self._recovery_thread.start()
+
+    def _teardown_queues(self, reason: str) -> None:
+        """Fail and release every queue of the lost connection, on the reactor so that no
+        completion of it runs once this returns."""
+        queues = ([self.admin] if self.admin else []) + self.io_queues
+        self.admin, self.io_queues = None, []
+        if self._ka_timer is not None:
+            self._ka_timer.cancel()
+
+        def fail_all() -> None:
+            for queue in queues:
+                queue.fail(reason, expected=True)
+        try:
+            self.reactor.call_sync(fail_all, timeout=10)
+        except TimeoutError:
+            fail_all()
+        for queue in queues:
+            queue.close()
+
+    def _recover(self) -> None:
+        """The reconnect loop: every reconnect_delay, the full connect on each path in turn,
+        until one works (re-issue what was held) or ctrl_loss_tmo runs out (fail it)."""
+        self._teardown_queues(self.recovery.last_reason)
+        lost = self.path_index
+        while not self._closed:
+            delay = self.opts.reconnect_delay
+            if self._loss_deadline is not None:
+                delay = min(delay, max(0.0, self._loss_deadline - time.monotonic()))
+            self._wake.wait(delay)
+            if self._closed:
+                break
+            if self._loss_deadline is not None and time.monotonic() >= self._loss_deadline:
+                break
+            self.recovery.attempts += 1
+            for step in range(len(self.paths)):
+                self.path_index = (lost + step) % len(self.paths)
+                try:
+                    self._establish()
+                except Exception as exc:  # any failure: drop what was built, try again
+                    log.info("reconnect to %s:%s failed: %s", *self.path, exc)
+                    self._teardown_queues(f"reconnect failed: {exc}")
+                    continue
+                self._resume(lost)
+                return
+        self._give_up()
+
+    def _resume(self, lost: int) -> None:
+        with self._state_lock:
+            if self._closed:        # close() won the race: it fails what is held
+                return
+            self.state = CtrlState.LIVE
+            self.recovery.reconnects += 1
+            if self.path_index != lost:
+                self.recovery.failovers += 1
+            held, self._held = self._held, []
+            self.recovery.retried += len(held)
+        log.warning("%s:%s %s: reconnected (controller %d); re-issuing %d held commands",
+                    *self.path, self.opts.subnqn, self.cntlid, len(held))
+        for req in held:
+            self._dispatch(req)
+
+    def _give_up(self) -> None:
+        with self._state_lock:
+            if self.state == CtrlState.RECONNECTING:
+                self.state = CtrlState.CLOSED if self._closed else CtrlState.FAILED
+            held, self._held = self._held, []
+            self.recovery.failed += len(held)
+            reason = self.recovery.last_reason
+        if not self._closed:
+            log.error("%s: ctrl_loss_tmo (%g s) expired: failing %d held commands",
+                      self.opts.subnqn, self.opts.ctrl_loss_tmo, len(held))
+        for req in held:
+            req.callback(None, None, ControllerLost(f"controller lost: {reason}"))
 
     # -- information -----------------------------------------------------------------
     def queue_stats(self) -> dict[int, dict[str, int]]:
         queues = ([self.admin] if self.admin else []) + self.io_queues
         return {q.qid: q.stats.as_dict() for q in queues}
+
+    def recovery_stats(self) -> dict[str, int | str]:
+        """State, path and reconnect counters (see :class:`RecoveryStats`)."""
+        with self._state_lock:
+            out = self.recovery.as_dict()
+            out.update(state=self.state.value, path=f"{self.path[0]}:{self.path[1]}",
+                       held_now=len(self._held))
+        return out
 
     # -- teardown ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 2.0) -> None:
@@ -683,7 +940,14 @@ class Controller:
         if self._closed:
             return
         self.shutdown()
-        self._closed = True
+        with self._state_lock:
+            self._closed = True
+            reconnecting = self.state == CtrlState.RECONNECTING
+            self.state = CtrlState.CLOSED
+        self._wake.set()
+        if reconnecting and self._recovery_thread is not None:
+            self._recovery_thread.join(2 * self.opts.connect_timeout + 5)
+        self._give_up_held()
         if self._events is not None:
             self._events.shutdown(wait=False, cancel_futures=True)
         if self._ka_timer is not None:
@@ -702,6 +966,12 @@ class Controller:
             self.pd.close()
             self.pd = None
         self.reactor.close()
+
+    def _give_up_held(self) -> None:
+        with self._state_lock:
+            held, self._held = self._held, []
+        for req in held:
+            req.callback(None, None, ControllerLost("controller closed"))
 
     def __enter__(self) -> Controller:
         return self

@@ -104,7 +104,7 @@ def test_progress_once_a_second_with_eta_always_and_none_on_a_pipe(target):
 def test_lost_target_is_an_io_error_with_exit_status_1(start_target):
     port = free_port()
     tgt = start_target(ram_config(port))
-    proc = subprocess.Popen(bench_cmd(port, "--runtime", "20", "--size", "16m"),
+    proc = subprocess.Popen(bench_cmd(port, "--runtime", "20", "--size", "16m", "-l", "2"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.5)

@@ -23,7 +23,8 @@ KATO_GRACE = 1.0  # seconds past KATO within which the target must notice (timer
 def test_keep_alive_expiry_tears_the_controller_down(ram_target):
     kato = 1.0
     ctrl = connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
-                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False)
+                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
+                   ctrl_loss_tmo=0)     # 0: no reconnect, so I/O fails at once
     try:
         cntlid = ctrl.cntlid
         ctrl.namespaces[1].write(0, b"k" * 4096)          # activity re-arms the timer

@@ -159,7 +159,8 @@ def test_io_queue_connect_rules(ram_target):
 def test_queue_dead_is_reported_not_hung(start_target):
     port = free_port()
     target = start_target(ram_config(port))
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN) as ctrl:
+    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
+                 ctrl_loss_tmo=0) as ctrl:      # 0: no reconnect, fail at once
         target.stop()
         with pytest.raises((QueueDead, ConnectionError, NvmeError)):
             for _ in range(50):

@@ -22,6 +22,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "compare"))
 
@@ -63,26 +64,42 @@ def iops_of(out: dict) -> float:
     return out["iops"]
 
 
-def measure(argv: list[str], pids: dict[str, int | None], runtime: float,
-            env: dict[str, str] | None = None, app: str = "host"
-            ) -> tuple[float, cpu.Window]:
-    """Run the load ``argv`` and measure CPU over the middle of its counted runtime."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+def measure(argv: list[str] | list[list[str]], pids: dict[str, int | None], runtime: float,
+            env: dict[str, str] | None = None, app: str = "host",
+            ready: Callable[[], bool] | None = None) -> tuple[float, cpu.Window]:
+    """Run the load ``argv`` (or several at once: ``app``0, ``app``1, ...) and measure CPU
+    over the middle of its counted runtime; returns the summed IOPS and the window.
+    ``ready`` says when every load has connected (start-up is slow on a busy machine);
+    without it, start-up is taken to end after STARTUP seconds."""
+    argvs = argv if isinstance(argv[0], list) else [argv]
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+             for a in argvs]
+    names = [app] if len(procs) == 1 else [f"{app}{i}" for i in range(len(procs))]
     try:
-        time.sleep(STARTUP + RAMP + 0.5)
-        window = cpu.Window({**pids, app: proc.pid})
+        if ready is None:
+            time.sleep(STARTUP)
+        else:
+            deadline = time.monotonic() + 30
+            while not ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(RAMP + 0.5)
+        window = cpu.Window({**pids, **{n: p.pid for n, p in zip(names, procs)}})
         window.start()
         time.sleep(max(1.0, runtime - 1.5))
         window.stop()
-        out, err = proc.communicate(timeout=runtime + 60)
+        outs = [p.communicate(timeout=runtime + 60) for p in procs]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise systems.SetupError(f"{' '.join(argv)}: {err}")
-    return iops_of(json.loads(out[out.index("{"):])), window
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    iops = 0.0
+    for a, p, (out, err) in zip(argvs, procs, outs):
+        if p.returncode != 0:
+            raise systems.SetupError(f"{' '.join(a)}: {err}")
+        iops += iops_of(json.loads(out[out.index("{"):]))
+    return iops, window
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -103,8 +120,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         for workload, qd in WORKLOADS:
             for bf in bfs:
                 env = {"BLOCKFABRIC_SOFT_PROGRESS": bf.key.split("-")[1]}
+                base = systems.controllers(bf.port)
                 iops, w = measure(bench_argv(bf.port, qd, rt, "-i", "1"),
-                                  {"server": bf.server_pid}, rt, env)
+                                  {"server": bf.server_pid}, rt, env,
+                                  ready=lambda: systems.controllers(bf.port) > base)
                 add(f"blockfabric bench ({bf.key[3:]})", workload, iops, w)
                 iops, w = measure(fio_argv(bf.path, qd, rt),
                                   {"server": bf.server_pid, "host": bf.client_pid}, rt,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import pathlib
 import shutil
 import subprocess
@@ -71,18 +72,21 @@ def py_spy() -> str:
     return found
 
 
-def record(pid: int, out: pathlib.Path, seconds: float, fmt: str) -> subprocess.Popen:
-    """Start py-spy sampling ``pid`` (all threads, not pausing it) into ``out``."""
+def record(pid: int, out: pathlib.Path, seconds: float, fmt: str, gil: bool = False
+           ) -> subprocess.Popen:
+    """Start py-spy sampling ``pid`` (all threads, or with ``gil`` only the thread holding
+    the GIL; not pausing it) into ``out``."""
     return subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--duration",
                              str(int(seconds)), "--rate", "250", "--nonblocking",
-                             "--format", fmt, "--output", str(out)],
+                             "--format", fmt, "--output", str(out), *(["--gil"] if gil else [])],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
 
 
 def hot_spots(raw: pathlib.Path, top: int = 5) -> list[tuple[str, float]]:
-    """The functions where most samples ended (self time), from py-spy's collapsed stacks,
-    as (frame, share of samples)."""
+    """The functions (all their lines together) where most samples ended (self time), from
+    py-spy's collapsed stacks,
+    as (frame, share of samples); first ("samples", total)."""
     leaves: collections.Counter[str] = collections.Counter()
     total = 0
     for line in raw.read_text().splitlines():
@@ -90,6 +94,7 @@ def hot_spots(raw: pathlib.Path, top: int = 5) -> list[tuple[str, float]]:
         if not stack:
             continue
         n = int(count)
-        leaves[stack.split(";")[-1]] += n
+        leaves[re.sub(r":\d+\)$", ")", stack.split(";")[-1])] += n   # by function
         total += n
-    return [(frame, n / total) for frame, n in leaves.most_common(top)] if total else []
+    return [("samples", float(total))] + [(frame, n / total)
+                                          for frame, n in leaves.most_common(top)]

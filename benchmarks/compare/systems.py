@@ -143,9 +143,12 @@ class Workspace:
         return mnt
 
     # -- blockfabric ---------------------------------------------------------------------
-    def target(self, progress: str = "thread", extra_yaml: str = "") -> tuple[int, int, str]:
-        """A ramdisk target on the soft provider; returns (port, pid, command)."""
+    def target(self, progress: str = "thread") -> tuple[int, int, str]:
+        """A ramdisk target on the soft provider, its metrics on port + 1 (so that a load
+        can tell when its hosts are connected); returns (port, pid, command)."""
         port = free_port()
+        while not port_free(port + 1):
+            port = free_port()
         config = self.tmp / f"target-{port}.yaml"
         config.write_text(
             "listeners:\n"
@@ -156,7 +159,7 @@ class Workspace:
             "    namespaces:\n"
             f"      - {{nsid: 1, backend: ramdisk, size: {VOLUME}, block_size: 4096}}\n"
             f"control_socket: {self.tmp}/control-{port}.sock\n"
-            + extra_yaml)
+            f"metrics: {{port: {port + 1}}}\n")
         env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
         argv = [BIN / "blockfabric-target", "run", "-C", config]
         proc, log = self.spawn(f"target-{port}", argv, env)
@@ -214,6 +217,25 @@ class Workspace:
         with open(path, "wb") as f:
             f.truncate(VOLUME)
         return System("tmpfs", "tmpfs file", path, [shell(argv)])
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def controllers(target_port: int) -> int:
+    """How many controllers the target on ``target_port`` has (from its metrics)."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{target_port + 1}/metrics",
+                                timeout=5) as r:
+        text = r.read().decode()
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("blockfabric_subsystem_controllers{"))
 
 
 def connect_flags(port: int) -> list[str]:

@@ -42,3 +42,12 @@ def test_ratio_inverts(a, b):
 def test_every_goal_names_a_job():
     keys = {job.key for job in report.JOBS}
     assert set(report.GOALS_VS_MEMORY) <= keys
+
+
+def test_hot_spots_count_self_time_by_function(tmp_path):
+    import cpu
+    raw = tmp_path / "raw.txt"
+    raw.write_text("main (a.py:1);f (a.py:10) 6\n"
+                   "main (a.py:1);f (a.py:12) 2\n"
+                   "main (a.py:1);g (a.py:20) 2\n")
+    assert cpu.hot_spots(raw, 2) == [("samples", 10.0), ("f (a.py)", 0.8), ("g (a.py)", 0.2)]

@@ -21,7 +21,9 @@ def test_sigterm_drains_and_loses_no_acknowledged_write(tmp_path, start_service)
     config["subsystems"][0]["namespaces"] = [
         {"nsid": 1, "backend": "file", "path": str(volume), "size": NBLOCKS * BS}]
     svc = start_service(config)
-    ctrl = svc.connect(nr_io_queues=2, queue_size=64)
+    # The host holds I/O across a lost target for ctrl_loss_tmo (nvme-cli semantics); keep it
+    # short so the writers see the failure soon after the daemon is gone.
+    ctrl = svc.connect(nr_io_queues=2, queue_size=64, ctrl_loss_tmo=2, reconnect_delay=0.5)
     ns = ctrl.namespaces[1]
     acked: dict[int, bytes] = {}          # first block -> data, for acknowledged writes only
     lock = threading.Lock()

@@ -179,8 +179,10 @@ def test_reload_adds_and_removes_listeners_and_subsystems(tmp_path, start_servic
                                                   "size": "1GiB"}]})
         svc.reload(new)
         from blockfabric.initiator.host import connect
+        # Its listener goes away below: the host retries (nvme-cli semantics) until
+        # ctrl_loss_tmo, kept short here so the loss surfaces as an error.
         extra = connect("127.0.0.1", extra_nqn, port2, provider="soft", hostnqn=HOSTNQN,
-                        nr_io_queues=1)
+                        nr_io_queues=1, ctrl_loss_tmo=1, reconnect_delay=0.3)
         assert extra.namespaces[1].size == 1 << 30
         # Not exposed on the first listener: Connect there is refused.
         with pytest.raises(NvmeError):

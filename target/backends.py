@@ -58,6 +58,7 @@ class Backend(abc.ABC):
         self.size = size
         self.block_size = block_size
         self.read_only = read_only
+        self.pinned = False     # True while an RDMA memory region covers ``memory``
         self.closed = False
 
     @property
@@ -177,7 +178,10 @@ class RamdiskBackend(Backend):
         page = mmap.PAGESIZE
         first = -(-offset // page) * page               # first whole page in the range
         last = (offset + length) // page * page          # end of the last whole page
-        if last > first:
+        # Not while an RDMA memory region pins the volume: MADV_DONTNEED would give the
+        # process fresh zero pages while the NIC keeps the old ones, and reads (RDMA WRITEs
+        # straight out of the MR) would return the discarded data (seen on rxe in the lab).
+        if last > first and not self.pinned:
             _fill_zero(self._view[offset:first])
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
             _fill_zero(self._view[last:offset + length])

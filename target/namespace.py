@@ -52,6 +52,7 @@ class Namespace:
         if entry is None:
             entry = (pd, pd.reg_mr(self.memory, Access.LOCAL_WRITE))
             self._mrs[id(pd)] = entry
+            self.backend.pinned = True      # see RamdiskBackend._write_zeroes
         return entry[1]
 
     def resize(self, conf: cfg.Namespace) -> None:
@@ -74,6 +75,7 @@ class Namespace:
             except Exception as exc:  # teardown continues
                 log.debug("ns %d: deregistering: %s", self.nsid, exc)
         self._mrs.clear()
+        self.backend.pinned = False
 
     def close(self) -> None:
         self._deregister()

@@ -370,6 +370,7 @@ class Controller:
         self._wake = threading.Event()
         self._recovery_thread: threading.Thread | None = None
         self._ka_sent: float | None = None
+        self._closing = False
 
     @property
     def path(self) -> tuple[str, int]:
@@ -820,7 +821,7 @@ class Controller:
 
     def _start_recovery(self, reason: str) -> None:
         """With ``_state_lock`` held."""
-        if self.state != CtrlState.LIVE or self._closed:
+        if self.state != CtrlState.LIVE or self._closed or self._closing:
             return
         self.state = CtrlState.RECONNECTING
         self.recovery.losses += 1
@@ -871,13 +872,23 @@ class Controller:
                 self.path_index = (lost + step) % len(self.paths)
                 try:
                     self._establish()
-                except Exception as exc:  # any failure: drop what was built, try again
+                except NvmeError as exc:
+                    self._teardown_queues(f"reconnect failed: {exc}")
+                    if exc.dnr:
+                        # The target says a retry cannot help (host no longer allowed,
+                        # subsystem gone): stop now, as Linux's nvmf_should_reconnect does.
+                        self.recovery.last_reason = str(exc)
+                        self._give_up(f"reconnect refused for good ({exc})")
+                        return
+                    log.info("reconnect to %s:%s failed: %s", *self.path, exc)
+                    continue
+                except Exception as exc:  # any other failure: drop what was built, retry
                     log.info("reconnect to %s:%s failed: %s", *self.path, exc)
                     self._teardown_queues(f"reconnect failed: {exc}")
                     continue
                 self._resume(lost)
                 return
-        self._give_up()
+        self._give_up(f"ctrl_loss_tmo ({self.opts.ctrl_loss_tmo:g} s) expired")
 
     def _resume(self, lost: int) -> None:
         with self._state_lock:
@@ -894,7 +905,7 @@ class Controller:
         for req in held:
             self._dispatch(req)
 
-    def _give_up(self) -> None:
+    def _give_up(self, why: str) -> None:
         with self._state_lock:
             if self.state == CtrlState.RECONNECTING:
                 self.state = CtrlState.CLOSED if self._closed else CtrlState.FAILED
@@ -902,8 +913,7 @@ class Controller:
             self.recovery.failed += len(held)
             reason = self.recovery.last_reason
         if not self._closed:
-            log.error("%s: ctrl_loss_tmo (%g s) expired: failing %d held commands",
-                      self.opts.subnqn, self.opts.ctrl_loss_tmo, len(held))
+            log.error("%s: %s: failing %d held commands", self.opts.subnqn, why, len(held))
         for req in held:
             req.callback(None, None, ControllerLost(f"controller lost: {reason}"))
 
@@ -939,6 +949,7 @@ class Controller:
     def close(self) -> None:
         if self._closed:
             return
+        self._closing = True        # what shutdown provokes (a refused keep-alive) is no loss
         self.shutdown()
         with self._state_lock:
             self._closed = True

@@ -482,7 +482,12 @@ class Controller:
             io.done(rw, nbytes, started, ok)
         elif not ok:
             io.errors += 1
+        cmd.user = None                         # answered: nothing left to undo
         cmd.respond(status, dnr=dnr, data=data)
+        if not cmd.responded:       # the queue closed under it: no SEND will release it
+            release, cmd.on_released = cmd.on_released, None
+            if release is not None:
+                release(cmd)
 
     def _read_write(self, cmd: Command, ns: Namespace, write: bool) -> None:
         rw = nio.ReadWrite.from_sqe(cmd.sqe)
@@ -500,6 +505,7 @@ class Controller:
         nss = [ns]
         direction = WRITE if write else READ
         started = self._begin(nss)
+        cmd.user = lambda: self._unpin(nss)     # undo, should the queue die before the answer
         if mr is not None:                      # zero copy: RDMA to and from the volume
             sge = SGE(mr.addr + offset, length, mr.lkey)
             if write:
@@ -546,6 +552,7 @@ class Controller:
         view, sge, release = self.target.control_buffer(cmd.queue, cmd.data_length)
         cmd.on_released = release
         started = self._begin([ns])
+        cmd.user = lambda: self._unpin([ns])
 
         def fetched(c: Command) -> None:
             try:

@@ -59,6 +59,17 @@ IDLE_TIMEOUT = 10.0
 IDLE_POLL = 0.005
 
 
+def abort_command(cmd: Command) -> None:
+    """A command that will never be answered (its queue is gone): run its undo hook
+    (``cmd.user``, set where a command pins a namespace) and release its buffer."""
+    undo, cmd.user = cmd.user, None
+    if callable(undo):
+        undo()
+    release, cmd.on_released = cmd.on_released, None
+    if release is not None:
+        release(cmd)
+
+
 class QueueSession:
     """The command handler of one queue: Connect first, then its controller's logic."""
 
@@ -267,6 +278,10 @@ class Target:
             cmid.reject(CMReject(sts=sts).pack())
             cmid.close()
             return
+        if self._over_host_limit(cmid):
+            cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
+            cmid.close()
+            return
         session = QueueSession(self, lconf, provider, req)
         depth = req.hsqsize + 1
         pd = self.pd_for(cmid)
@@ -280,6 +295,20 @@ class Target:
         self.sessions.add(session)
         cmid.accept(CMAccept(crqsize=depth).pack())
         log.debug("accepted %s qid %d depth %d", cmid.peer_address, req.qid, depth)
+
+    def _over_host_limit(self, cmid: CMId) -> bool:
+        """limits.max_connections_per_host, counted per peer address: at CM time the host
+        NQN is not known yet, and a flood of bare connections must be stopped before it
+        costs queue memory."""
+        peer = cmid.peer_address[0]
+        limit = self.config.limits.max_connections_per_host
+        count = sum(1 for s in self.sessions
+                    if s.queue is not None and s.queue.cmid.peer_address[0] == peer)
+        if count < limit:
+            return False
+        log.warning("rejecting connection from %s: NO_RESOURCES (%d connections from that "
+                    "address, limits.max_connections_per_host is %d)", peer, count, limit)
+        return True
 
     def _on_cm_event(self, session: QueueSession) -> None:
         queue = session.queue
@@ -320,6 +349,12 @@ class Target:
         """Run ``use(view, sge, release)`` with a registered bounce buffer, waiting for one
         to be free if need be (file backends)."""
         pd = cmd.queue.pd
+        if cmd.queue.closed:    # its host went away while it waited: pass the buffer on
+            abort_command(cmd)
+            waiters = self._bounce_waiters.get(id(pd))
+            if waiters:
+                waiters.pop(0)()
+            return
         pool = self._bounce.get(id(pd))
         if pool is None:
             pool = self._bounce[id(pd)] = BufferPool(pd, BOUNCE_SLOTS,
@@ -429,6 +464,7 @@ class Target:
                 self.destroy_controller(ctrl, f"admin queue lost: {reason}")
 
     def _close_queue(self, session: QueueSession) -> None:
+        """Close a session's queue and let go of everything its commands still hold."""
         queue = session.queue
         self.sessions.discard(session)
         if queue is not None and not queue.closed:
@@ -436,9 +472,15 @@ class Target:
             # Answered commands whose response SEND will now never complete still hold a
             # bounce buffer or a namespace's memory: let go of them.
             for cmd in queue.commands:
-                release, cmd.on_released = cmd.on_released, None
-                if release is not None and cmd.responded:
+                if cmd.responded and cmd.on_released is not None:
+                    release, cmd.on_released = cmd.on_released, None
                     release(cmd)
+            # Commands whose RDMA READ of the host's data will now never complete: undo
+            # what they hold (in-flight counts, bounce or control buffers).
+            for cmd in queue.commands:
+                if cmd.on_fetched is not None:
+                    cmd.on_fetched = None
+                    abort_command(cmd)
 
     def destroy_controller(self, ctrl: Controller, reason: str) -> None:
         if ctrl.dead:
@@ -769,6 +811,14 @@ class Target:
                            "controllers": per_listener.get(rl.listener_key(lc), 0)}
                           for lc, p, _li in self.listeners],
             "subsystems": subsystems, "controllers": controllers,
+            # What hosts hold right now: a host that vanished must leave all of it at rest.
+            "resources": {
+                "connections": len(self.sessions),
+                "commands_in_flight": self.inflight(),
+                "bounce_buffers_in_use": sum(p.count - p.available
+                                             for p in self._bounce.values()),
+                "bounce_waiters": sum(len(w) for w in self._bounce_waiters.values()),
+            },
         }
 
     # -- teardown --------------------------------------------------------------------

@@ -1,0 +1,96 @@
+"""A small userspace TCP proxy for fault tests: added delay per chunk, cutting every live
+connection, refusing new ones.  This kernel has no tc netem, so delay and cuts are done here.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+class TcpProxy:
+    """Forward 127.0.0.1:``port`` to ``target``; one thread per direction per connection."""
+
+    def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
+        self.target = target
+        self.delay = delay
+        self.refusing = False
+        self.cuts = 0
+        self._lsock = socket.create_server(("127.0.0.1", 0))
+        self.port = self._lsock.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._lsock.accept()
+            except OSError:
+                return
+            if self.refusing:
+                _reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+                upstream.settimeout(None)
+            except OSError:
+                _reset(client)
+                continue
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                chunk = src.recv(1 << 16)
+                if not chunk:
+                    break
+                if self.delay:
+                    time.sleep(self.delay)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                _reset(s)
+
+    def cut(self) -> None:
+        """Reset every live connection (both ends see the peer vanish)."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            _reset(s)
+        self.cuts += 1
+
+    def down(self) -> None:
+        """A dead path: cut what lives and refuse what comes."""
+        self.refusing = True
+        self.cut()
+
+    def up(self) -> None:
+        self.refusing = False
+
+    def close(self) -> None:
+        self._closed = True
+        self._lsock.close()
+        self.cut()
+
+
+def _reset(s: socket.socket) -> None:
+    """Close with RST; shutdown first so a thread blocked in recv on it wakes up."""
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        s.close()
+    except OSError:
+        pass

@@ -1,0 +1,124 @@
+"""Faults on loopback while a verify workload runs through the host library: the target
+SIGKILLed and restarted, paused past keep-alive, its connections cut, a path lost for good.
+Each test shows from the host's counters that I/O was held and re-issued across the fault."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from blockfabric.initiator.host import ControllerLost, CtrlState
+
+from .conftest import host
+from .proxy import TcpProxy
+from .verifyload import verify_load
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_with_fault(ctrl, fault, seconds: float = 5.0, at: float = 1.0, **kw) -> dict:
+    """The verify load for ``seconds``, with ``fault()`` called ``at`` seconds in."""
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(verify_load(ctrl, seconds, **kw)))
+    runner.start()
+    time.sleep(at)
+    fault()
+    runner.join(seconds + 30)
+    assert not runner.is_alive(), "the workload hung"
+    return result
+
+
+def assert_held_and_retried(result: dict) -> None:
+    rec = result["recovery"]
+    assert result["mismatches"] == 0, result
+    assert result["errors"] == 0, result
+    assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
+    assert rec["state"] == "live" and rec["held_now"] == 0, rec
+    assert result["ios"] > 100, result
+
+
+def test_target_sigkill_and_restart_loses_nothing(file_target):
+    with host(file_target.port) as ctrl:
+        def fault() -> None:
+            file_target.kill()
+            time.sleep(1.0)                     # down for a while: reconnects fail first
+            file_target.start()
+        result = run_with_fault(ctrl, fault, seconds=5.0)
+        assert_held_and_retried(result)
+        assert result["recovery"]["attempts"] >= 2, result["recovery"]   # one failed at least
+        assert len(ctrl.io_queues) == 2               # the same number of I/O queues again
+
+
+def test_target_paused_past_keep_alive_then_resumed(file_target):
+    with host(file_target.port) as ctrl:
+        def fault() -> None:
+            file_target.signal(signal.SIGSTOP)
+            time.sleep(2.5)                     # KATO is 1 s: the host must notice
+            file_target.signal(signal.SIGCONT)
+        result = run_with_fault(ctrl, fault, seconds=6.0)
+        assert_held_and_retried(result)
+        assert "keep-alive" in result["recovery"]["last_reason"] \
+            or "RETRY_EXC" in result["recovery"]["last_reason"], result["recovery"]
+
+
+def test_connections_cut_by_a_proxy(file_target):
+    proxy = TcpProxy(("127.0.0.1", file_target.port))
+    try:
+        with host(proxy.port) as ctrl:
+            result = run_with_fault(ctrl, proxy.cut, seconds=4.0)
+            assert_held_and_retried(result)
+    finally:
+        proxy.close()
+
+
+def test_delay_slows_but_never_fails(file_target):
+    """5 ms added to every chunk each way: slower, no loss detected, no errors."""
+    proxy = TcpProxy(("127.0.0.1", file_target.port), delay=0.005)
+    try:
+        with host(proxy.port) as ctrl:
+            result = verify_load(ctrl, 2.0, threads=2)
+            assert result["errors"] == result["mismatches"] == 0, result
+            assert result["recovery"]["losses"] == 0, result["recovery"]
+            assert result["ios"] > 10, result
+    finally:
+        proxy.close()
+
+
+def test_multipath_fails_over_to_the_second_listener(tmp_path, start_target):
+    from .conftest import file_config, free_port
+    port_a, port_b = free_port(), free_port()
+    start_target(file_config(port_a, tmp_path / "vol.img", extra_ports=(port_b,)))
+    proxy = TcpProxy(("127.0.0.1", port_a))
+    try:
+        with host(proxy.port, paths=[("127.0.0.1", port_b)]) as ctrl:
+            result = run_with_fault(ctrl, proxy.down, seconds=4.0)
+            assert_held_and_retried(result)
+            rec = result["recovery"]
+            assert rec["failovers"] >= 1 and rec["path"] == f"127.0.0.1:{port_b}", rec
+    finally:
+        proxy.close()
+
+
+def test_io_fails_only_after_ctrl_loss_tmo(file_target):
+    """The target never comes back: held I/O fails (ControllerLost, EIO through FUSE) once
+    ctrl_loss_tmo has passed, not before; new I/O then fails at once."""
+    loss_tmo = 2.0
+    with host(file_target.port, ctrl_loss_tmo=loss_tmo) as ctrl:
+        ns = ctrl.namespaces[1]
+        ns.write(0, b"x" * 4096)
+        file_target.kill()
+        lost_at = time.monotonic()
+        with pytest.raises(ControllerLost):
+            ns.read(0, 4096)
+        waited = time.monotonic() - lost_at
+        assert loss_tmo <= waited < loss_tmo + 2.0, waited
+        rec = ctrl.recovery_stats()
+        assert rec["state"] == CtrlState.FAILED.value and rec["failed"] >= 1, rec
+        assert rec["held"] >= 1 and rec["reconnects"] == 0, rec
+        started = time.monotonic()
+        with pytest.raises(ControllerLost):
+            ns.read(0, 4096)
+        assert time.monotonic() - started < 0.5

@@ -1,0 +1,16 @@
+#!/bin/bash
+# Runs INSIDE the lab guest, from the project root: everything `make lab` proves, in one boot
+# (a boot costs ~10 s, and pyverbs' import ~3 s per process under TCG).
+#   1. tests/lab/run-suite.sh  the verbs smoke test and the RDMA contract suite on rxe0
+#   2. tests/lab/interop.sh    blockfabric against the Linux kernel's NVMe-oF host and target
+# Exit status 0 only when both passed; each part's own summary says what failed.
+set -u
+[ -f tests/lab/interop.sh ] || { echo "all.sh: run from the project root" >&2; exit 2; }
+rc=0
+t0=$EPOCHREALTIME
+bash tests/lab/run-suite.sh || rc=1
+t1=$EPOCHREALTIME
+echo; echo "##### run-suite.sh: rc=$rc in $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.0f", b-a}') s"
+bash tests/lab/interop.sh || rc=1
+echo "##### interop.sh done in $(awk -v a="$t1" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
+exit $rc

@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from blockfabric.initiator.host import Controller, Namespace, NvmeError, QueueDead
+from blockfabric.initiator.host import (Controller, ControllerLost, Namespace, NvmeError,
+                                        QueueDead)
 from blockfabric.protocol import StatusCode
 
 STATUS_NAME = ".status"
@@ -114,6 +115,8 @@ def nvme_errno(exc: BaseException) -> int:
     """The errno a file user should see for a failed command."""
     if isinstance(exc, NvmeError):
         return _ERRNO_OF_STATUS.get(exc.status, errno.EIO)
+    if isinstance(exc, ControllerLost):     # held through reconnects until ctrl_loss_tmo
+        return errno.EIO
     if isinstance(exc, (QueueDead, ConnectionError)):
         return errno.ENOTCONN
     if isinstance(exc, TimeoutError):
@@ -329,13 +332,23 @@ def status_report(fs: VolumeFS) -> str:
     dead = [q.qid for q in ctrl.io_queues if q.dead_reason]
     admin_dead = ctrl.admin is None or ctrl.admin.dead_reason
     state = "live" if not dead and not admin_dead else "degraded" if not admin_dead else "dead"
+    rec = ctrl.recovery_stats()
+    if rec["state"] != "live":
+        state = str(rec["state"])
+    paths = ", ".join(f"{a}:{p}" for a, p in ctrl.paths)
     lines = [
         f"subsystem   {opts.subnqn}",
         f"controller  {ctrl.cntlid} (model {ident.mn.strip()!r}, serial {ident.sn.strip()!r}, "
         f"firmware {ident.fr.strip()!r})" if ident else f"controller  {ctrl.cntlid}",
-        f"path        rdma {opts.traddr}:{opts.trsvcid} via the {ctrl.provider.name} provider",
+        f"path        rdma {rec['path']} via the {ctrl.provider.name} provider "
+        f"(paths: {paths})",
         f"host        {ctrl.hostnqn}",
         f"state       {state}",
+        f"reconnect   every {opts.reconnect_delay:g} s, ctrl-loss-tmo {opts.ctrl_loss_tmo:g} s; "
+        f"losses {rec['losses']}, attempts {rec['attempts']}, reconnects {rec['reconnects']} "
+        f"(failovers {rec['failovers']}), held {rec['held']} (now {rec['held_now']}), "
+        f"retried {rec['retried']}, failed {rec['failed']}"
+        + (f"; last loss: {rec['last_reason']}" if rec["last_reason"] else ""),
         f"keep-alive  {opts.keep_alive_tmo:g} s timeout, sent every {opts.keep_alive_tmo / 2:g} s",
         f"max transfer {ctrl.max_transfer} bytes, in-capsule data {ctrl.inline_size} bytes",
         f"mount       {','.join(fs.options.words())}, up since "

@@ -23,8 +23,10 @@ from blockfabric.initiator.host import Controller, ConnectOptions
 
 def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int = 1,
                 region_blocks: int = 256, max_run: int = 8, nsid: int = 1,
-                stop: threading.Event | None = None) -> dict:
-    """Run for ``seconds`` (or until ``stop``); returns counts, error times and mismatches."""
+                first_block: int = 0, stop: threading.Event | None = None) -> dict:
+    """Run for ``seconds`` (or until ``stop``); returns counts, error times and mismatches.
+    Thread ``t`` owns blocks ``first_block + t * region_blocks`` onwards (several hosts
+    share a namespace with disjoint ``first_block``)."""
     ns = ctrl.namespaces[nsid]
     bs = ns.block_size
     start = time.monotonic()
@@ -43,7 +45,7 @@ def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int
 
     def worker(t: int) -> None:
         rng = random.Random(seed * 1000 + t)
-        base = t * region_blocks
+        base = first_block + t * region_blocks
         # block -> the CRCs it may hold (two after a failed write: old or new, both right)
         model: dict[int, set[int]] = {}
         ios = verified = mismatches = 0
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect-timeout", type=float, default=1)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--region-blocks", type=int, default=256)
+    p.add_argument("--first-block", type=int, default=0)
     p.add_argument("--netns", help="enter this network namespace first")
     args = p.parse_args(argv)
     if args.netns:
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     with Controller(opts).connect() as ctrl:
         print("connected", file=sys.stderr, flush=True)
         result = verify_load(ctrl, args.seconds, threads=args.threads, seed=args.seed,
-                             region_blocks=args.region_blocks)
+                             region_blocks=args.region_blocks,
+                             first_block=args.first_block)
     json.dump(result, sys.stdout)
     print()
     return 1 if result["mismatches"] else 0

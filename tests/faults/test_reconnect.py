@@ -33,6 +33,8 @@ def run_with_fault(ctrl, fault, seconds: float = 5.0, at: float = 1.0, **kw) -> 
 
 def assert_held_and_retried(result: dict) -> None:
     rec = result["recovery"]
+    print(f"\nobserved: ios {result['ios']} errors {result['errors']} mismatches "
+          f"{result['mismatches']} recovery {rec}")     # for docs/reliability.md (pytest -s)
     assert result["mismatches"] == 0, result
     assert result["errors"] == 0, result
     assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec

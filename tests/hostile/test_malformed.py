@@ -11,7 +11,7 @@ import pytest
 from blockfabric.initiator.host import QueueDead, connect
 from blockfabric.protocol import IOOpcode, KeyedSGL, OffsetSGL, ReadWrite, StatusCode
 
-from .conftest import HOSTNQN, NQN, assert_undisturbed
+from .conftest import HOSTNQN, MAX_CONN, NQN, assert_undisturbed
 
 MiB = 1 << 20
 BS = 4096
@@ -73,5 +73,25 @@ def test_forged_key_costs_only_the_attackers_queue(target, bystander):
         assert target.wait_log("REM_ACCESS_ERR", 5) or target.wait_log("RDMA READ", 5), \
             target.log
     time.sleep(0.5)
+    assert_undisturbed(bystander.finish())
+    assert target.alive()
+
+
+@pytest.mark.timeout(60)
+def test_controller_flood_is_refused_past_the_per_host_limit(target, bystander):
+    """Whole controllers (admin + one I/O queue each) from the bystander's own address: the
+    connections beyond ``max_connections_per_host`` get CM reject NO_RESOURCES; the
+    bystander's live queues are not touched."""
+    ctrls = []
+    try:
+        with pytest.raises(ConnectionRefusedError, match="NO_RESOURCES"):
+            for _ in range(MAX_CONN):
+                ctrls.append(connect("127.0.0.1", NQN, target.port, provider="soft",
+                                     hostnqn=HOSTNQN, nr_io_queues=1, ctrl_loss_tmo=0))
+        # the bystander holds 2 of the 6 connections, so exactly 2 controllers fit
+        assert len(ctrls) == (MAX_CONN - 2) // 2, len(ctrls)
+    finally:
+        for c in ctrls:
+            c.close()
     assert_undisturbed(bystander.finish())
     assert target.alive()

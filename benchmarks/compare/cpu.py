@@ -91,7 +91,7 @@ def hot_spots(raw: pathlib.Path, top: int = 5) -> list[tuple[str, float]]:
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
+        if not stack or not count.isdigit():   # a frame name broken over lines
             continue
         n = int(count)
         leaves[re.sub(r":\d+\)$", ")", stack.split(";")[-1])] += n   # by function

@@ -51,3 +51,10 @@ def test_hot_spots_count_self_time_by_function(tmp_path):
                    "main (a.py:1);f (a.py:12) 2\n"
                    "main (a.py:1);g (a.py:20) 2\n")
     assert cpu.hot_spots(raw, 2) == [("samples", 10.0), ("f (a.py)", 0.8), ("g (a.py)", 0.2)]
+
+
+def test_hot_spots_skip_a_frame_name_broken_over_lines(tmp_path):
+    import cpu
+    raw = tmp_path / "raw.txt"
+    raw.write_text("main (a.py:1);f (a.py:10) 3\nmain (a.py:1);odd\nname (__doc__:4);\n")
+    assert cpu.hot_spots(raw) == [("samples", 3.0), ("f (a.py)", 1.0)]

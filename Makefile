@@ -20,10 +20,15 @@ PYTEST_ARGS ?=
 #   strace             tests that prove fsync/rename ordering with the real syscalls
 #   systemd            systemd-analyze verify on the unit files (PID 1 need not be systemd)
 #   qemu-utils         qemu-img, one of the block-image tools the mounted files must satisfy
+#   nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib
+#                      the peers blockfabric is measured against (make bench, and its --quick
+#                      smoke test in make test), and the chart
+#   nftables           packet loss on a veth for the fault tests
 DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
-            ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils
+            ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils \
+            nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables
 
-.PHONY: all deps venv test demo lab bench-rdma bench-rdma-lab clean help
+.PHONY: all deps venv test demo lab bench bench-rdma bench-rdma-lab soak clean help
 
 all: help
 
@@ -31,7 +36,9 @@ help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
 	@echo "make test   set up and run the full test suite"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
+	@echo "make bench  fio side by side with nbdkit+nbdfuse and tmpfs -> benchmarks/results/"
 	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
+	@echo "make soak   long verify run with faults injected (SOAK_DURATION=600)"
 	@echo "make clean  remove the venv and build leftovers"
 
 deps:
@@ -63,8 +70,9 @@ test: venv
 demo: venv
 	$(PY) scripts/demo.py
 
-# The lab boots Debian's stock kernel under QEMU with rdma_rxe (Soft-RoCE) and runs suites
-# against rxe0 with the verbs provider. lab/setup installs what it needs and exits 77 where
+# The lab boots Debian's stock kernel under QEMU with rdma_rxe (Soft-RoCE) and runs, in one
+# boot, the RDMA contract suite on rxe0 with the verbs provider and the interop suite
+# against the Linux kernel's own NVMe-oF host and target (tests/lab/all.sh). lab/setup installs what it needs and exits 77 where
 # QEMU or the kernel package cannot be had: only then is the lab skipped.
 LAB_TIMEOUT ?= 1200
 lab: venv
@@ -72,10 +80,26 @@ lab: venv
 	if [ $$rc = 77 ]; then echo "make lab: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \
 	[ $$rc = 0 ] || exit $$rc; \
 	set -o pipefail; \
-	{ echo "# lab/run tests/lab/run-suite.sh  ($$(date -u +%F), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest under QEMU, rxe0 on labnet0)"; \
-	  LAB_TIMEOUT=$(LAB_TIMEOUT) lab/run tests/lab/run-suite.sh 2>&1; } | tee tests/lab/last-run.txt
+	{ echo "# lab/run tests/lab/all.sh  ($$(date -u +%F), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest under QEMU, rxe0 on labnet0)"; \
+	  LAB_TIMEOUT=$(LAB_TIMEOUT) lab/run tests/lab/all.sh 2>&1; } | tee tests/lab/last-run.txt; rc=$$?; \
+	sed -n '/^##### interop:/,$$p' tests/lab/last-run.txt > tests/lab/last-interop.txt; exit $$rc
 
 # Benchmarks are never part of `make test`: they take minutes and want a quiet machine.
+# bench: fio through blockfabric's FUSE mount (thread and poll progress) against nbdkit +
+# nbdfuse, nbdkit's Python plugin and tmpfs; then CPU per I/O and scaling (with flame
+# graphs). About 20 minutes; results in benchmarks/results/.
+bench: venv
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/compare $(BENCH_ARGS)
+	$(PY) benchmarks/cost_per_io.py
+	$(PY) benchmarks/scaling.py --progress thread
+	$(PY) benchmarks/scaling.py --progress poll
+
+# soak: several hosts x queues verifying crc32c for SOAK_DURATION seconds, a fault a minute.
+SOAK_DURATION ?= 600
+soak: venv
+	$(PY) benchmarks/soak.py --duration $(SOAK_DURATION) $(SOAK_ARGS)
+
 bench-rdma: venv
 	$(PY) benchmarks/rdma_bw.py --runs 5 --bytes 1G $(BENCH_ARGS)
 	$(PY) benchmarks/rdma_bw.py --runs 5 --bytes 1G --progress poll $(BENCH_ARGS)

@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 NVME_VERSION = VS(ter=0, mnr=3, mjr=1).to_int()  # NVMe 1.3, as nvmet reports
 AERL = 3  # 0-based: four outstanding AERs at most (nvmet's value)
 DISCOVERY_KATO_MS = 120_000  # a discovery controller connected with kato 0 (as nvmet)
-MAX_DSM_RANGES = 256
 
 _ERRNO_STATUS = {
     errno.ERANGE: StatusCode.LBA_OUT_OF_RANGE,
@@ -127,9 +126,6 @@ class Controller:
         if self.kato_ms:
             self.kato_timer = self.target.reactor.call_later(self.kato_ms / 1000,
                                                              self._check_keep_alive)
-
-    def touch(self) -> None:
-        self.last_activity = time.monotonic()
 
     def _check_keep_alive(self) -> None:
         if self.dead:

@@ -19,14 +19,12 @@ from typing import Callable
 
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_SHIFT,
                                          Endpoint, wr_id)
-from blockfabric.protocol import CQE, SQE, OffsetSGL, ProtocolError
+from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL, ProtocolError
 from blockfabric.protocol.status import StatusCode
 from blockfabric.rdma import PD, WC, CMId, SendFlags, SendWR, WcStatus, WrOpcode
 
 log = logging.getLogger(__name__)
 
-SQE_SIZE = 64
-CQE_SIZE = 16
 SLOT_BITS = 12
 GEN_MASK = 0xF
 
@@ -34,7 +32,7 @@ Callback = Callable[[CQE | None, str | None], None]
 
 
 class Slot:
-    __slots__ = ("index", "gen", "cid", "callback", "sent", "cqe", "busy")
+    __slots__ = ("index", "gen", "cid", "callback", "sent", "cqe", "busy", "seq")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -44,6 +42,7 @@ class Slot:
         self.sent = False
         self.cqe: CQE | None = None
         self.busy = False
+        self.seq = 0            # submission order on this queue, to count overtakes
 
 
 class QueueStats:
@@ -79,7 +78,6 @@ class HostQueue(Endpoint):
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self.stats = QueueStats()
-        self._seq = [0] * depth
         self._next_seq = 0
         self.dead_reason: str | None = None
 
@@ -144,7 +142,7 @@ class HostQueue(Endpoint):
         stats.inflight += 1
         if stats.inflight > stats.max_inflight:
             stats.max_inflight = stats.inflight
-        self._seq[slot.index] = self._next_seq
+        slot.seq = self._next_seq
         self._next_seq += 1
         try:
             self.post_send(SendWR(wr_id(KIND_SEND, slot.index), WrOpcode.SEND,
@@ -201,7 +199,7 @@ class HostQueue(Endpoint):
         callback, cqe = slot.callback, slot.cqe
         stats = self.stats
         with self._space:
-            seq = self._seq[slot.index]
+            seq = slot.seq
             if seq < stats._last_seq:
                 stats.out_of_order += 1
             else:

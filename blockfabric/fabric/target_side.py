@@ -24,15 +24,14 @@ from typing import Callable, Protocol, Sequence
 
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_READ, KIND_RECV, KIND_SEND,
                                          KIND_SHIFT, KIND_WRITE, Endpoint, wr_id)
-from blockfabric.protocol import SQE, KeyedSGL, OffsetSGL, ProtocolError, StatusCode
+from blockfabric.protocol import (CQE_SIZE, SQE, SQE_SIZE, KeyedSGL, OffsetSGL, ProtocolError,
+                                  StatusCode)
 from blockfabric.protocol.capsule import pack_cqe_into
+from blockfabric.protocol.opcodes import FABRICS_OPCODE
 from blockfabric.rdma import PD, SGE, WC, CMId, SendFlags, SendWR, WcStatus, WrOpcode
 
 log = logging.getLogger(__name__)
 
-SQE_SIZE = 64
-CQE_SIZE = 16
-FABRICS_OPCODE = 0x7F
 
 
 class Handler(Protocol):

@@ -8,19 +8,14 @@ from typing import Any
 
 import pytest
 
-from e2e.conftest import BIN, HOSTNQN, NQN, TargetProc, free_port, ram_config
-from e2e.conftest import start_target  # noqa: F401  (a fixture, used by name)
+from e2e.conftest import BIN, HOSTNQN, NQN, TargetProc, free_port, ram_config  # noqa: F401
+from e2e.conftest import module_ram_target, start_target  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def target(module_ram_target):
     """One ramdisk target for a test module (each test uses its own part of the disk)."""
-    port = free_port()
-    proc = TargetProc(ram_config(port), tmp_path_factory.mktemp("target")).start()
-    proc.port = port
-    yield proc
-    proc.stop()
-    assert "Traceback" not in proc.log, proc.log
+    return module_ram_target
 
 
 def bench_cmd(port: int, *flags: str) -> list[str]:

@@ -121,6 +121,18 @@ def start_target(tmp_path):
         assert "Traceback" not in proc.log, proc.log
 
 
+@pytest.fixture(scope="module")
+def module_ram_target(tmp_path_factory):
+    """One ramdisk target shared by a whole test module (a target start costs ~0.5 s)."""
+    port = free_port()
+    proc = TargetProc(ram_config(port), tmp_path_factory.mktemp("target")).start()
+    proc.port = port
+    yield proc
+    if proc.alive():
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+
+
 @pytest.fixture
 def ram_target(start_target):
     port = free_port()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from blockfabric.initiator.host import (ConnectOptions, Controller, NvmeError, QueueDead,
                                         connect, discover)
-from blockfabric.protocol import (SQE, CQE, IOOpcode, KeyedSGL, OffsetSGL, ReadWrite,
+from blockfabric.protocol import (SQE, CQE, KeyedSGL, OffsetSGL,
                                   StatusCode)
 
 from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
@@ -158,15 +158,8 @@ def build(ctrl: Controller, spec) -> tuple[bytes, str]:
 
 
 @pytest.fixture(scope="module")
-def fuzz_target(tmp_path_factory):
-    from .conftest import TargetProc
-    port = free_port()
-    proc = TargetProc(ram_config(port), tmp_path_factory.mktemp("fuzz")).start()
-    proc.port = port
-    yield proc
-    if proc.alive():
-        proc.stop()
-    assert "Traceback" not in proc.log, proc.log
+def fuzz_target(module_ram_target):
+    return module_ram_target
 
 
 @settings(max_examples=25, deadline=None, derandomize=True,

@@ -111,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     p.add_argument("-o", dest="options", default="", metavar="OPT[,OPT...]",
                    help="mount options: ro, allow_other, direct_io (default) or cache (the "
-                        "page cache), threads=N (FUSE worker threads, 1 = single-threaded), "
-                        "and any libfuse option")
+                        "page cache); binding=kernel (default: blockfabric's own /dev/fuse "
+                        "server on the controller's event loop) or binding=libfuse (mfusepy "
+                        "on libfuse 3, a pool of worker threads); threads=N (kernel: threads "
+                        "for requests that must wait, default 4; libfuse: worker pool, "
+                        "default 16; 1 = single-threaded); anything else is passed on as a "
+                        "FUSE mount option")
     p.add_argument("--config", metavar="FILE",
                    help="mount what an initiator YAML lists (configs/initiator.yaml): the "
                         "entry for MOUNTPOINT, or every entry with --all")

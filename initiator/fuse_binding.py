@@ -95,12 +95,13 @@ def serve(fs: VolumeFS, mountpoint: str, *, fsname: str,
     (libfuse's own handlers end the loop, then libfuse unmounts).  ``on_ready`` runs once
     the kernel has sent INIT, i.e. the mount is live."""
     opts = fs.options
-    kwargs: dict[str, Any] = {"foreground": True, "nothreads": opts.threads <= 1,
+    threads = opts.worker_threads()
+    kwargs: dict[str, Any] = {"foreground": True, "nothreads": threads <= 1,
                               "fsname": fsname, "subtype": SUBTYPE,
                               "default_permissions": True, "max_read": MAX_REQUEST}
-    if opts.threads > 1:
-        kwargs["max_threads"] = opts.threads
-        kwargs["max_idle_threads"] = opts.threads
+    if threads > 1:
+        kwargs["max_threads"] = threads
+        kwargs["max_idle_threads"] = threads
     if opts.allow_other:
         kwargs["allow_other"] = True
     if opts.read_only:

@@ -1,8 +1,8 @@
 """The mounted filesystem, with no FUSE binding in it: files ``n<nsid>`` and ``.status``.
 
 Every operation here takes plain values (path, offset, bytes) and returns plain values or
-raises ``OSError`` with an errno, so the binding module (``fuse_binding.py``) stays a thin
-translation and can be swapped.  Calls arrive on many threads at once (the binding's worker
+raises ``OSError`` with an errno, so the binding modules (``fuse_kernel.py``, ours, and
+``fuse_binding.py``, mfusepy on libfuse) stay thin translations and can be swapped.  Calls arrive on many threads at once (the binding's worker
 pool); each one submits to the host library and blocks only on its own commands, so many
 NVMe commands are in flight while several FUSE requests are.
 
@@ -28,7 +28,10 @@ from blockfabric.protocol import StatusCode
 
 STATUS_NAME = ".status"
 SUBTYPE = "blockfabric"          # the mount shows as fuse.blockfabric
-DEFAULT_THREADS = 16
+DEFAULT_THREADS = 16                # libfuse binding: worker pool
+DEFAULT_KERNEL_WORKERS = 4          # kernel binding: threads for requests that must wait
+BINDINGS = ("kernel", "libfuse")
+DEFAULT_BINDING = "kernel"
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_ZERO_RANGE = 0x10
@@ -51,12 +54,14 @@ class MountOptions:
     read_only: bool = False
     allow_other: bool = False
     direct_io: bool = True
-    threads: int = DEFAULT_THREADS     # FUSE worker threads; 1 = single-threaded loop
+    threads: int | None = None         # worker threads (None: the binding's default)
+    binding: str = DEFAULT_BINDING     # "kernel" (our own /dev/fuse server) or "libfuse"
     extra: list[str] = field(default_factory=list)
 
     @classmethod
     def parse(cls, text: str) -> MountOptions:
-        """Parse ``-o ro,allow_other,cache,threads=N``; unknown words go to libfuse."""
+        """Parse ``-o ro,allow_other,cache,threads=N,binding=B``; unknown words are
+        passed to the kernel (or libfuse) as mount options."""
         opts = cls()
         for word in filter(None, (w.strip() for w in text.split(","))):
             if word == "ro":
@@ -73,14 +78,26 @@ class MountOptions:
                 opts.threads = _positive(word)
             elif word == "single_thread":
                 opts.threads = 1
+            elif word.startswith("binding="):
+                opts.binding = word.partition("=")[2]
+                if opts.binding not in BINDINGS:
+                    raise ValueError(f"mount option binding: expected one of "
+                                     f"{', '.join(BINDINGS)}, got {opts.binding!r}")
             else:
                 opts.extra.append(word)
         return opts
 
     def words(self) -> list[str]:
         return (["ro" if self.read_only else "rw"] + (["allow_other"] if self.allow_other else [])
-                + ["direct_io" if self.direct_io else "cache", f"threads={self.threads}"]
+                + ["direct_io" if self.direct_io else "cache", f"binding={self.binding}"]
+                + ([f"threads={self.threads}"] if self.threads is not None else [])
                 + self.extra)
+
+    def worker_threads(self) -> int:
+        """Threads of the binding: libfuse's pool, or the kernel server's waiting-work pool."""
+        if self.threads is not None:
+            return self.threads
+        return DEFAULT_THREADS if self.binding == "libfuse" else DEFAULT_KERNEL_WORKERS
 
 
 def _positive(word: str) -> int:

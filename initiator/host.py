@@ -113,16 +113,20 @@ class _Request:
     """An I/O command that can be issued again: read, write, flush, write zeroes and DSM
     are idempotent, so a command lost with its queue is simply re-sent after a reconnect."""
 
-    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen")
+    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen", "sgl")
 
     def __init__(self, make_sqe: Callable[[], SQE], callback: Callable, data_out=None,
-                 data_in: int = 0, inline: bool = False) -> None:
+                 data_in: int = 0, inline: bool = False,
+                 sgl: KeyedSGL | None = None) -> None:
         self.make_sqe = make_sqe
         self.callback = callback        # (cqe, data, exception or None)
         self.data_out = data_out
         self.data_in = data_in
         self.inline = inline
         self.gen = -1
+        #: The data already sits in memory the caller registered with this controller's PD:
+        #: the target moves it by RDMA from/to there (no arena block, no copy).
+        self.sgl = sgl
 
 
 # --------------------------------------------------------------------------- host identity
@@ -646,14 +650,19 @@ class Controller:
         return self.io_queues[next(self._rr) % len(self.io_queues)]
 
     def submit(self, queue: HostQueue, sqe: SQE, callback, *, data_out=None,
-               data_in: int = 0, inline: bool = False) -> None:
+               data_in: int = 0, inline: bool = False, sgl: KeyedSGL | None = None) -> None:
         """Submit with data handled: ``data_out`` bytes go in-capsule (``inline``) or from
         the arena by keyed SGL; ``data_in`` bytes come back into the arena.  ``callback(cqe,
-        data, error)`` gets the data read (bytes) for ``data_in``."""
+        data, error)`` gets the data read (bytes) for ``data_in``.  With ``sgl`` (memory the
+        caller registered), the data moves straight to or from there and ``data`` is None."""
         arena = self.arena
         block = None
         if data_out is not None and inline:
             queue.submit(sqe, lambda cqe, err: callback(cqe, None, err), inline=data_out)
+            return
+        if sgl is not None:
+            sqe.sgl = sgl
+            queue.submit(sqe, lambda cqe, err: callback(cqe, None, err))
             return
         length = len(data_out) if data_out is not None else data_in
         if length:
@@ -766,6 +775,48 @@ class Controller:
             raise NvmeError(what, cqe.status, cqe.dnr, cqe.result)
         return cqe
 
+    def start_io(self, ns: Namespace, opcode: int, offset: int, length: int, addr: int,
+                 rkey: int, callback: Callable[[BaseException | None], None], *,
+                 data_out=None) -> int:
+        """Read or write ``[offset, offset + length)`` straight from or into memory the
+        caller registered with :attr:`pd` (``addr``, ``rkey``): no arena block, no copy, no
+        future.  ``data_out`` (a view of that same memory, for writes) lets pieces that fit
+        travel in-capsule.  ``callback(error)`` runs once, on the reactor thread, with None
+        or the exception (NvmeError, ControllerLost); I/O is held across reconnects like
+        every I/O command.  Returns the number of NVMe commands issued (pieces at MDTS).
+
+        It never waits for a command slot only if the caller keeps fewer commands in flight
+        than a queue has slots (the FUSE server counts them); called from the reactor
+        thread, a full queue would block the thread that frees it."""
+        bs = ns.block_size
+        what = "Read" if opcode == IOOpcode.READ else "Write"
+        pieces = list(_chunks(offset, length, self.max_transfer))
+        left = [len(pieces)]
+        failed: list[BaseException] = []
+        lock = threading.Lock()     # pieces may end on the reactor and the recovery thread
+
+        def done(cqe, _data, error) -> None:
+            if error is None and cqe.status != StatusCode.SUCCESS:
+                error = NvmeError(what, cqe.status, cqe.dnr, cqe.result)
+            with lock:
+                if error is not None and not failed:
+                    failed.append(error)
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                callback(failed[0] if failed else None)
+
+        nsid = ns.nsid
+        for start, count in pieces:
+            rel = start - offset
+            def make_sqe(start: int = start, count: int = count) -> SQE:
+                return ReadWrite(IOOpcode(opcode), nsid, start // bs, count // bs - 1).to_sqe()
+            piece_out = data_out[rel:rel + count] if data_out is not None else None
+            self._dispatch(_Request(make_sqe, done, data_out=piece_out,
+                                    inline=piece_out is not None,
+                                    sgl=KeyedSGL(addr + rel, count, rkey, False)))
+        return len(pieces)
+
     # -- reconnecting (nvme-cli semantics: reconnect_delay, ctrl_loss_tmo) ---------------
     def _dispatch(self, req: _Request) -> None:
         """Send ``req`` on an I/O queue, or hold it while the controller reconnects."""
@@ -786,7 +837,7 @@ class Controller:
                 and len(req.data_out) <= queue.inline_size
             self.submit(queue, req.make_sqe(), lambda cqe, data, error: self._io_done(
                 req, cqe, data, error), data_out=req.data_out, data_in=req.data_in,
-                inline=inline)
+                inline=inline, sgl=req.sgl)
         except ConnectionError as exc:
             self._hold(req, str(exc))
 

@@ -56,7 +56,10 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
 
     Termination signals are blocked while the controller's threads start, so that they
     inherit the block and libfuse's handler runs in the main thread, the one it wakes."""
-    from blockfabric.initiator import fuse_binding as binding
+    if options.binding == "libfuse":
+        from blockfabric.initiator import fuse_binding as binding
+    else:
+        from blockfabric.initiator import fuse_kernel as binding
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
     try:
         ctrl = Controller(conn).connect()
@@ -80,8 +83,7 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
             # libfuse reports "ended by a signal" as an error code too; only a mount that
             # never came up is a failure.
             if not live:
-                raise MountError(f"could not mount at {mountpoint} (libfuse error {exc})") \
-                    from exc
+                raise MountError(f"could not mount at {mountpoint} ({exc})") from exc
     finally:
         if live:
             runtime.remove_record(mountpoint, os.getpid())

@@ -238,21 +238,27 @@ def _handler(command: str):
     return getattr(module, func, None)
 
 
+def resolve_path_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in --path's default ports now that -s is known; refuse repeats (usage errors)."""
+    if not getattr(args, "paths", None):
+        return
+    command_parser = parser.commands[args.command]
+    if not args.traddr:
+        command_parser.error("--path goes with -a/-n (with --config, list further paths "
+                             "under paths: in the initiator YAML)")
+    try:
+        args.paths = resolve_paths((args.traddr, int(args.trsvcid)), args.paths)
+    except ValueError as exc:
+        command_parser.error(f"--path: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    if getattr(args, "paths", None):
-        command_parser = parser.commands[args.command]
-        if not args.traddr:
-            command_parser.error("--path goes with -a/-n (with --config, list further paths "
-                                 "under paths: in the initiator YAML)")
-        try:       # now that -s is known: ports filled in, repeats refused
-            args.paths = resolve_paths((args.traddr, int(args.trsvcid)), args.paths)
-        except ValueError as exc:
-            command_parser.error(f"--path: {exc}")
+    resolve_path_args(parser, args)
     handler = _handler(args.command)
     if handler is None:
         return not_implemented(f"blockfabric {args.command}")

@@ -38,6 +38,7 @@ from typing import Callable, Iterable
 from blockfabric.errors import BlockfabricError, ConnectionRejected
 from blockfabric.fabric.host_side import HostQueue
 from blockfabric.fabric.reactor import Reactor
+from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
                                   ActiveNamespaceList, AsyncEvent, AsyncEventRequest,
                                   AsyncEventType, AsyncNotice, ChangedNamespaceList, CMAccept, CMConnectRequest, CMReject,
@@ -926,7 +927,7 @@ class Controller:
         """State, path and reconnect counters (see :class:`RecoveryStats`)."""
         with self._state_lock:
             out = self.recovery.as_dict()
-            out.update(state=self.state.value, path=f"{self.path[0]}:{self.path[1]}",
+            out.update(state=self.state.value, path=format_path(*self.path),
                        held_now=len(self._held))
         return out
 

@@ -17,6 +17,7 @@ from fuse.conftest import NQN as FUSE_NQN
 from fuse.conftest import Mount
 
 from .conftest import Restartable, file_config, free_port
+from .proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(90)
 if shutil.which("fio") is None:
@@ -24,15 +25,18 @@ if shutil.which("fio") is None:
 
 
 class FaultMount(Mount):
-    """A mount with nvme-cli's short fault options (seconds, integers on the CLI)."""
+    """A mount with nvme-cli's short fault options (seconds, integers on the CLI), and any
+    ``extra`` flags (``--path``)."""
 
-    def __init__(self, target, base, loss_tmo: int) -> None:
+    def __init__(self, target, base, loss_tmo: int, extra: tuple[str, ...] = ()) -> None:
         super().__init__(target, base)
         self.loss_tmo = loss_tmo
+        self.extra = list(extra)
 
     def argv(self) -> list[str]:
         argv = super().argv()
-        return argv[:-1] + ["-k", "1", "-c", "1", "-l", str(self.loss_tmo), argv[-1]]
+        return argv[:-1] + ["-k", "1", "-c", "1", "-l", str(self.loss_tmo), *self.extra,
+                            argv[-1]]
 
 
 @pytest.fixture
@@ -51,15 +55,20 @@ def recovery(status: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", line.split(";", 1)[1])}
 
 
+def fio_verify(mount: Mount, cwd) -> subprocess.Popen:
+    """fio writing 12 MiB at 4 MiB/s through ``n1``, then reading it back with crc32c."""
+    return subprocess.Popen(
+        ["fio", "--name=verify", f"--filename={mount.file('n1')}", "--rw=write",
+         "--bs=64k", "--size=12m", "--rate=4m", "--ioengine=psync", "--verify=crc32c",
+         "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0",
+         "--output-format=terse"], cwd=cwd, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
 def test_fio_verify_through_a_target_restart(target, tmp_path):
     mount = FaultMount(target, tmp_path, loss_tmo=20).start()
     try:
-        fio = subprocess.Popen(
-            ["fio", "--name=verify", f"--filename={mount.file('n1')}", "--rw=write",
-             "--bs=64k", "--size=12m", "--rate=4m", "--ioengine=psync", "--verify=crc32c",
-             "--do_verify=1", "--verify_fatal=1", f"--verify_state_save=0",
-             "--output-format=terse"], cwd=tmp_path, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+        fio = fio_verify(mount, tmp_path)
         time.sleep(1.0)
         target.kill()
         time.sleep(1.0)
@@ -94,3 +103,40 @@ def test_eio_only_after_ctrl_loss_tmo(target, tmp_path):
         assert "state       failed" in mount.status()
     finally:
         mount.cleanup()
+
+
+def test_mount_fails_over_to_the_listener_given_with_path(tmp_path):
+    """One target, two listeners; the mount reaches the first through a TCP proxy and is
+    told of the second with --path.  The proxy then cuts every connection and refuses new
+    ones (path 1 is gone for good): fio's verify run finishes clean, and .status shows the
+    I/O held, a failover, and the second listener in use."""
+    port_a, port_b = free_port(), free_port()
+    config = file_config(port_a, tmp_path / "vol.img", extra_ports=(port_b,))
+    config["subsystems"][0]["nqn"] = FUSE_NQN
+    target = Restartable(config, tmp_path)
+    proxy = TcpProxy(("127.0.0.1", port_a))
+    target.port = proxy.port                # the mount's -a/-s: path 1, via the proxy
+    mount = FaultMount(target, tmp_path, loss_tmo=20,
+                       extra=("--path", f"127.0.0.1:{port_b}"))
+    try:
+        mount.start()
+        before = mount.status()
+        assert f"rdma 127.0.0.1:{proxy.port} " in before, before
+        assert f"(paths: 127.0.0.1:{proxy.port}, 127.0.0.1:{port_b})" in before, before
+        fio = fio_verify(mount, tmp_path)
+        time.sleep(1.0)
+        proxy.down()
+        out, err = fio.communicate(timeout=60)
+        assert fio.returncode == 0, out + err
+        status = mount.status()
+        rec = recovery(status)
+        print(f"\nobserved: {rec}")          # for docs/reliability.md (pytest -s)
+        assert rec["failovers"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, status
+        assert rec["failed"] == 0, status
+        assert f"rdma 127.0.0.1:{port_b} " in status, status
+        assert mount.counter("errors") == 0
+    finally:
+        mount.cleanup()
+        proxy.close()
+        target.stop()
+    assert "Traceback" not in target.log, target.log

@@ -170,8 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "latency percentiles like fio (or fio's JSON with -o json). "
                                    "Runs for --runtime seconds by default (fio's time_based); "
                                    "with --no-time_based each job makes one pass over its "
-                                   "region. Exits 1 on any I/O error or verify failure.")
-    add_connection_flags(p)
+                                   "region. Commands lost with a connection are held "
+                                   "while the host reconnects (on the --path listeners too) "
+                                   "and re-issued, as through a mount; they fail after "
+                                   "--ctrl-loss-tmo. Exits 1 on any I/O error or verify "
+                                   "failure.")
+    add_connection_flags(p, multipath=True)
     p.add_argument("--name", metavar="NAME", help="job name (default: RW-BS-qdN)")
     p.add_argument("--rw", "--readwrite", dest="rw", default="randread",
                    choices=("read", "write", "randread", "randwrite", "randrw"),

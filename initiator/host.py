@@ -754,6 +754,15 @@ class Controller:
             self._dispatch(req)
         return fut
 
+    def submit_held(self, make_sqe: Callable[[], SQE], callback: Callable, *, data_out=None,
+                    data_in: int = 0, inline: bool = False) -> None:
+        """Submit an idempotent I/O command as the namespace calls do: on any queue, held
+        while the controller reconnects and re-issued after.  ``callback(cqe, data, exc)``
+        runs on the reactor thread, or on the reconnect thread with :class:`ControllerLost`
+        once ``ctrl_loss_tmo`` has run out.  ``make_sqe`` builds a fresh SQE each time."""
+        self._dispatch(_Request(make_sqe, callback, data_out=data_out, data_in=data_in,
+                                inline=inline))
+
     def wait_io(self, make_sqe: Callable[[], SQE], what: str, *, data_out=None) -> CQE:
         """An I/O command with no data back (flush, write zeroes, DSM), held and re-issued
         across a reconnect like reads and writes; raise NvmeError on an error status."""

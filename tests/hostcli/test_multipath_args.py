@@ -50,7 +50,7 @@ def test_format_path_brackets_ipv6_only():
     assert parse_path(format_path("fd00::2", 4420)) == ("fd00::2", 4420)
 
 
-@pytest.mark.parametrize("command", ["connect", "mount"])
+@pytest.mark.parametrize("command", ["connect", "mount", "bench"])
 def test_path_flags_reach_the_connect_options(command):
     parser = build_parser()
     args = parser.parse_args([command, "--path", "10.0.0.2", *COMMON[:2], "-s", "4430",
@@ -62,7 +62,7 @@ def test_path_flags_reach_the_connect_options(command):
 
 
 def test_help_documents_path():
-    for command in ("connect", "mount"):
+    for command in ("connect", "mount", "bench"):
         text = build_parser().commands[command].format_help()
         assert "--path ADDR[:PORT]" in text and "multipath failover" in text
         assert "PORT defaults to -s" in text and "repeatable" in text

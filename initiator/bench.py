@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
 from blockfabric.initiator.host import Controller, Namespace
+from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import IOOpcode, ReadWrite, StatusCode
 
 PATTERNS = ("read", "write", "randread", "randwrite", "randrw")
@@ -294,9 +295,11 @@ class DirStats:
 # --------------------------------------------------------------------------- one job
 
 class Slot:
-    """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue."""
+    """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue (to the queue with
+    the same place in the controller's list after a reconnect)."""
 
-    __slots__ = ("index", "queue", "read", "offset", "t0", "t1", "expect")
+    __slots__ = ("index", "queue", "read", "offset", "t0", "t1", "expect", "sqe_args",
+                 "data")
 
     def __init__(self, index: int, queue: Any) -> None:
         self.index = index
@@ -305,6 +308,8 @@ class Slot:
         self.offset = 0
         self.t0 = self.t1 = 0
         self.expect: tuple[int, int] | None = None
+        self.sqe_args: tuple[int, int, int, int] = (0, 0, 0, 0)   # to build it again
+        self.data: Any = None
 
 
 class Job:
@@ -334,6 +339,7 @@ class Job:
         self.numberio = 0
         self.verified = 0
         self.inflight = self.max_inflight = self.completions = 0
+        self.held = 0               # commands lost with a queue and re-issued by the controller
         self.errors: list[str] = []
         self.error_kind = 0
         self.stopping = False
@@ -403,8 +409,9 @@ class Job:
         opts = self.opts
         bs = opts.bs
         slot.read, slot.offset, slot.expect = is_read, offset, None
-        sqe = ReadWrite(IOOpcode.READ if is_read else IOOpcode.WRITE, self.ns.nsid,
-                        offset // self.ns.block_size, bs // self.ns.block_size - 1).to_sqe()
+        slot.sqe_args = (IOOpcode.READ if is_read else IOOpcode.WRITE, self.ns.nsid,
+                         offset // self.ns.block_size, bs // self.ns.block_size - 1)
+        sqe = ReadWrite(*slot.sqe_args).to_sqe()
         data = None
         if self.crc is not None:
             if is_read:
@@ -419,9 +426,14 @@ class Job:
             self.busy.add(offset)
         elif not is_read:
             data = memoryview(self.pattern)[:bs]
+        slot.data = data
         self.inflight += 1
         if self.inflight > self.max_inflight:
             self.max_inflight = self.inflight
+        if slot.queue.dead_reason is not None:       # replaced by a reconnect?
+            live = self.ctrl.io_queues
+            if live and live[slot.index % len(live)].dead_reason is None:
+                slot.queue = live[slot.index % len(live)]
         queue = slot.queue
         slot.t1 = 0
         slot.t0 = time.monotonic_ns()
@@ -432,14 +444,35 @@ class Job:
             else:
                 self.ctrl.submit(queue, sqe, lambda c, d, e: self._done(slot, c, d, e),
                                  data_out=data, inline=bs <= queue.inline_size)
-        except (BlockfabricError, ConnectionError, TimeoutError, ValueError) as exc:
+        except ConnectionError as exc:               # the queue is gone: reconnecting
+            self._hold(slot, str(exc))
+            return
+        except (BlockfabricError, TimeoutError, ValueError) as exc:
             self.inflight -= 1
             self.busy.discard(offset)
             self._fail(errno.EIO, f"{self._what(slot)}: not submitted: {exc}")
             return
         slot.t1 = time.monotonic_ns()
 
-    def _done(self, slot: Slot, cqe: Any, data: bytes | None, error: str | None) -> None:
+    def _hold(self, slot: Slot, _reason: str) -> None:
+        """The slot's command was lost with its queue: the controller holds it while it
+        reconnects (on any path) and re-issues it, as it does for the namespace calls; it
+        fails only once ctrl_loss_tmo has run out.  Still in flight meanwhile."""
+        reactor = self.ctrl.reactor
+
+        def done(cqe: Any, data: bytes | None, exc: BaseException | None) -> None:
+            reactor.call_soon_threadsafe(lambda: self._done(slot, cqe, data, exc))
+        self.held += 1
+        bs = self.opts.bs
+        self.ctrl.submit_held(lambda: ReadWrite(*slot.sqe_args).to_sqe(), done,
+                              data_out=None if slot.read else slot.data,
+                              data_in=bs if slot.read else 0, inline=True)
+
+    def _done(self, slot: Slot, cqe: Any, data: bytes | None,
+              error: str | BaseException | None) -> None:
+        if isinstance(error, str):          # a queue error, not a final ControllerLost
+            self._hold(slot, error)
+            return
         now = time.monotonic_ns()
         self.completions += 1
         try:
@@ -668,12 +701,14 @@ class Bench:
             report[direction] = DirStats.merge([j.stats[direction] for j in jobs]
                                                ).as_fio(runtime)
         report["trim"] = DirStats().as_fio(0)
-        used = [j.ctrl.queue_stats()[q] for j in jobs for q in j.queues]
+        stats = [j.ctrl.queue_stats() for j in jobs]    # none left once a controller failed
+        used = [st[q] for j, st in zip(jobs, stats) for q in j.queues if q in st]
         report["blockfabric"] = {
             "max_inflight": max(j.max_inflight for j in jobs),
             "queue_max_inflight": max((u["max_inflight"] for u in used), default=0),
             "queues": sorted({q for j in jobs for q in j.queues}),
             "verified_blocks": sum(j.verified for j in jobs),
+            "held": sum(j.held for j in jobs),
             "errors": [e for j in jobs for e in j.errors][:10],
         }
         return report
@@ -722,6 +757,9 @@ class Bench:
                 "interrupted": self.interrupted,
                 "queue_stats": [{str(q): s for q, s in c.queue_stats().items()}
                                 for c in self.controllers],
+                # Reconnects and failovers during the run (see docs/reliability.md).
+                "paths": [format_path(a, p) for a, p in first.paths] if first else [],
+                "recovery": [c.recovery_stats() for c in self.controllers],
             },
         }
 
@@ -840,6 +878,12 @@ def format_text(result: dict[str, Any]) -> str:
         lines.append(f"  blockfabric: I/O queue(s) {bf['queues']}, max in flight "
                      f"{bf['max_inflight']} (job) / {bf['queue_max_inflight']} (one queue)"
                      f"{verified}")
+    for i, rec in enumerate(result["blockfabric"]["recovery"]):
+        if rec["losses"]:
+            lines.append(f"  blockfabric: controller {i}: {rec['losses']} connection loss(es), "
+                         f"{rec['reconnects']} reconnect(s) ({rec['failovers']} to another "
+                         f"path), {rec['retried']} command(s) re-issued, {rec['failed']} "
+                         f"failed; on {rec['path']}")
     lines.append("")
     lines.append("Run status group 0 (all jobs):")
     for direction in ("read", "write"):

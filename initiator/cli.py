@@ -9,6 +9,7 @@ import sys
 from blockfabric import __version__
 from blockfabric.cliutil import HelpFormatter, not_implemented
 from blockfabric.errors import BlockfabricError
+from blockfabric.initiator.multipath import parse_path, parse_port, resolve_paths
 from blockfabric.logutil import setup_logging
 
 DESCRIPTION = """\
@@ -35,12 +36,34 @@ exit status:
 """
 
 
-def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True) -> None:
-    """The flags nvme-cli uses for a fabrics connection, with the same names and units."""
+def _port(text: str) -> str:
+    try:
+        return str(parse_port(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
+
+
+def _path(text: str) -> tuple[str, int | None]:
+    try:
+        return parse_path(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
+
+
+def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
+                         multipath: bool = False) -> None:
+    """The flags nvme-cli uses for a fabrics connection, with the same names and units;
+    ``multipath`` adds ``--path`` (for commands that hold a controller through failures)."""
     p.add_argument("-a", "--traddr", required=True, metavar="ADDR",
                    help="target transport address (IPv4 or IPv6)")
-    p.add_argument("-s", "--trsvcid", default="4420", metavar="PORT",
+    p.add_argument("-s", "--trsvcid", default="4420", type=_port, metavar="PORT",
                    help="target transport service id (port)")
+    if multipath:
+        p.add_argument("--path", dest="paths", action="append", type=_path,
+                       metavar="ADDR[:PORT]",
+                       help="another listener of the same subsystem, tried in turn when the "
+                            "current path is lost (multipath failover); repeatable; PORT "
+                            "defaults to -s; write an IPv6 address as [ADDR] or [ADDR]:PORT")
     if needs_nqn:
         p.add_argument("-n", "--nqn", required=True, metavar="SUBNQN",
                        help="NVMe qualified name of the subsystem")
@@ -88,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "queues exactly as a mount would, print the controller and "
                                    "its namespaces, then disconnect. A controller lives as long "
                                    "as the process holding it (a mount, a bench run).")
-    add_connection_flags(p)
+    add_connection_flags(p, multipath=True)
     add_output_format(p)
 
     p = sub.add_parser("identify", help="print Identify Controller and Identify Namespace data",
@@ -103,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Connect, then mount a FUSE filesystem at MOUNTPOINT in "
                                    "which namespace NSID is the file n<NSID> and .status "
                                    "describes the controller. Runs in the background unless -f.")
-    add_connection_flags(p)
+    add_connection_flags(p, multipath=True)
     for action in p._actions:   # not required with --config: checked by the command
         if action.dest in ("traddr", "nqn"):
             action.required = False
@@ -151,8 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "latency percentiles like fio (or fio's JSON with -o json). "
                                    "Runs for --runtime seconds by default (fio's time_based); "
                                    "with --no-time_based each job makes one pass over its "
-                                   "region. Exits 1 on any I/O error or verify failure.")
-    add_connection_flags(p)
+                                   "region. Commands lost with a connection are held "
+                                   "while the host reconnects (on the --path listeners too) "
+                                   "and re-issued, as through a mount; they fail after "
+                                   "--ctrl-loss-tmo. Exits 1 on any I/O error or verify "
+                                   "failure.")
+    add_connection_flags(p, multipath=True)
     p.add_argument("--name", metavar="NAME", help="job name (default: RW-BS-qdN)")
     p.add_argument("--rw", "--readwrite", dest="rw", default="randread",
                    choices=("read", "write", "randread", "randwrite", "randrw"),
@@ -189,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group_reporting", action="store_true",
                    help="report all jobs together")
     add_output_format(p)
+    parser.commands = sub.choices        # each command's parser, for its usage errors
     return parser
 
 
@@ -218,12 +246,27 @@ def _handler(command: str):
     return getattr(module, func, None)
 
 
+def resolve_path_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in --path's default ports now that -s is known; refuse repeats (usage errors)."""
+    if not getattr(args, "paths", None):
+        return
+    command_parser = parser.commands[args.command]
+    if not args.traddr:
+        command_parser.error("--path goes with -a/-n (with --config, list further paths "
+                             "under paths: in the initiator YAML)")
+    try:
+        args.paths = resolve_paths((args.traddr, int(args.trsvcid)), args.paths)
+    except ValueError as exc:
+        command_parser.error(f"--path: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    resolve_path_args(parser, args)
     handler = _handler(args.command)
     if handler is None:
         return not_implemented(f"blockfabric {args.command}")

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from blockfabric.initiator.host import (ConnectOptions, Controller, NvmeError, discover)
+from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import DiscoveryLogEntry, IdentifyController
 from blockfabric.sizes import human_size
 
@@ -19,7 +20,8 @@ def options(args: argparse.Namespace, subnqn: str) -> ConnectOptions:
                           provider=args.provider, nr_io_queues=args.nr_io_queues,
                           queue_size=args.queue_size, keep_alive_tmo=args.keep_alive_tmo,
                           reconnect_delay=args.reconnect_delay,
-                          ctrl_loss_tmo=args.ctrl_loss_tmo)
+                          ctrl_loss_tmo=args.ctrl_loss_tmo,
+                          paths=list(getattr(args, "paths", None) or []))
 
 
 def _hostid(text: str | None) -> bytes | None:
@@ -62,6 +64,7 @@ def controller_dict(ctrl: Controller) -> dict[str, Any]:
         "subnqn": ident.subnqn, "cntlid": ctrl.cntlid, "serial": ident.sn, "model": ident.mn,
         "firmware": ident.fr, "transport": f"rdma ({ctrl.provider.name} provider)",
         "traddr": ctrl.opts.traddr, "trsvcid": ctrl.opts.trsvcid, "hostnqn": ctrl.hostnqn,
+        "paths": [format_path(a, p) for a, p in ctrl.paths],
         "io_queues": len(ctrl.io_queues),
         "queue_size": ctrl.io_queues[0].depth if ctrl.io_queues else 0,
         "max_transfer": ctrl.max_transfer, "inline_data": ctrl.inline_size,
@@ -82,6 +85,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
     print(f"connected to {info['subnqn']} at {info['traddr']}:{info['trsvcid']} "
           f"({info['transport']}), controller {info['cntlid']}")
     print(f"  model {info['model']!r}, serial {info['serial']!r}, firmware {info['firmware']!r}")
+    if len(info["paths"]) > 1:
+        print(f"  paths (failover order): {', '.join(info['paths'])}")
     print(f"  {info['io_queues']} I/O queue(s) of depth {info['queue_size']}, max transfer "
           f"{human_size(info['max_transfer'])}, in-capsule data {info['inline_data']} B")
     for ns in info["namespaces"]:

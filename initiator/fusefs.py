@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from blockfabric.initiator.host import (Controller, ControllerLost, Namespace, NvmeError,
                                         QueueDead)
+from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import StatusCode
 
 STATUS_NAME = ".status"
@@ -352,7 +353,7 @@ def status_report(fs: VolumeFS) -> str:
     rec = ctrl.recovery_stats()
     if rec["state"] != "live":
         state = str(rec["state"])
-    paths = ", ".join(f"{a}:{p}" for a, p in ctrl.paths)
+    paths = ", ".join(format_path(a, p) for a, p in ctrl.paths)
     lines = [
         f"subsystem   {opts.subnqn}",
         f"controller  {ctrl.cntlid} (model {ident.mn.strip()!r}, serial {ident.sn.strip()!r}, "

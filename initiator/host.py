@@ -38,6 +38,7 @@ from typing import Callable, Iterable
 from blockfabric.errors import BlockfabricError, ConnectionRejected
 from blockfabric.fabric.host_side import HostQueue
 from blockfabric.fabric.reactor import Reactor
+from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
                                   ActiveNamespaceList, AsyncEvent, AsyncEventRequest,
                                   AsyncEventType, AsyncNotice, ChangedNamespaceList, CMAccept, CMConnectRequest, CMReject,
@@ -762,6 +763,15 @@ class Controller:
             self._dispatch(req)
         return fut
 
+    def submit_held(self, make_sqe: Callable[[], SQE], callback: Callable, *, data_out=None,
+                    data_in: int = 0, inline: bool = False) -> None:
+        """Submit an idempotent I/O command as the namespace calls do: on any queue, held
+        while the controller reconnects and re-issued after.  ``callback(cqe, data, exc)``
+        runs on the reactor thread, or on the reconnect thread with :class:`ControllerLost`
+        once ``ctrl_loss_tmo`` has run out.  ``make_sqe`` builds a fresh SQE each time."""
+        self._dispatch(_Request(make_sqe, callback, data_out=data_out, data_in=data_in,
+                                inline=inline))
+
     def wait_io(self, make_sqe: Callable[[], SQE], what: str, *, data_out=None) -> CQE:
         """An I/O command with no data back (flush, write zeroes, DSM), held and re-issued
         across a reconnect like reads and writes; raise NvmeError on an error status."""
@@ -977,7 +987,7 @@ class Controller:
         """State, path and reconnect counters (see :class:`RecoveryStats`)."""
         with self._state_lock:
             out = self.recovery.as_dict()
-            out.update(state=self.state.value, path=f"{self.path[0]}:{self.path[1]}",
+            out.update(state=self.state.value, path=format_path(*self.path),
                        held_now=len(self._held))
         return out
 

@@ -16,6 +16,7 @@ import yaml
 from blockfabric.errors import ConfigError
 from blockfabric.initiator.fusefs import MountOptions
 from blockfabric.initiator.host import ConnectOptions
+from blockfabric.initiator.multipath import FORMS, parse_path, resolve_paths
 
 DEFAULT_PATH = "/etc/blockfabric/initiator.yaml"
 PROVIDERS = ("auto", "soft", "verbs")
@@ -38,6 +39,8 @@ class MountSpec:
     keep_alive_tmo: int = 5
     reconnect_delay: int = 10
     ctrl_loss_tmo: int = 600
+    #: Further listeners of the subsystem, tried in turn when the current path is lost.
+    paths: list[tuple[str, int]] = field(default_factory=list)
 
     def connect_options(self) -> ConnectOptions:
         return ConnectOptions(traddr=self.traddr, subnqn=self.nqn, trsvcid=self.trsvcid,
@@ -45,7 +48,7 @@ class MountSpec:
                               nr_io_queues=self.nr_io_queues, queue_size=self.queue_size,
                               keep_alive_tmo=self.keep_alive_tmo,
                               reconnect_delay=self.reconnect_delay,
-                              ctrl_loss_tmo=self.ctrl_loss_tmo)
+                              ctrl_loss_tmo=self.ctrl_loss_tmo, paths=list(self.paths))
 
     def mount_options(self) -> MountOptions:
         return MountOptions.parse(",".join(self.options))
@@ -120,15 +123,9 @@ def _spec(path: str, where: str, item: Any) -> MountSpec:
     if not os.path.isabs(item["mountpoint"]):
         raise ConfigError(path, f"{where}.mountpoint", "an absolute path", item["mountpoint"])
     values = dict(item)
-    for key, (low, high) in _INTS.items():
+    for key in _INTS:
         if key in values:
-            value = values[key]
-            if isinstance(value, str) and value.isdigit():
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ConfigError(path, f"{where}.{key}", f"an integer {low}..{high}",
-                                  values[key])
-            values[key] = value
+            values[key] = _int(path, f"{where}.{key}", key, values[key])
     if values.get("provider", "auto") not in PROVIDERS:
         raise ConfigError(path, f"{where}.provider", f"one of {', '.join(PROVIDERS)}",
                           values["provider"])
@@ -146,4 +143,64 @@ def _spec(path: str, where: str, item: Any) -> MountSpec:
         if key in values and values[key] is not None and not isinstance(values[key], str):
             raise ConfigError(path, f"{where}.{key}", "a string", values[key])
     values.setdefault("name", os.path.basename(values["mountpoint"].rstrip("/")) or "root")
+    values["paths"] = _paths(path, f"{where}.paths", values.get("paths"),
+                             (values["traddr"], values.get("trsvcid", 4420)))
     return MountSpec(**values)
+
+
+_PATH_ITEM = f"{FORMS} (as --path), or a mapping {{traddr, trsvcid}}"
+
+
+def _paths(path: str, where: str, raw: Any, primary: tuple[str, int]) -> list[tuple[str, int]]:
+    """``paths:``: further listeners, each "addr:port" or {traddr:, trsvcid:}; the port
+    defaults to the entry's trsvcid, as --path's does to -s."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigError(path, where, f"a list of further paths, each {_PATH_ITEM}", raw)
+    parsed: list[tuple[str, int | None]] = []
+    for i, item in enumerate(raw):
+        at = f"{where}[{i}]"
+        if isinstance(item, str):
+            try:
+                parsed.append(parse_path(item))
+            except ValueError as exc:
+                raise ConfigError(path, at, f"{exc} (or a mapping {{traddr, trsvcid}})",
+                                  item) from exc
+        elif isinstance(item, dict):
+            parsed.append(_path_map(path, at, item))
+        else:
+            raise ConfigError(path, at, _PATH_ITEM, item)
+    try:
+        return resolve_paths(primary, parsed)
+    except ValueError as exc:
+        raise ConfigError(path, where, f"paths that differ from each other and from "
+                          f"traddr/trsvcid ({exc})") from exc
+
+
+def _path_map(path: str, at: str, item: dict) -> tuple[str, int | None]:
+    for key in item:
+        if key not in ("traddr", "trsvcid"):
+            raise ConfigError(path, f"{at}.{key}", "one of traddr, trsvcid")
+    addr = item.get("traddr")
+    if not isinstance(addr, str) or not addr:
+        raise ConfigError(path, f"{at}.traddr", "an IPv4 or IPv6 address", addr)
+    try:
+        address, port = parse_path(f"[{addr}]" if ":" in addr else addr)
+    except ValueError:
+        port = -1
+    if port is not None:
+        raise ConfigError(path, f"{at}.traddr", "an IPv4 or IPv6 address (the port goes in "
+                          "trsvcid)", addr)
+    if item.get("trsvcid") is None:
+        return address, None
+    return address, _int(path, f"{at}.trsvcid", "trsvcid", item["trsvcid"])
+
+
+def _int(path: str, where: str, kind: str, raw: Any) -> int:
+    """An integer setting within its _INTS bounds (digits in a string are accepted)."""
+    low, high = _INTS[kind]
+    value = int(raw) if isinstance(raw, str) and raw.isdigit() else raw
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(path, where, f"an integer {low}..{high}", raw)
+    return value

@@ -24,6 +24,9 @@ Semantics that are not obvious from the schema:
 - ``serial`` defaults to 20 hex digits derived from the NQN; a namespace's ``uuid`` and
   ``nguid`` default to values derived from the subsystem NQN and the nsid.  They are therefore
   stable across restarts (hosts key multipath and udev names on them) without being stored.
+- ``limits.connect_timeout`` (seconds) bounds how long an accepted queue may go without a
+  completed Fabrics Connect; then it is disconnected and its slot in
+  ``limits.max_connections_per_host`` freed.
 - ``keep_alive.kas_ms`` is the keep-alive granularity the controller reports (Identify KAS, in
   units of 100 ms); ``keep_alive.max_timeout_ms`` caps the keep-alive timeout a host may ask
   for in Connect (a larger request is lowered to it).
@@ -127,10 +130,10 @@ class Kind:
 
 
 class Int(Kind):
-    def __init__(self, lo: int, hi: int, multiple_of: int = 1) -> None:
+    def __init__(self, lo: int, hi: int, multiple_of: int = 1, unit: str = "") -> None:
         self.lo, self.hi, self.multiple_of = lo, hi, multiple_of
         step = f" in steps of {multiple_of}" if multiple_of > 1 else ""
-        self.expected = f"an integer from {lo} to {hi}{step}"
+        self.expected = f"an integer from {lo} to {hi}{step}" + (f" ({unit})" if unit else "")
 
     def load(self, value: Any, where: Where) -> int:
         if (isinstance(value, bool) or not isinstance(value, int)
@@ -450,6 +453,9 @@ class Limits(Model):
     # One keyed SGL descriptor moves at most 16 MiB - 1, so 8 MiB is the largest power of two.
     mdts: int = _field(Size(4 * KiB, 8 * MiB, multiple_of=4 * KiB, power_of_two=True), MiB)
     max_connections_per_host: int = _field(Int(1, 65535), 64)
+    #: Seconds a queue may stay connected (rdma_cm) without completing a Fabrics Connect
+    #: before it is disconnected, so that silent peers cannot keep connection slots.
+    connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
 from blockfabric.sdnotify import sd_notify
 from blockfabric.fabric.buffers import BufferPool
-from blockfabric.fabric.reactor import Reactor
+from blockfabric.fabric.reactor import Reactor, Timer
 from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
@@ -82,6 +82,8 @@ class QueueSession:
         self.qid = req.qid
         self.controller: Controller | None = None
         self.queue: TargetQueue | None = None
+        #: Disconnects the queue if no Fabrics Connect completes in limits.connect_timeout.
+        self.connect_timer: Timer | None = None
 
     def handle(self, cmd: Command) -> None:
         ctrl = self.controller
@@ -119,6 +121,9 @@ class QueueSession:
             cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
             return
         self.controller = ctrl
+        if self.connect_timer is not None:
+            self.connect_timer.cancel()
+            self.connect_timer = None
         self.queue.sq_flow = not connect.sq_flow_control_disabled
         cmd.respond(result=ctrl.cntlid)
 
@@ -293,6 +298,9 @@ class Target:
         queue.post_all_receives()
         queue.attach(self.reactor)
         self.sessions.add(session)
+        timeout = self.config.limits.connect_timeout
+        session.connect_timer = self.reactor.call_later(
+            timeout, lambda: self._connect_timed_out(session, timeout))
         cmid.accept(CMAccept(crqsize=depth).pack())
         log.debug("accepted %s qid %d depth %d", cmid.peer_address, req.qid, depth)
 
@@ -309,6 +317,16 @@ class Target:
         log.warning("rejecting connection from %s: NO_RESOURCES (%d connections from that "
                     "address, limits.max_connections_per_host is %d)", peer, count, limit)
         return True
+
+    def _connect_timed_out(self, session: QueueSession, timeout: int) -> None:
+        """A queue that is still not bound to a controller after limits.connect_timeout:
+        disconnect it, freeing its queue memory and its per-host connection slot."""
+        session.connect_timer = None
+        if session.controller is not None or session not in self.sessions:
+            return
+        log.info("disconnecting qid=%d from peer %s: no Fabrics Connect within %d s "
+                 "(limits.connect_timeout)", session.qid, _peer(session.queue), timeout)
+        self._close_queue(session)
 
     def _on_cm_event(self, session: QueueSession) -> None:
         queue = session.queue
@@ -467,6 +485,9 @@ class Target:
         """Close a session's queue and let go of everything its commands still hold."""
         queue = session.queue
         self.sessions.discard(session)
+        if session.connect_timer is not None:
+            session.connect_timer.cancel()
+            session.connect_timer = None
         if queue is not None and not queue.closed:
             queue.close()
             # Answered commands whose response SEND will now never complete still hold a

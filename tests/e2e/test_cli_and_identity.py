@@ -35,8 +35,15 @@ def test_cli_discover_connect_identify(ram_target):
     assert info["namespaces"] == [{"nsid": 1, "size": 64 << 20, "block_size": 4096,
                                    "blocks": 16384, "read_only": False,
                                    "nguid": info["namespaces"][0]["nguid"]}]
+    assert info["paths"] == [f"127.0.0.1:{port}"]
     res = cli("connect", *common, "-n", NQN)
     assert res.returncode == 0 and "namespace 1: 64 MiB" in res.stdout, res.stdout
+    assert "paths" not in res.stdout
+    # Further paths are listed in failover order (connecting uses the first).
+    res = cli("connect", *common, "-n", NQN, "--path", "[::1]", "--path", "127.0.0.2:4430")
+    assert res.returncode == 0, res.stderr
+    assert f"paths (failover order): 127.0.0.1:{port}, [::1]:{port}, 127.0.0.2:4430" \
+        in res.stdout, res.stdout
 
     res = cli("identify", *common, "-n", NQN, "-o", "json")
     assert res.returncode == 0, res.stderr

@@ -14,9 +14,10 @@ import time
 import pytest
 
 from fuse.conftest import NQN as FUSE_NQN
-from fuse.conftest import Mount
+from fuse.conftest import BIN, Mount, mounted_at
 
 from .conftest import Restartable, file_config, free_port
+from .proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(90)
 if shutil.which("fio") is None:
@@ -24,15 +25,32 @@ if shutil.which("fio") is None:
 
 
 class FaultMount(Mount):
-    """A mount with nvme-cli's short fault options (seconds, integers on the CLI)."""
+    """A mount with nvme-cli's short fault options (seconds, integers on the CLI), and any
+    ``extra`` flags (``--path``); of ``traddr``, from network namespace ``netns`` if given
+    (entered with nsenter: only the network, so the mount is seen from here)."""
 
-    def __init__(self, target, base, loss_tmo: int) -> None:
+    def __init__(self, target, base, loss_tmo: int, extra: tuple[str, ...] = (),
+                 traddr: str = "127.0.0.1", netns: str | None = None) -> None:
         super().__init__(target, base)
         self.loss_tmo = loss_tmo
+        self.extra = list(extra)
+        self.traddr, self.netns = traddr, netns
 
     def argv(self) -> list[str]:
         argv = super().argv()
-        return argv[:-1] + ["-k", "1", "-c", "1", "-l", str(self.loss_tmo), argv[-1]]
+        argv[argv.index("-a") + 1] = self.traddr
+        return argv[:-1] + ["-k", "1", "-c", "1", "-l", str(self.loss_tmo), *self.extra,
+                            argv[-1]]
+
+    def start(self) -> FaultMount:
+        if self.netns is None:
+            return super().start()
+        done = subprocess.run(["nsenter", f"--net=/run/netns/{self.netns}", str(BIN /
+                               "blockfabric"), *self.argv()], capture_output=True, text=True,
+                              env=self.env, timeout=30, stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert mounted_at(self.path), "mount command returned 0 but nothing is mounted"
+        return self
 
 
 @pytest.fixture
@@ -51,15 +69,20 @@ def recovery(status: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", line.split(";", 1)[1])}
 
 
+def fio_verify(mount: Mount, cwd) -> subprocess.Popen:
+    """fio writing 12 MiB at 4 MiB/s through ``n1``, then reading it back with crc32c."""
+    return subprocess.Popen(
+        ["fio", "--name=verify", f"--filename={mount.file('n1')}", "--rw=write",
+         "--bs=64k", "--size=12m", "--rate=4m", "--ioengine=psync", "--verify=crc32c",
+         "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0",
+         "--output-format=terse"], cwd=cwd, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
 def test_fio_verify_through_a_target_restart(target, tmp_path):
     mount = FaultMount(target, tmp_path, loss_tmo=20).start()
     try:
-        fio = subprocess.Popen(
-            ["fio", "--name=verify", f"--filename={mount.file('n1')}", "--rw=write",
-             "--bs=64k", "--size=12m", "--rate=4m", "--ioengine=psync", "--verify=crc32c",
-             "--do_verify=1", "--verify_fatal=1", f"--verify_state_save=0",
-             "--output-format=terse"], cwd=tmp_path, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+        fio = fio_verify(mount, tmp_path)
         time.sleep(1.0)
         target.kill()
         time.sleep(1.0)
@@ -94,3 +117,77 @@ def test_eio_only_after_ctrl_loss_tmo(target, tmp_path):
         assert "state       failed" in mount.status()
     finally:
         mount.cleanup()
+
+
+def fails_over(mount: FaultMount, target: Restartable, fault, first: str, second: str,
+               tmp_path) -> dict[str, int]:
+    """Mount (paths ``first`` then ``second``), run fio's verify, call ``fault()`` 1 s in:
+    fio must finish clean and .status show a failover to ``second``."""
+    try:
+        mount.start()
+        before = mount.status()
+        assert f"rdma {first} " in before, before
+        assert f"(paths: {first}, {second})" in before, before
+        fio = fio_verify(mount, tmp_path)
+        time.sleep(1.0)
+        fault()
+        out, err = fio.communicate(timeout=60)
+        assert fio.returncode == 0, out + err
+        status = mount.status()
+        rec = recovery(status)
+        print(f"\nobserved: {rec}")          # for docs/reliability.md (pytest -s)
+        assert rec["failovers"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, status
+        assert rec["failed"] == 0, status
+        assert f"rdma {second} " in status, status
+        assert mount.counter("errors") == 0
+    finally:
+        mount.cleanup()
+        target.stop()
+    assert "Traceback" not in target.log, target.log
+    return rec
+
+
+def test_mount_fails_over_to_the_listener_given_with_path(tmp_path):
+    """One target, two listeners; the mount reaches the first through a TCP proxy and is
+    told of the second with --path.  The proxy then cuts every connection and refuses new
+    ones (path 1 is gone for good)."""
+    port_a, port_b = free_port(), free_port()
+    config = file_config(port_a, tmp_path / "vol.img", extra_ports=(port_b,))
+    config["subsystems"][0]["nqn"] = FUSE_NQN
+    target = Restartable(config, tmp_path)
+    proxy = TcpProxy(("127.0.0.1", port_a))
+    target.port = proxy.port                # the mount's -a/-s: path 1, via the proxy
+    mount = FaultMount(target, tmp_path, loss_tmo=20,
+                       extra=("--path", f"127.0.0.1:{port_b}"))
+    try:
+        fails_over(mount, target, proxy.down, f"127.0.0.1:{proxy.port}",
+                   f"127.0.0.1:{port_b}", tmp_path)
+    finally:
+        proxy.close()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(shutil.which("nft") is None or shutil.which("nsenter") is None,
+                    reason="needs nft (Debian nftables) and nsenter (util-linux)")
+def test_mount_fails_over_from_ipv4_to_ipv6_between_namespaces(netns_pair, tmp_path):
+    """The target in namespace B listens on B's IPv4 and IPv6 addresses; the mount runs in
+    A with -a IPV4 --path [IPV6].  nftables in B then resets every IPv4 packet to the port
+    (path 1 gone, path 2 untouched): the mount fails over to the IPv6 listener."""
+    port = 4420 + free_port() % 1000
+    v4, v6 = netns_pair.ipv4[1], netns_pair.ipv6[1]
+    config = file_config(port, tmp_path / "vol.img", v4)
+    config["listeners"].append({"provider": "soft", "address": v6, "port": port})
+    config["subsystems"][0]["nqn"] = FUSE_NQN
+    target = Restartable(config, tmp_path, netns=netns_pair.names[1])
+    target.port = port
+    mount = FaultMount(target, tmp_path, loss_tmo=20, extra=("--path", f"[{v6}]"),
+                       traddr=v4, netns=netns_pair.names[0])
+
+    def cut_ipv4() -> None:
+        for rule in ("add table inet bffault",
+                     "add chain inet bffault in { type filter hook input priority 0 ; }",
+                     f"add rule inet bffault in ip daddr {v4} tcp dport {port} "
+                     "reject with tcp reset"):
+            subprocess.run(["ip", "netns", "exec", netns_pair.names[1], "nft", *rule.split()],
+                           check=True, capture_output=True, timeout=10)
+    fails_over(mount, target, cut_ipv4, f"{v4}:{port}", f"[{v6}]:{port}", tmp_path)

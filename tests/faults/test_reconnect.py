@@ -4,7 +4,11 @@ Each test shows from the host's counters that I/O was held and re-issued across 
 
 from __future__ import annotations
 
+import json
+import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +21,7 @@ from .proxy import TcpProxy
 from .verifyload import verify_load
 
 pytestmark = pytest.mark.timeout(60)
+BIN = pathlib.Path(sys.executable).parent
 
 
 def run_with_fault(ctrl, fault, seconds: float = 5.0, at: float = 1.0, **kw) -> dict:
@@ -102,6 +107,44 @@ def test_multipath_fails_over_to_the_second_listener(tmp_path, start_target):
             assert rec["failovers"] >= 1 and rec["path"] == f"127.0.0.1:{port_b}", rec
     finally:
         proxy.close()
+
+
+def test_bench_cli_fails_over_to_the_listener_given_with_path(tmp_path, start_target):
+    """``blockfabric bench -a A -s P1 --path A:P2`` with a crc32c verify load; P1 (a proxy)
+    is then taken away for good.  The bench exits 0 with no error, every block verified,
+    and its JSON shows the commands held and the failover to P2."""
+    from .conftest import HOSTNQN, NQN, file_config, free_port
+    port_a, port_b = free_port(), free_port()
+    start_target(file_config(port_a, tmp_path / "vol.img", extra_ports=(port_b,)))
+    proxy = TcpProxy(("127.0.0.1", port_a))
+    bench = subprocess.Popen(
+        [str(BIN / "blockfabric"), "bench", "-a", "127.0.0.1", "-s", str(proxy.port),
+         "--path", f"127.0.0.1:{port_b}", "-n", NQN, "-q", HOSTNQN, "--provider", "soft",
+         "-k", "1", "-c", "1", "-l", "20", "--rw", "randrw", "--verify", "crc32c",
+         "--size", "8m", "--iodepth", "8", "--runtime", "4", "-o", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        proxy.down()
+        out, err = bench.communicate(timeout=45)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        proxy.close()
+    assert bench.returncode == 0, err
+    result = json.loads(out)
+    bf, job = result["blockfabric"], result["jobs"][0]
+    rec = bf["recovery"][0]
+    print(f"\nobserved: read {job['read']['total_ios']} write {job['write']['total_ios']} "
+          f"verified {job['blockfabric']['verified_blocks']} held {job['blockfabric']['held']} "
+          f"recovery {rec}")                          # for docs/reliability.md (pytest -s)
+    assert bf["paths"] == [f"127.0.0.1:{proxy.port}", f"127.0.0.1:{port_b}"]
+    assert rec["failovers"] >= 1 and rec["path"] == f"127.0.0.1:{port_b}", rec
+    assert rec["retried"] >= 1 and rec["failed"] == 0, rec
+    assert job["error"] == 0 and not job["blockfabric"]["errors"], job["blockfabric"]
+    assert job["blockfabric"]["held"] >= 1 and job["blockfabric"]["verified_blocks"] > 0
+    assert "Traceback" not in err, err
 
 
 def test_io_fails_only_after_ctrl_loss_tmo(file_target):

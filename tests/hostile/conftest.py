@@ -17,10 +17,11 @@ MAX_CONN = 6
 
 
 @pytest.fixture
-def target(start_target):
+def target(start_target, request):
+    """Parametrize indirectly with a mapping to set further ``limits`` keys."""
     port = free_port()
     config = ram_config(port)
-    config["limits"] = {"max_connections_per_host": MAX_CONN}
+    config["limits"] = {"max_connections_per_host": MAX_CONN, **getattr(request, "param", {})}
     proc = start_target(config)
     proc.port = port
     return proc

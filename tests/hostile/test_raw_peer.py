@@ -1,7 +1,8 @@
 """A raw peer on the soft provider's wire, with forged keys and lengths, trying one-sided
 RDMA into the target's memory (which is registered for local access only): each attempt
 gets a remote access error NAK and the connection is torn down; another host's data is
-untouched and the target stays up."""
+untouched and the target stays up.  Bare connections that never send a Fabrics Connect are
+refused past the per-host limit, and dropped after ``limits.connect_timeout``."""
 
 from __future__ import annotations
 
@@ -91,3 +92,64 @@ def test_connect_flood_is_refused_past_the_per_host_limit(target, bystander):
             break
         time.sleep(0.1)
     assert kind == Frame.CONN_REP
+
+
+def flood(addr: tuple[str, int], count: int) -> tuple[list[RawPeer], list]:
+    """``count`` bare CM connects from 127.0.0.2 (no Fabrics Connect): the peers and, for
+    each, Frame.CONN_REP or the CM reject status."""
+    peers, outcomes = [], []
+    try:
+        for _ in range(count):
+            peer = RawPeer(addr, source="127.0.0.2")
+            peers.append(peer)
+            kind, private = peer.connect_cm(QUEUE_REQ)
+            outcomes.append(kind if kind == Frame.CONN_REP
+                            else CMReject.unpack_from(private).sts)
+    except BaseException:
+        for peer in peers:
+            peer.close()
+        raise
+    return peers, outcomes
+
+
+CONNECT_TIMEOUT = 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", [{"connect_timeout": CONNECT_TIMEOUT}], indirect=True)
+def test_silent_connections_are_dropped_after_connect_timeout(target, bystander):
+    """Queues that connect and then say nothing fill the per-host limit; after
+    ``limits.connect_timeout`` the target disconnects them (logged at INFO with the peer),
+    and the address gets its slots back.  The bystander's queues, which did send Connect,
+    outlive the timeout several times over untouched."""
+    addr = ("127.0.0.1", target.port)
+    started = time.monotonic()
+    peers, outcomes = flood(addr, MAX_CONN + 2)
+    try:
+        assert outcomes == [Frame.CONN_REP] * MAX_CONN \
+            + [CMRejectStatus.NO_RESOURCES] * 2, outcomes
+        for i, peer in enumerate(peers[:MAX_CONN]):
+            assert peer.closed_within(CONNECT_TIMEOUT + 3), f"silent queue {i} was kept"
+            if i == 0:
+                waited = time.monotonic() - started
+                assert CONNECT_TIMEOUT * 0.9 <= waited < CONNECT_TIMEOUT + 3, waited
+    finally:
+        for peer in peers:
+            peer.close()
+    deadline = time.monotonic() + 3                 # stderr is read by another thread
+    while True:
+        dropped = [line for line in target.lines if "no Fabrics Connect within 1 s" in line]
+        if len(dropped) >= MAX_CONN or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(dropped) == MAX_CONN, dropped
+    assert all(line.startswith("INFO ") for line in dropped), dropped
+    assert all("peer 127.0.0.2:" in line for line in dropped), dropped
+    # The slots are free again: a full set of new connections is accepted.
+    again, outcomes = flood(addr, MAX_CONN)
+    for peer in again:
+        peer.close()
+    assert outcomes == [Frame.CONN_REP] * MAX_CONN, outcomes
+    time.sleep(max(0.0, started + 3 * CONNECT_TIMEOUT - time.monotonic()))
+    assert_undisturbed(bystander.finish())
+    assert target.alive()

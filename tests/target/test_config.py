@@ -71,7 +71,8 @@ def test_defaults_are_filled_in() -> None:
     assert (ns.block_size, ns.read_only, ns.path) == (4096, False, None)
     limits = cfg.limits
     assert (limits.queue_size, limits.max_io_queues, limits.inline_data_size, limits.mdts,
-            limits.max_connections_per_host) == (128, 8, 4 * KiB, MiB, 64)
+            limits.max_connections_per_host, limits.connect_timeout) == (
+        128, 8, 4 * KiB, MiB, 64, 10)
     assert (cfg.keep_alive.kas_ms, cfg.metrics) == (1000, None)
     assert cfg.control_socket == "/run/blockfabric/target.sock"
     # Unset values stay out of the effective dict; explicit nulls mean "unset" too.

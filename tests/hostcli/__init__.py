@@ -1,0 +1,1 @@
+"""Host CLI and initiator YAML units (no target, no FUSE)."""

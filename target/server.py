@@ -29,6 +29,7 @@ from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol.admin import AsyncNotice
+from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
@@ -82,11 +83,14 @@ class QueueSession:
         self.qid = req.qid
         self.controller: Controller | None = None
         self.queue: TargetQueue | None = None
+        #: The connected queue's command handler (the controller's, or its authentication
+        #: gate); None until the Connect.
+        self.handler: Callable[[Command], None] | None = None
 
     def handle(self, cmd: Command) -> None:
-        ctrl = self.controller
-        if ctrl is not None:
-            ctrl.handle(cmd)
+        handler = self.handler
+        if handler is not None:
+            handler(cmd)
             return
         sqe = cmd.sqe
         try:
@@ -119,8 +123,10 @@ class QueueSession:
             cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
             return
         self.controller = ctrl
+        self.handler = ctrl.queue_handler(self.qid)
         self.queue.sq_flow = not connect.sq_flow_control_disabled
-        cmd.respond(result=ctrl.cntlid)
+        # ATR: authenticate this queue before anything else (nvmet_connect_result)
+        cmd.respond(result=ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0))
 
     def queue_broken(self, queue: TargetQueue, reason: str) -> None:
         self.target.queue_broken(self, queue, reason)
@@ -159,6 +165,7 @@ class Target:
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
         self.genctr = 0
+        self.auth_failures = 0                  # controllers ended by failed authentication
         self.draining = False
         self.started = time.time()
         self.reloads = 0
@@ -414,6 +421,10 @@ class Target:
                 connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
                 cap=Controller.capabilities(limits.queue_size), aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
+            entry = subsystem.conf.host(hostnqn) if subsystem is not None else None
+            if entry is not None and entry.dhchap_secret is not None:
+                ctrl.auth_policy = AuthPolicy(entry.dhchap_secret, entry.dhchap_ctrl_secret,
+                                              entry.hash_id, entry.dhgroup_id)
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
@@ -780,7 +791,7 @@ class Target:
         for sub in self.subsystems.values():
             subsystems.append({
                 "nqn": sub.nqn, "allow_any_host": sub.conf.allow_any_host,
-                "hosts": list(sub.conf.hosts),
+                "hosts": list(sub.conf.host_nqns),     # never the secrets
                 "listeners": [x.endpoint for x in self.config.listeners_for(sub.conf)],
                 "controllers": sum(1 for c in self.controllers.values() if c.subsystem is sub),
                 "io": sub.stats(),
@@ -805,7 +816,7 @@ class Target:
             "started": self.started, "uptime_s": now - self.started,
             "state": "draining" if self.draining else "serving",
             "reloads": self.reloads, "last_reload_error": self.last_reload_error,
-            "genctr": self.genctr,
+            "genctr": self.genctr, "auth_failures": self.auth_failures,
             "listeners": [{"endpoint": lc.endpoint, "name": lc.name, "address": lc.address,
                            "port": lc.port, "provider": p,
                            "controllers": per_listener.get(rl.listener_key(lc), 0)}
@@ -872,6 +883,9 @@ def render_metrics(st: dict[str, Any]) -> str:
     reload_ok = mx.Family("blockfabric_last_reload_ok", "gauge",
                           "0 when the last reload was rejected.",
                           [({}, 0 if st["last_reload_error"] else 1)])
+    auth_failed = mx.Family("blockfabric_auth_failures_total", "counter",
+                            "Controllers torn down because DH-HMAC-CHAP authentication failed.",
+                            [({}, st.get("auth_failures", 0))])
     listeners = mx.Family("blockfabric_listener_controllers", "gauge",
                           "Controllers connected through each listener.",
                           [({"listener": x["endpoint"], "provider": x["provider"]},
@@ -899,5 +913,5 @@ def render_metrics(st: dict[str, Any]) -> str:
         queues.samples.append((labels, len(c["queues"])))
         for q in c["queues"]:
             depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
-    return mx.render([up, reloads, reload_ok, listeners, conns, size, queues, depth]
+    return mx.render([up, reloads, reload_ok, auth_failed, listeners, conns, size, queues, depth]
                      + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

@@ -1,0 +1,179 @@
+"""DH-HMAC-CHAP against the real daemon: a host with the right secret connects (on every
+queue) and does I/O; a wrong, missing or replayed answer is refused, the controller is torn
+down, and the target and its other hosts carry on."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockfabric.initiator.host import (ADMIN_DEPTH, AuthenticationFailed, ConnectOptions,
+                                        Controller, NvmeError, QueueDead, connect)
+from blockfabric.protocol import (FeatureId, Identify, IdentifyCNS, IOOpcode, KeyedSGL,
+                                  ReadWrite, SetFeatures, StatusCode)
+from blockfabric.protocol import auth as au
+
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+
+SECRET = au.generate_secret(32, 1)
+CTRL_SECRET = au.generate_secret(48, 2)
+
+
+@pytest.fixture(scope="module")
+def auth_target(tmp_path_factory):
+    """HOSTNQN must authenticate (and may authenticate the controller, with ffdhe2048);
+    OTHER_HOSTNQN is allowed without a secret."""
+    from .conftest import TargetProc
+    port = free_port()
+    config = ram_config(port, allow_any_host=False, hosts=[
+        {"nqn": HOSTNQN, "dhchap_secret": str(SECRET), "dhchap_ctrl_secret": str(CTRL_SECRET),
+         "dhchap_dhgroup": "ffdhe2048"},
+        OTHER_HOSTNQN])
+    proc = TargetProc(config, tmp_path_factory.mktemp("auth")).start()
+    proc.port = port
+    yield proc
+    if proc.alive():
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+
+
+def _connect(target, **kw) -> Controller:
+    kw.setdefault("hostnqn", HOSTNQN)
+    return connect("127.0.0.1", NQN, target.port, provider="soft", nr_io_queues=2, **kw)
+
+
+def _io(ctrl: Controller, fill: int) -> None:
+    ns = ctrl.namespaces[1]
+    ns.write(8192, bytes([fill]) * 4096)
+    assert ns.read(8192, 4096) == bytes([fill]) * 4096
+
+
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["host", "bidirectional"])
+def test_right_secret_connects_every_queue_and_does_io(auth_target, bidirectional):
+    kw = {"dhchap_ctrl_secret": str(CTRL_SECRET)} if bidirectional else {}
+    with _connect(auth_target, dhchap_secret=str(SECRET), **kw) as ctrl:
+        assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
+        assert sorted(ctrl.authenticated) == [0, 1, 2]      # the admin and both I/O queues
+        assert all("ffdhe2048" in how for how in ctrl.authenticated.values())
+        assert ("controller authenticated" in ctrl.authenticated[0]) == bidirectional
+        _io(ctrl, 0x11 if bidirectional else 0x22)
+    assert auth_target.wait_log("host authenticated (hash sha256, DH group ffdhe2048)", 5)
+
+
+def test_wrong_secret_is_refused_and_others_carry_on(auth_target):
+    with _connect(auth_target, hostnqn=OTHER_HOSTNQN) as bystander:
+        _io(bystander, 0x33)
+        with pytest.raises(AuthenticationFailed, match="refused authentication"):
+            _connect(auth_target, dhchap_secret=str(au.generate_secret(32, 1)))
+        assert auth_target.wait_log("authentication failed: the host's response does not "
+                                    "match (wrong secret?) (explanation 0x1): tearing the "
+                                    "controller down", 5)
+        _io(bystander, 0x44)                 # the other host never noticed
+        with _connect(auth_target, dhchap_secret=str(SECRET)) as good:
+            _io(good, 0x55)
+    assert auth_target.alive()
+
+
+def test_controller_impostor_is_refused_by_the_host(auth_target):
+    """The host asks the controller to prove it holds a controller secret it does not."""
+    with pytest.raises(AuthenticationFailed, match="controller's response does not match"):
+        _connect(auth_target, dhchap_secret=str(SECRET),
+                 dhchap_ctrl_secret=str(au.generate_secret(48, 2)))
+    assert auth_target.wait_log("authentication failed: the host gave up (Failure2, "
+                                "explanation 0x1)", 5)
+
+
+def test_no_secret_is_refused_with_a_clear_error(auth_target):
+    with pytest.raises(AuthenticationFailed, match="requires host .* to authenticate"):
+        _connect(auth_target)
+
+
+def _admin_queue(target) -> tuple[Controller, object]:
+    """A controller object with only its admin queue connected, not authenticated."""
+    ctrl = Controller(ConnectOptions("127.0.0.1", NQN, target.port, hostnqn=HOSTNQN,
+                                     provider="soft", dhchap_secret=str(SECRET)))
+    ctrl.reactor.start()
+    queue = ctrl.open_queue(0, ADMIN_DEPTH)
+    ctrl.admin = queue
+    ctrl.cntlid = ctrl.fabrics_connect(queue, 0, ADMIN_DEPTH - 1, 0, authenticate=False)
+    return ctrl, queue
+
+
+def test_commands_before_authentication_are_auth_required(auth_target):
+    ctrl, queue = _admin_queue(auth_target)
+    try:
+        assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
+        assert ctrl.property_get(0x00, 8)            # Fabrics commands pass (nvmet does too)
+        with pytest.raises(NvmeError) as err:
+            ctrl.wait(queue, Identify(cns=IdentifyCNS.CONTROLLER).to_sqe(), "Identify",
+                      data_in=4096)
+        assert (err.value.status, err.value.dnr) == (StatusCode.AUTH_REQUIRED, True)
+        with pytest.raises(NvmeError) as err:        # not our protocol: refused, DNR
+            ctrl.wait(queue, au.AuthSend(secp=0xEA, tl=72).to_sqe(), "Authentication Send",
+                      data_out=au.Negotiate.offer(1, (1,), (0, 1)).pack())
+        assert (err.value.status, err.value.dnr) == (StatusCode.INVALID_FIELD, True)
+        ctrl._authenticate(queue, 0, ctrl.connect_result)  # now it may
+        ctrl._enable()
+        assert len(ctrl._identify(IdentifyCNS.CONTROLLER)) == 4096
+    finally:
+        ctrl.close()
+
+
+def test_replayed_reply_is_refused(auth_target):
+    """A Reply captured from one host's transaction does not answer another challenge."""
+    first, queue = _admin_queue(auth_target)
+    captured: list[bytes] = []
+    try:
+        au.host_authenticate(lambda m: (captured.append(m), first.auth_send(queue, m)),
+                             lambda al: first.auth_receive(queue, al), t_id=7,
+                             hostnqn=HOSTNQN, subnqn=NQN, secret=SECRET)
+    finally:
+        first.close()
+    replay, queue = _admin_queue(auth_target)
+    try:
+        replay.auth_send(queue, captured[0])           # the same Negotiate
+        fresh = au.Challenge.unpack(replay.auth_receive(queue, 4096))
+        replay.auth_send(queue, captured[1])           # the old Reply
+        answer = replay.auth_receive(queue, 4096)
+        assert au.failure_of(answer).rescode_exp == au.Explanation.FAILED, fresh
+        with pytest.raises((NvmeError, QueueDead)):    # torn down
+            for _ in range(100):
+                replay.property_get(0x1C, 4)
+    finally:
+        replay.close()
+
+
+def test_forged_reply_is_refused(auth_target):
+    """A reply computed with the right key but for another subsystem NQN (what a host could
+    get another controller to sign) fails."""
+    forger, queue = _admin_queue(auth_target)
+    try:
+        with pytest.raises(au.AuthError, match="refused authentication"):
+            au.host_authenticate(lambda m: forger.auth_send(queue, m),
+                                 lambda al: forger.auth_receive(queue, al), t_id=1,
+                                 hostnqn=HOSTNQN, subnqn=NQN + "-other", secret=SECRET)
+    finally:
+        forger.close()
+
+
+def test_unauthenticated_io_queue_is_refused(auth_target):
+    """I/O queues authenticate on their own: an authenticated admin queue does not let an
+    unauthenticated I/O queue run I/O."""
+    ctrl, admin = _admin_queue(auth_target)
+    try:
+        ctrl._authenticate(admin, 0, ctrl.connect_result)
+        ctrl._enable()
+        ctrl.wait(admin, SetFeatures(fid=FeatureId.NUM_QUEUES, value=0).to_sqe(),
+                  "Set Features (number of queues)")
+        queue = ctrl.open_queue(1, 16)
+        ctrl.io_queues.append(queue)
+        ctrl.fabrics_connect(queue, 1, 15, 0, authenticate=False)
+        assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
+        arena = ctrl.arena
+        read = ReadWrite(IOOpcode.READ, 1, 0, 0).to_sqe(
+            sgl=KeyedSGL(arena.mr.addr, 4096, arena.mr.rkey))
+        cqe = ctrl.raw(queue, read.pack())
+        assert (cqe.status, cqe.dnr) == (StatusCode.AUTH_REQUIRED, True)
+        ctrl._authenticate(queue, 1, ctrl.connect_result)
+        assert ctrl.raw(queue, read.pack()).status == StatusCode.SUCCESS
+    finally:
+        ctrl.close()

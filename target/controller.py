@@ -239,33 +239,37 @@ class Controller:
             message = auth.receive(receive.al)
         except au.AuthError as exc:
             raise ProtocolError(str(exc), StatusCode.INVALID_FIELD) from exc
-        self.send_data(cmd, message)
-        self._auth_outcome(cmd, auth)
+        view, sge, release = self.target.control_buffer(cmd.queue, len(message))
+        view[:len(message)] = message
+        cmd.on_released = self._auth_release(cmd, auth, release)
+        cmd.respond(data=(sge,))
 
     def _auth_sent(self, cmd: Command, auth: au.TargetAuth, message: bytes) -> None:
         was = auth.authenticated
         auth.send(message)
-        cmd.respond()
         if auth.authenticated and not was:
             both = message[1:2] == bytes([au.AuthMsg.SUCCESS2])
             log.info("%s qid=%d: host authenticated (hash %s, DH group %s)%s", self.name,
                      cmd.queue.qid, au.HASH_NAMES.get(auth.hash_id, auth.hash_id),
                      au.DHGROUP_NAMES.get(auth.dhgroup, auth.dhgroup),
                      "; it authenticated the controller too" if both else "")
-        self._auth_outcome(cmd, auth)
+        cmd.on_released = self._auth_release(cmd, auth, cmd.on_released)
+        cmd.respond()
 
-    def _auth_outcome(self, cmd: Command, auth: au.TargetAuth) -> None:
-        """After a failure the controller goes, once this command's answer has been sent
-        (nvmet_ctrl_fatal_error after Failure1 or a message out of sequence)."""
+    def _auth_release(self, cmd: Command, auth: au.TargetAuth,
+                      release: Callable[[Command], None] | None
+                      ) -> Callable[[Command], None] | None:
+        """What runs once the answer has been sent: after a failure, the end of the
+        controller (nvmet_ctrl_fatal_error after Failure1 or a message out of sequence).
+        Set before the answer is posted: a provider may complete the send at once."""
         if not auth.fatal or self.dead or self.auth_failures:
-            return
+            return release
         self.auth_failures += 1
         self.target.auth_failures += 1
         log.warning("%s qid=%d peer=%s: authentication failed: %s (explanation %#x): tearing "
                     "the controller down", self.name, cmd.queue.qid, self.peer, auth.reason,
                     auth.explanation)
         reason = f"authentication failed on qid {cmd.queue.qid}"
-        release = cmd.on_released
 
         def released(c: Command) -> None:
             if release is not None:
@@ -273,11 +277,7 @@ class Controller:
             self.target.reactor.call_later(0, lambda: self.target.destroy_controller(
                 self, reason))
 
-        if cmd.responded and release is not None:
-            cmd.on_released = released
-        else:
-            self.target.reactor.call_later(0, lambda: self.target.destroy_controller(
-                self, reason))
+        return released
 
     def _count_error(self, cmd: Command) -> None:
         if cmd.queue.qid:

@@ -539,8 +539,9 @@ class TargetAuth:
             return
         if auth_type == AuthType.COMMON:
             if auth_id == AuthMsg.NEGOTIATE:
-                self.step = AuthMsg.NEGOTIATE       # (re)start
-                self.authenticated = False
+                # (re)start; a queue that authenticated before keeps working meanwhile, and
+                # a failure of the new transaction ends the controller anyway
+                self.step = AuthMsg.NEGOTIATE
             elif auth_id == AuthMsg.FAILURE2:
                 failure = failure_of(data)
                 exp = failure.rescode_exp if failure else 0

@@ -256,6 +256,20 @@ def test_host_and_controller_agree(dhgroup, bidirectional, hash_id) -> None:
     assert result == A.AuthResult(hash_id, dhgroup, bidirectional)
 
 
+def test_reauthentication_keeps_the_queue_working_until_it_fails() -> None:
+    target = A.TargetAuth(_policy(), HOST, SUB)
+    for t_id in (1, 2):
+        A.host_authenticate(target.send, target.receive, t_id=t_id, hostnqn=HOST, subnqn=SUB,
+                            secret=A.Secret(KEY, 1))
+        assert target.authenticated and not target.fatal
+    target.send(A.Negotiate.offer(3, (1,), (0,)).pack())
+    assert target.authenticated                  # mid-transaction: still the old proof
+    target.receive(4096)
+    target.send(A.Reply(3, bytes(32)).pack())
+    target.receive(4096)
+    assert target.fatal and not target.authenticated
+
+
 def test_wrong_host_secret_fails_with_failure1_and_is_fatal() -> None:
     target = A.TargetAuth(_policy(), HOST, SUB)
     with pytest.raises(A.AuthError, match="refused authentication"):

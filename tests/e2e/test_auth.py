@@ -188,6 +188,7 @@ def test_unauthenticated_io_queue_is_refused(auth_target):
         ctrl._enable()
         ctrl.wait(admin, SetFeatures(fid=FeatureId.NUM_QUEUES, value=0).to_sqe(),
                   "Set Features (number of queues)")
+        ctrl.inline_size = 4096                     # the target's default in-capsule size
         queue = ctrl.open_queue(1, 16)
         ctrl.io_queues.append(queue)
         ctrl.fabrics_connect(queue, 1, 15, 0, authenticate=False)
@@ -197,7 +198,12 @@ def test_unauthenticated_io_queue_is_refused(auth_target):
             sgl=KeyedSGL(arena.mr.addr, 4096, arena.mr.rkey))
         cqe = ctrl.raw(queue, read.pack())
         assert (cqe.status, cqe.dnr) == (StatusCode.AUTH_REQUIRED, True)
-        ctrl._authenticate(queue, 1, ctrl.connect_result)
+        # the kernel host's Auth Send on an I/O queue may come as in-capsule data
+        au.host_authenticate(
+            lambda m: ctrl.wait(queue, au.AuthSend(tl=len(m)).to_sqe(), "Authentication Send",
+                                data_out=m, inline=True),
+            lambda al: ctrl.auth_receive(queue, al), t_id=9, hostnqn=HOSTNQN, subnqn=NQN,
+            secret=SECRET, ctrl_secret=CTRL_SECRET)
         assert ctrl.raw(queue, read.pack()).status == StatusCode.SUCCESS
     finally:
         ctrl.close()

@@ -224,3 +224,23 @@ def test_cli_connect_with_and_without_the_secret(auth_target):
     assert "refused authentication (failed)" in bad.stderr and "Traceback" not in bad.stderr
     none = cli(*base)
     assert none.returncode == 1 and "--dhchap-secret" in none.stderr, none.stderr
+
+
+def test_reconnect_authenticates_again(start_target):
+    """After the target restarts, the host's reconnect runs the exchange again on every
+    queue, and held I/O completes."""
+    import signal
+    port = free_port()
+    config = ram_config(port, allow_any_host=False, hosts=[
+        {"nqn": HOSTNQN, "dhchap_secret": str(SECRET)}])
+    first = start_target(config)
+    first.port = port
+    with _connect(first, dhchap_secret=str(SECRET), keep_alive_tmo=1.0, reconnect_delay=0.3,
+                  connect_timeout=1.0, ctrl_loss_tmo=20) as ctrl:
+        _io(ctrl, 0x77)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        second = start_target(config)
+        _io(ctrl, 0x88)                       # held until the reconnect, then re-issued
+        assert ctrl.recovery_stats()["reconnects"] >= 1
+        assert second.log.count("host authenticated") == 3       # admin + 2 I/O queues

@@ -64,6 +64,13 @@ def errno_status(exc: OSError, writing: bool) -> StatusCode:
     return StatusCode.INTERNAL_ERROR
 
 
+def _no_auth(cmd: Command) -> ProtocolError:
+    """Authentication Send/Receive from a host that is not asked to authenticate: what
+    nvmet built without authentication answers (an unknown capsule type)."""
+    return ProtocolError(f"fabrics command {cmd.sqe.fctype:#x}: this host has no "
+                         "DH-HMAC-CHAP secret here", StatusCode.INVALID_OPCODE)
+
+
 class Controller:
     """One host's controller on one subsystem (or on the discovery subsystem)."""
 
@@ -308,7 +315,10 @@ class Controller:
                                 StatusCode.INVALID_OPCODE)
 
     def _fabrics(self, cmd: Command) -> None:
-        """Property Get/Set (admit() already refused every other fabrics command here)."""
+        """Property Get/Set (admit() already refused every other fabrics command here but
+        Authentication Send/Receive, which reach here only when the host has no secret)."""
+        if cmd.sqe.fctype in (FabricsType.AUTH_SEND, FabricsType.AUTH_RECEIVE):
+            raise _no_auth(cmd)
         if cmd.sqe.fctype == FabricsType.PROPERTY_GET:
             cmd.respond(result=self.state.property_get(PropertyGet.from_sqe(cmd.sqe)))
             return
@@ -519,7 +529,12 @@ class Controller:
     def _io(self, cmd: Command) -> None:
         sqe = cmd.sqe
         op = sqe.opcode
-        nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
+        try:
+            nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
+        except ProtocolError:
+            if op == FABRICS_OPCODE:            # its nsid is the fctype, not a namespace
+                raise _no_auth(cmd) from None
+            raise
         if any(ns.paused for ns in nss):
             # A namespace is being resized: run the command once it is done.
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
@@ -538,6 +553,8 @@ class Controller:
                                blocking=ns.memory is None)
         elif op == IOOpcode.DATASET_MANAGEMENT:
             self._dsm(cmd, nss[0], nio.DatasetManagement.from_sqe(sqe))
+        elif op == FABRICS_OPCODE:
+            raise _no_auth(cmd)
         else:
             raise ProtocolError(f"I/O opcode {op:#x} not supported", StatusCode.INVALID_OPCODE)
 

@@ -809,7 +809,11 @@ class Target:
                 "kato_ms": ctrl.kato_ms, "created": ctrl.created,
                 "queues": [{"qid": qid, "depth": q.depth, "in_use": q.outstanding}
                            for qid, q in sorted(ctrl.queues.items())],
-                "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors})
+                "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors,
+                # DH-HMAC-CHAP: whether its queues must authenticate, and which have
+                "auth_required": ctrl.auth_policy is not None,
+                "authenticated_queues": sorted(q for q, a in ctrl.auth.items()
+                                               if a.authenticated)})
         now = time.time()
         return {
             "version": __version__, "pid": os.getpid(), "config": self.config.source,

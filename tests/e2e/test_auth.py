@@ -4,6 +4,8 @@ down, and the target and its other hosts carry on."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 
 import pytest
@@ -14,7 +16,7 @@ from blockfabric.protocol import (FeatureId, Identify, IdentifyCNS, IOOpcode, Ke
                                   ReadWrite, SetFeatures, StatusCode)
 from blockfabric.protocol import auth as au
 
-from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
 
 SECRET = au.generate_secret(32, 1)
 CTRL_SECRET = au.generate_secret(48, 2)
@@ -25,13 +27,16 @@ def auth_target(tmp_path_factory):
     """HOSTNQN must authenticate (and may authenticate the controller, with ffdhe2048);
     OTHER_HOSTNQN is allowed without a secret."""
     from .conftest import TargetProc
-    port = free_port()
+    port, metrics = free_port(), free_port()
     config = ram_config(port, allow_any_host=False, hosts=[
         {"nqn": HOSTNQN, "dhchap_secret": str(SECRET), "dhchap_ctrl_secret": str(CTRL_SECRET),
          "dhchap_dhgroup": "ffdhe2048"},
         OTHER_HOSTNQN])
-    proc = TargetProc(config, tmp_path_factory.mktemp("auth")).start()
-    proc.port = port
+    tmp = tmp_path_factory.mktemp("auth")
+    config["metrics"] = {"port": metrics}
+    config["control_socket"] = str(tmp / "control.sock")
+    proc = TargetProc(config, tmp).start()
+    proc.port, proc.metrics, proc.socket = port, metrics, config["control_socket"]
     yield proc
     if proc.alive():
         proc.stop()
@@ -72,6 +77,11 @@ def test_right_secret_connects_every_queue_and_does_io(auth_target, bidirectiona
         assert all("ffdhe2048" in how for how in ctrl.authenticated.values())
         assert ("controller authenticated" in ctrl.authenticated[0]) == bidirectional
         _io(ctrl, 0x11 if bidirectional else 0x22)
+        status = _status(auth_target)
+        (mine,) = [c for c in json.loads(status)["controllers"] if c["hostnqn"] == HOSTNQN]
+        assert mine["auth_required"] and mine["authenticated_queues"] == [0, 1, 2]
+        assert str(SECRET).split(":")[2] not in status        # never a secret
+        assert str(CTRL_SECRET).split(":")[2] not in status
     assert auth_target.wait_log("host authenticated (hash sha256, DH group ffdhe2048)"
                                 + ("; it authenticated the controller too" if bidirectional
                                    else "\n"), 5)
@@ -90,6 +100,40 @@ def test_wrong_secret_is_refused_and_others_carry_on(auth_target):
         with _connect(auth_target, dhchap_secret=str(SECRET)) as good:
             _io(good, 0x55)
     assert auth_target.alive()
+    assert _failures(auth_target) >= 1
+
+
+def _status(target) -> str:
+    out = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket", target.socket,
+                          "--output-format", "json"], capture_output=True, text=True,
+                         timeout=20)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _failures(target) -> float:
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{target.metrics}/metrics",
+                                  timeout=5).read().decode()
+    (line,) = [x for x in text.splitlines()
+               if x.startswith("blockfabric_auth_failures_total ")]
+    return float(line.split()[1])
+
+
+def test_host_without_a_secret_may_not_start_an_exchange(auth_target):
+    """A host listed without a secret is never asked to authenticate; an Auth Send from it
+    is an unknown command there (as nvmet without authentication), on either queue, and
+    costs it nothing else."""
+    with _connect(auth_target, hostnqn=OTHER_HOSTNQN) as ctrl:
+        assert not ctrl.connect_result & au.CONNECT_AUTHREQ_ATR and not ctrl.authenticated
+        for queue in (ctrl.admin, ctrl.io_queues[0]):
+            with pytest.raises(NvmeError) as err:
+                ctrl.auth_send(queue, au.Negotiate.offer(1, (1,), (0,)).pack())
+            assert (err.value.status, err.value.dnr) == (StatusCode.INVALID_OPCODE, True)
+            with pytest.raises(NvmeError) as err:
+                ctrl.auth_receive(queue, 4096)
+            assert err.value.status == StatusCode.INVALID_OPCODE
+        _io(ctrl, 0x99)
 
 
 def test_controller_impostor_is_refused_by_the_host(auth_target):
@@ -215,7 +259,6 @@ def test_cli_connect_with_and_without_the_secret(auth_target):
             "-q", HOSTNQN, "--provider", "soft", "-o", "json"]
     ok = cli(*base, "--dhchap-secret", str(SECRET), "--dhchap-ctrl-secret", str(CTRL_SECRET))
     assert ok.returncode == 0, ok.stderr
-    import json
     shown = json.loads(ok.stdout)
     assert shown["authentication"] == ("hmac(sha256), ffdhe2048, controller authenticated")
     bad = cli(*base, "--dhchap-secret", str(au.generate_secret(32, 1)))

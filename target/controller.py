@@ -171,6 +171,8 @@ class Controller:
             else:
                 self._io(cmd)
         except ProtocolError as exc:
+            if sqe.opcode == FABRICS_OPCODE and exc.status == StatusCode.INVALID_NS:
+                exc = _no_auth(cmd)     # on an I/O queue: its "nsid" was the fctype
             self._count_error(cmd)
             log.debug("%s qid=%d: cid %d opcode %#x: %s", self.name, cmd.queue.qid, sqe.cid,
                       sqe.opcode, exc)
@@ -529,12 +531,7 @@ class Controller:
     def _io(self, cmd: Command) -> None:
         sqe = cmd.sqe
         op = sqe.opcode
-        try:
-            nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
-        except ProtocolError:
-            if op == FABRICS_OPCODE:            # its nsid is the fctype, not a namespace
-                raise _no_auth(cmd) from None
-            raise
+        nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
         if any(ns.paused for ns in nss):
             # A namespace is being resized: run the command once it is done.
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))

@@ -630,7 +630,11 @@ class TargetAuth:
 
     # -- Authentication Receive -------------------------------------------------------
     def receive(self, al: int) -> bytes:
-        """The message for an Authentication Receive of ``al`` bytes (zero padded)."""
+        """The message for an Authentication Receive of ``al`` bytes (zero padded).  An
+        ``al`` too small for it is an AuthError that leaves the transaction where it was."""
+        need = self._receive_size()
+        if al < need:
+            raise AuthError(f"allocation length {al}, the message is {need} bytes")
         if self.step == AuthMsg.CHALLENGE:
             msg = self._challenge()
             self.step = AuthMsg.REPLY
@@ -643,9 +647,17 @@ class TargetAuth:
             msg = Failure(auth_id=AuthMsg.FAILURE1, t_id=max(self.t_id, 0) & 0xFFFF,
                           rescode_exp=self.explanation).pack()
             self.fatal = True
-        if len(msg) > al:
-            raise AuthError(f"allocation length {al}, the message is {len(msg)} bytes")
         return msg.ljust(al, b"\0")
+
+    def _receive_size(self) -> int:
+        """Bytes of the message the next Receive returns (nvmet checks AL the same way)."""
+        hl = HASH_LENGTHS.get(self.hash_id, 0)
+        if self.step == AuthMsg.CHALLENGE:
+            dh = dh_size(self.dhgroup) if self.dhgroup != DhGroup.NULL else 0
+            return ChallengeHeader.SIZE + hl + dh
+        if self.step == AuthMsg.SUCCESS1:
+            return Success1Header.SIZE + (hl if self._c2 else 0)
+        return Failure.SIZE
 
     def _challenge(self) -> bytes:
         hl = HASH_LENGTHS[HashId(self.hash_id)]

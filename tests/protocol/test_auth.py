@@ -334,6 +334,16 @@ def test_out_of_order_and_mismatched_transactions() -> None:
     assert target.fatal
 
 
+def test_short_allocation_length_leaves_the_transaction_where_it_was() -> None:
+    target = A.TargetAuth(_policy(dhgroup=A.DhGroup.FFDHE2048), HOST, SUB)
+    target.send(A.Negotiate.offer(4, (1,), (0, 1)).pack())
+    with pytest.raises(A.AuthError, match="allocation length 100, the message is 304"):
+        target.receive(100)                       # 16 + 32 + 256 needed
+    assert target.step == A.AuthMsg.CHALLENGE and not target.fatal
+    chal = A.Challenge.unpack(target.receive(4096))
+    assert len(chal.c1) == 32 and len(chal.dh_value) == 256
+
+
 def test_negotiation_without_common_ground() -> None:
     target = A.TargetAuth(_policy(dhgroup=A.DhGroup.FFDHE2048), HOST, SUB)
     target.send(A.Negotiate.offer(1, (1,), (0,)).pack())  # the host offers only NULL

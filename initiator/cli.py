@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report all jobs together")
     add_output_format(p)
 
-    p = sub.add_parser("gen-dhchap-key", help="generate a DH-HMAC-CHAP secret (as nvme gen-dhchap-key)",
+    p = sub.add_parser("gen-dhchap-key",
+                       help="generate a DH-HMAC-CHAP secret (as nvme gen-dhchap-key)",
                        formatter_class=HelpFormatter,
                        description="Print a new random DH-HMAC-CHAP secret in the "
                                    "'DHHC-1:XX:<base64 of key and CRC-32>:' form that "

@@ -135,7 +135,8 @@ def test_shipped_initiator_yaml_loads():
     ("mount: []", "mount", "only 'mounts'"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_secret: 'DHHC-1:01:Zm9v:'}]",
      "mounts[0].dhchap_secret", "DH-HMAC-CHAP secret"),
-    ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_ctrl_secret: 'DHHC-1:00:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACtVQoZ:'}]",
+    ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_ctrl_secret: 'DHHC-1:00:"
+     "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACtVQoZ:'}]",
      "mounts[0].dhchap_secret", "a host secret too"),
 ])
 def test_bad_initiator_yaml_names_file_key_and_expectation(text, key, expected):

@@ -40,7 +40,8 @@ def test_auth_send_and_receive_commands() -> None:
 def test_negotiate_golden() -> None:
     """What the Linux host sends: 3 hashes, 6 DH groups, NULL first at idlist[30]."""
     buf = bytearray(72)
-    struct.pack_into("<BBHHBB", buf, 0, 0x00, 0x00, 0, 0x1234, 0, 1)  # type, id, rsvd, t_id, sc_c, napd
+    # auth_type, auth_id, reserved, t_id, sc_c, napd
+    struct.pack_into("<BBHHBB", buf, 0, 0x00, 0x00, 0, 0x1234, 0, 1)
     struct.pack_into("<BBBB", buf, 8, 0x01, 0, 3, 6)  # authid, rsvd, halen, dhlen
     buf[12:15] = bytes([1, 2, 3])  # idlist[0..2]
     buf[42:48] = bytes([0, 1, 2, 3, 4, 5])  # idlist[30..35]

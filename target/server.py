@@ -132,6 +132,15 @@ class QueueSession:
         self.target.queue_broken(self, queue, reason)
 
 
+def auth_policy(subsystem: cfg.Subsystem, hostnqn: str) -> AuthPolicy | None:
+    """How ``hostnqn`` must authenticate to ``subsystem`` (None: it need not)."""
+    entry = subsystem.host(hostnqn)
+    if entry is None or entry.dhchap_secret is None:
+        return None
+    return AuthPolicy(entry.dhchap_secret, entry.dhchap_ctrl_secret, entry.hash_id,
+                      entry.dhgroup_id)
+
+
 def _peer(queue: TargetQueue | None) -> str:
     try:
         return "%s:%s" % tuple(queue.cmid.peer_address[:2])
@@ -421,10 +430,8 @@ class Target:
                 connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
                 cap=Controller.capabilities(limits.queue_size), aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
-            entry = subsystem.conf.host(hostnqn) if subsystem is not None else None
-            if entry is not None and entry.dhchap_secret is not None:
-                ctrl.auth_policy = AuthPolicy(entry.dhchap_secret, entry.dhchap_ctrl_secret,
-                                              entry.hash_id, entry.dhgroup_id)
+            if subsystem is not None:
+                ctrl.auth_policy = auth_policy(subsystem.conf, hostnqn)
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
@@ -658,7 +665,8 @@ class Target:
         for change in plan.changed:
             self._commit_subsystem(change, namespaces)
         # Controllers that came in on a listener that no longer exists, or that no longer
-        # exposes their subsystem, or whose host is no longer allowed, go.
+        # exposes their subsystem, or whose host is no longer allowed (or must now
+        # authenticate differently), go.
         self._destroy_where(lambda c: not c.is_discovery and not self._may_stay(c),
                             "no longer allowed by the configuration")
         self._destroy_where(lambda c: rl.listener_key(c.listener) in removed,
@@ -679,9 +687,12 @@ class Target:
                     ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
 
     def _may_stay(self, ctrl: Controller) -> bool:
+        """After a reload: still allowed, still exposed, and authenticated with what the
+        configuration now says (a changed or revoked secret disconnects the host)."""
         sub = ctrl.subsystem
         return (self.subsystems.get(sub.nqn) is sub and sub.allows(ctrl.hostnqn)
-                and self._exposed(sub, ctrl.listener))
+                and self._exposed(sub, ctrl.listener)
+                and ctrl.auth_policy == auth_policy(sub.conf, ctrl.hostnqn))
 
     def _destroy_where(self, condition: Callable[[Controller], bool], reason: str) -> None:
         for ctrl in [c for c in self.controllers.values() if condition(c)]:

@@ -355,3 +355,33 @@ def test_negotiation_without_common_ground() -> None:
     target = A.TargetAuth(_policy(hash_id=3), HOST, SUB)  # falls back to the host's first
     target.send(A.Negotiate.offer(1, (2, 1), (0,)).pack())
     assert A.Challenge.unpack(target.receive(4096)).hashid == 2
+
+
+_messages = st.one_of(
+    st.binary(max_size=80),
+    st.builds(lambda t, h, d: A.Negotiate.offer(t, h, d).pack(), st.integers(0, 0xFFFF),
+              st.lists(st.integers(0, 5), max_size=4).map(tuple),
+              st.lists(st.integers(0, 5), max_size=6).map(tuple)),
+    st.builds(lambda t, r, dh: A.Reply(t, r, dh_value=dh).pack(), st.integers(0, 3),
+              st.binary(min_size=32, max_size=32), st.binary(max_size=260)),
+    st.builds(lambda t, i: A.Failure(auth_id=i, t_id=t).pack(), st.integers(0, 3),
+              st.sampled_from([0xF0, 0xF1, 0x04])),
+    st.builds(lambda t: A.Success2(t_id=t).pack(), st.integers(0, 3)))
+
+
+@FAST
+@given(steps=st.lists(st.tuples(st.booleans(), _messages, st.integers(1, 5000)), max_size=8),
+       dhgroup=st.sampled_from([A.DhGroup.NULL, A.DhGroup.FFDHE2048]))
+def test_hostile_message_streams_never_authenticate_or_crash(steps, dhgroup) -> None:
+    """Whatever a host without the key sends, in any order: only AuthError escapes (for a
+    short allocation length), and the queue is never authenticated."""
+    target = A.TargetAuth(_policy(dhgroup=dhgroup), HOST, SUB)
+    for is_send, message, al in steps:
+        if is_send:
+            target.send(message)
+        else:
+            try:
+                assert len(target.receive(al)) == al
+            except A.AuthError:
+                pass
+        assert not target.authenticated

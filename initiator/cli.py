@@ -31,6 +31,13 @@ host identity:
   --hostnqn, else /etc/nvme/hostnqn (as nvme-cli), else an NQN generated once and kept in
   /etc/blockfabric/hostnqn.
 
+authentication:
+  A subsystem that lists this host with a DH-HMAC-CHAP secret asks every queue to
+  authenticate (NVMe in-band authentication, as `nvme connect --dhchap-secret`): give the
+  same secret with --dhchap-secret, or dhchap_secret in the initiator YAML. Make secrets
+  with `blockfabric gen-dhchap-key`. Authentication proves who the host is; the data itself
+  is not encrypted.
+
 exit status:
   0 success, 1 runtime failure, 2 usage error
 """
@@ -82,6 +89,14 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                    help="seconds between reconnect attempts")
     p.add_argument("-l", "--ctrl-loss-tmo", type=int, default=600, metavar="SEC",
                    help="seconds to keep reconnecting before failing I/O (-1: forever)")
+    p.add_argument("-S", "--dhchap-secret", metavar="DHHC-1:XX:KEY:",
+                   help="this host's DH-HMAC-CHAP secret, used when the subsystem asks the "
+                        "host to authenticate; a command line is visible to other users "
+                        "(ps), so prefer dhchap_secret in a root-only initiator YAML")
+    p.add_argument("-C", "--dhchap-ctrl-secret", metavar="DHHC-1:XX:KEY:",
+                   help="the controller's DH-HMAC-CHAP secret: authenticate the controller "
+                        "too and refuse one that cannot prove it holds this secret (needs "
+                        "--dhchap-secret)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
 
@@ -216,8 +231,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group_reporting", action="store_true",
                    help="report all jobs together")
     add_output_format(p)
+
+    p = sub.add_parser("gen-dhchap-key",
+                       help="generate a DH-HMAC-CHAP secret (as nvme gen-dhchap-key)",
+                       formatter_class=HelpFormatter,
+                       description="Print a new random DH-HMAC-CHAP secret in the "
+                                   "'DHHC-1:XX:<base64 of key and CRC-32>:' form that "
+                                   "nvme-cli and the kernel read, for the host's "
+                                   "--dhchap-secret and the target's hosts[].dhchap_secret "
+                                   "(or, for a controller secret, --dhchap-ctrl-secret and "
+                                   "hosts[].dhchap_ctrl_secret). XX is how the key is "
+                                   "transformed before use: 00 not at all, 01/02/03 with "
+                                   "HMAC-SHA-256/384/512 keyed by the secret over the NQN of "
+                                   "whoever uses it, when it is used. The key printed is "
+                                   "random; --nqn is accepted for nvme-cli's syntax and does "
+                                   "not change it.",
+                       epilog="examples:\n"
+                              "  blockfabric gen-dhchap-key -m 1 -n $(cat /etc/nvme/hostnqn)\n"
+                              "  blockfabric gen-dhchap-key --key-length 64 --hmac 3\n\n"
+                              "exit status:\n  0 success, 2 usage error\n")
+    p.add_argument("-m", "--hmac", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="key transformation: 0 none, 1 SHA-256, 2 SHA-384, 3 SHA-512")
+    p.add_argument("-l", "--key-length", type=int, choices=(32, 48, 64), default=None,
+                   help="key length in bytes (default: 32, or the hash's length with --hmac)")
+    p.add_argument("-n", "--nqn", metavar="NQN",
+                   help="the NQN the key is for (accepted as nvme-cli does; not used)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     parser.commands = sub.choices        # each command's parser, for its usage errors
     return parser
+
+
+def cmd_gen_dhchap_key(args: argparse.Namespace) -> int:
+    from blockfabric.protocol.auth import generate_secret
+    length = args.key_length or {0: 32, 1: 32, 2: 48, 3: 64}[args.hmac]
+    print(generate_secret(length, args.hmac))
+    return 0
 
 
 # command -> (module under blockfabric.initiator, function); imported only when used, so
@@ -260,6 +308,23 @@ def resolve_path_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         command_parser.error(f"--path: {exc}")
 
 
+def _check_secrets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A malformed --dhchap-secret is a usage error (exit 2), found before connecting."""
+    given = {name: getattr(args, name, None) for name in ("dhchap_secret", "dhchap_ctrl_secret")}
+    if not any(given.values()):
+        return
+    from blockfabric.protocol.auth import Secret
+    for name, value in given.items():
+        if value is not None:
+            try:
+                Secret.parse(value)
+            except ValueError as exc:
+                parser.error(f"--{name.replace('_', '-')}: {exc}")
+    if given["dhchap_ctrl_secret"] and not given["dhchap_secret"]:
+        parser.error("--dhchap-ctrl-secret needs --dhchap-secret too (the controller "
+                     "authenticates only after the host has)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -267,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     resolve_path_args(parser, args)
-    handler = _handler(args.command)
+    _check_secrets(parser, args)
+    handler = cmd_gen_dhchap_key if args.command == "gen-dhchap-key" else _handler(args.command)
     if handler is None:
         return not_implemented(f"blockfabric {args.command}")
     setup_logging(1 if args.verbose else 0, level=logging.WARNING)

@@ -21,7 +21,9 @@ def options(args: argparse.Namespace, subnqn: str) -> ConnectOptions:
                           queue_size=args.queue_size, keep_alive_tmo=args.keep_alive_tmo,
                           reconnect_delay=args.reconnect_delay,
                           ctrl_loss_tmo=args.ctrl_loss_tmo,
-                          paths=list(getattr(args, "paths", None) or []))
+                          paths=list(getattr(args, "paths", None) or []),
+                          dhchap_secret=args.dhchap_secret,
+                          dhchap_ctrl_secret=args.dhchap_ctrl_secret)
 
 
 def _hostid(text: str | None) -> bytes | None:
@@ -43,7 +45,8 @@ def _entry_dict(i: int, e: DiscoveryLogEntry) -> dict[str, Any]:
 def cmd_discover(args: argparse.Namespace) -> int:
     opts = options(args, "")
     entries = discover(opts.traddr, opts.trsvcid, hostnqn=opts.hostnqn, hostid=opts.hostid,
-                       provider=opts.provider)
+                       provider=opts.provider, dhchap_secret=opts.dhchap_secret,
+                       dhchap_ctrl_secret=opts.dhchap_ctrl_secret)
     records = [_entry_dict(i, e) for i, e in enumerate(entries)]
     if args.output_format == "json":
         json.dump({"genctr": None, "records": records}, sys.stdout, indent=2)
@@ -69,6 +72,8 @@ def controller_dict(ctrl: Controller) -> dict[str, Any]:
         "queue_size": ctrl.io_queues[0].depth if ctrl.io_queues else 0,
         "max_transfer": ctrl.max_transfer, "inline_data": ctrl.inline_size,
         "keep_alive_tmo": ctrl.opts.keep_alive_tmo,
+        # how the admin queue authenticated (DH-HMAC-CHAP), or None: it was not asked to
+        "authentication": ctrl.authenticated.get(0),
         "namespaces": [{"nsid": ns.nsid, "size": ns.size, "block_size": ns.block_size,
                         "blocks": ns.nblocks, "read_only": ns.read_only,
                         "nguid": ns.nguid.hex()} for ns in ctrl.namespaces.values()],
@@ -89,6 +94,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
         print(f"  paths (failover order): {', '.join(info['paths'])}")
     print(f"  {info['io_queues']} I/O queue(s) of depth {info['queue_size']}, max transfer "
           f"{human_size(info['max_transfer'])}, in-capsule data {info['inline_data']} B")
+    if info["authentication"]:
+        print(f"  authenticated every queue with DH-HMAC-CHAP ({info['authentication']})")
     for ns in info["namespaces"]:
         ro = ", read-only" if ns["read_only"] else ""
         print(f"  namespace {ns['nsid']}: {human_size(ns['size'])} ({ns['blocks']} blocks of "

@@ -360,7 +360,8 @@ def status_report(fs: VolumeFS) -> str:
         f"firmware {ident.fr.strip()!r})" if ident else f"controller  {ctrl.cntlid}",
         f"path        rdma {rec['path']} via the {ctrl.provider.name} provider "
         f"(paths: {paths})",
-        f"host        {ctrl.hostnqn}",
+        f"host        {ctrl.hostnqn}" + (
+            f", authenticated ({ctrl.authenticated[0]})" if ctrl.authenticated else ""),
         f"state       {state}",
         f"reconnect   every {opts.reconnect_delay:g} s, ctrl-loss-tmo {opts.ctrl_loss_tmo:g} s; "
         f"losses {rec['losses']}, attempts {rec['attempts']}, reconnects {rec['reconnects']} "

@@ -49,6 +49,9 @@ from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DY
                                   NumberOfQueues, Property, PropertyGet, PropertySet,
                                   ProtocolError, ReadWrite, SetFeatures, StatusCode,
                                   WriteZeroes)
+from blockfabric.protocol.auth import (CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, DHGROUP_NAMES,
+                                       HASH_NAMES, AuthError, AuthReceive, AuthSend, Secret,
+                                       host_authenticate)
 from blockfabric.protocol.opcodes import FeatureId
 from blockfabric.rdma import PD, Access, CMId, get_provider
 
@@ -71,6 +74,11 @@ class NvmeError(BlockfabricError):
         self.result = result
         name = getattr(self.status, "name", hex(status))
         super().__init__(f"{what}: {name} ({int(status):#05x}{', DNR' if dnr else ''})")
+
+
+class AuthenticationFailed(BlockfabricError, ConnectionRefusedError):
+    """In-band (DH-HMAC-CHAP) authentication did not succeed: no or the wrong secret, or
+    the controller could not prove it holds the controller secret."""
 
 
 class QueueDead(BlockfabricError, ConnectionError):
@@ -333,6 +341,12 @@ class ConnectOptions:
     arena_size: int = DEFAULT_ARENA
     disable_sqflow: bool = False
     send_keep_alive: bool = True    # False only to test a target's keep-alive timeout
+    #: DH-HMAC-CHAP secret of this host ('DHHC-1:XX:...:', as nvme connect --dhchap-secret):
+    #: used when the subsystem asks the host to authenticate (Connect with ATR).
+    dhchap_secret: str | None = None
+    #: The controller's secret (--dhchap-ctrl-secret): the host then authenticates the
+    #: controller too (bidirectional), and refuses one that cannot prove it holds it.
+    dhchap_ctrl_secret: str | None = None
     #: Further listeners (traddr, trsvcid) of the same subsystem: after a loss, reconnecting
     #: tries the lost path and then these in turn (multipath failover).
     paths: list[tuple[str, int]] = field(default_factory=list)
@@ -346,6 +360,15 @@ class Controller:
         self.opts = opts
         self.hostnqn = opts.hostnqn or default_hostnqn()
         self.hostid = opts.hostid or default_hostid()
+        self.dhchap_secret = _secret(opts.dhchap_secret, "dhchap_secret")
+        self.dhchap_ctrl_secret = _secret(opts.dhchap_ctrl_secret, "dhchap_ctrl_secret")
+        if self.dhchap_ctrl_secret is not None and self.dhchap_secret is None:
+            raise ValueError("dhchap_ctrl_secret needs dhchap_secret as well: the controller "
+                             "authenticates only after the host has")
+        self._transactions = itertools.count(1)
+        #: qid -> how it authenticated (hash, DH group, bidirectional), for .status
+        self.authenticated: dict[int, str] = {}
+        self.connect_result = 0             # the last Connect's result (cntlid, ATR)
         self.provider = get_provider(opts.provider, opts.traddr)
         self.reactor = Reactor(f"host-{opts.traddr}")
         self.admin: HostQueue | None = None
@@ -424,8 +447,11 @@ class Controller:
         queue.attach(self.reactor)
         return queue
 
-    def fabrics_connect(self, queue: HostQueue, qid: int, sqsize: int, kato_ms: int) -> int:
-        """Send the Fabrics Connect for ``queue``; returns the controller id."""
+    def fabrics_connect(self, queue: HostQueue, qid: int, sqsize: int, kato_ms: int, *,
+                        authenticate: bool = True) -> int:
+        """Send the Fabrics Connect for ``queue``, and authenticate the queue when the
+        controller asks for it (ATR), as the Linux host does; returns the controller id.
+        ``authenticate=False`` leaves that to the caller (tests)."""
         data = ConnectData(hostid=self.hostid, cntlid=DYNAMIC_CNTLID if qid == 0 else
                            self.cntlid, subnqn=self.opts.subnqn, hostnqn=self.hostnqn).pack()
         cattr = 4 if self.opts.disable_sqflow else 0
@@ -434,7 +460,50 @@ class Controller:
         inline = qid != 0 and queue.inline_size >= CAPSULE_CONNECT_DATA
         cqe, _ = self.wait(queue, sqe, f"Connect (queue {qid})", data_out=data,
                            inline=inline)
-        return cqe.result & 0xFFFF
+        self.connect_result = result = cqe.result & 0xFFFFFFFF
+        if authenticate and result & (CONNECT_AUTHREQ_ATR | CONNECT_AUTHREQ_ASCR):
+            self._authenticate(queue, qid, result)
+        return result & 0xFFFF
+
+    def _authenticate(self, queue: HostQueue, qid: int, result: int) -> None:
+        subnqn = self.opts.subnqn
+        if result & CONNECT_AUTHREQ_ASCR:
+            raise AuthenticationFailed(f"{subnqn} requires a secure channel (ASCR): not "
+                                       "supported")
+        if self.dhchap_secret is None:
+            raise AuthenticationFailed(
+                f"{subnqn} requires host {self.hostnqn} to authenticate: give its "
+                "DH-HMAC-CHAP secret (--dhchap-secret, or dhchap_secret in the initiator "
+                "configuration)")
+        try:
+            res = host_authenticate(
+                lambda msg: self.auth_send(queue, msg),
+                lambda al: self.auth_receive(queue, al),
+                t_id=next(self._transactions) & 0xFFFF, hostnqn=self.hostnqn, subnqn=subnqn,
+                secret=self.dhchap_secret, ctrl_secret=self.dhchap_ctrl_secret)
+        except AuthError as exc:
+            raise AuthenticationFailed(f"queue {qid}: DH-HMAC-CHAP authentication with "
+                                       f"{subnqn} as {self.hostnqn} failed: {exc}") from exc
+        except NvmeError as exc:
+            raise AuthenticationFailed(f"queue {qid}: DH-HMAC-CHAP authentication with "
+                                       f"{subnqn} failed: {exc}") from exc
+        how = (f"hmac({HASH_NAMES.get(res.hash_id, res.hash_id)}), "
+               f"{DHGROUP_NAMES.get(res.dhgroup, res.dhgroup)}"
+               + (", controller authenticated" if res.bidirectional else ""))
+        self.authenticated[qid] = how
+        log.log(logging.INFO if qid == 0 else logging.DEBUG, "qid %d: authenticated (%s)",
+                qid, how)
+
+    def auth_send(self, queue: HostQueue, message: bytes) -> None:
+        """Authentication Send (DH-HMAC-CHAP) of ``message``."""
+        self.wait(queue, AuthSend(tl=len(message)).to_sqe(), "Authentication Send",
+                  data_out=message)
+
+    def auth_receive(self, queue: HostQueue, al: int) -> bytes:
+        """Authentication Receive of ``al`` bytes: the controller's next message."""
+        _, data = self.wait(queue, AuthReceive(al=al).to_sqe(), "Authentication Receive",
+                            data_in=al)
+        return data
 
     def connect(self) -> Controller:
         self.reactor.start()
@@ -1050,6 +1119,15 @@ class Controller:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _secret(text: str | None, name: str) -> Secret | None:
+    if text is None:
+        return None
+    try:
+        return Secret.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _reject_text(private: bytes, qid: int) -> str:

@@ -17,6 +17,7 @@ from blockfabric.errors import ConfigError
 from blockfabric.initiator.fusefs import MountOptions
 from blockfabric.initiator.host import ConnectOptions
 from blockfabric.initiator.multipath import FORMS, parse_path, resolve_paths
+from blockfabric.protocol.auth import Secret
 
 DEFAULT_PATH = "/etc/blockfabric/initiator.yaml"
 PROVIDERS = ("auto", "soft", "verbs")
@@ -41,6 +42,8 @@ class MountSpec:
     ctrl_loss_tmo: int = 600
     #: Further listeners of the subsystem, tried in turn when the current path is lost.
     paths: list[tuple[str, int]] = field(default_factory=list)
+    dhchap_secret: str | None = None        # DH-HMAC-CHAP secret of this host
+    dhchap_ctrl_secret: str | None = None   # ... and of the controller (bidirectional)
 
     def connect_options(self) -> ConnectOptions:
         return ConnectOptions(traddr=self.traddr, subnqn=self.nqn, trsvcid=self.trsvcid,
@@ -48,7 +51,9 @@ class MountSpec:
                               nr_io_queues=self.nr_io_queues, queue_size=self.queue_size,
                               keep_alive_tmo=self.keep_alive_tmo,
                               reconnect_delay=self.reconnect_delay,
-                              ctrl_loss_tmo=self.ctrl_loss_tmo, paths=list(self.paths))
+                              ctrl_loss_tmo=self.ctrl_loss_tmo, paths=list(self.paths),
+                              dhchap_secret=self.dhchap_secret,
+                              dhchap_ctrl_secret=self.dhchap_ctrl_secret)
 
     def mount_options(self) -> MountOptions:
         return MountOptions.parse(",".join(self.options))
@@ -142,6 +147,17 @@ def _spec(path: str, where: str, item: Any) -> MountSpec:
     for key in ("name", "hostnqn"):
         if key in values and values[key] is not None and not isinstance(values[key], str):
             raise ConfigError(path, f"{where}.{key}", "a string", values[key])
+    for key in ("dhchap_secret", "dhchap_ctrl_secret"):
+        if values.get(key) is not None:
+            try:
+                Secret.parse(values[key])
+            except ValueError as exc:      # the secret itself is not repeated
+                raise ConfigError(path, f"{where}.{key}", "a DH-HMAC-CHAP secret "
+                                  f"'DHHC-1:XX:<base64 of key and CRC-32>:'; {exc}",
+                                  "a secret that does not parse") from None
+    if values.get("dhchap_ctrl_secret") is not None and values.get("dhchap_secret") is None:
+        raise ConfigError(path, f"{where}.dhchap_secret", "a host secret too (the "
+                          "controller authenticates only after the host has)")
     values.setdefault("name", os.path.basename(values["mountpoint"].rstrip("/")) or "root")
     values["paths"] = _paths(path, f"{where}.paths", values.get("paths"),
                              (values["traddr"], values.get("trsvcid", 4420)))

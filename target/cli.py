@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load and validate the configuration without starting anything. On "
                     "success print the effective configuration (defaults filled in) as YAML "
                     "and exit 0; on error print one line naming the file, the key and what "
-                    "was expected, and exit 2.")
+                    "was expected, and exit 2. The effective configuration includes the "
+                    "hosts' DH-HMAC-CHAP secrets, as the file does; an error never repeats "
+                    "a secret.")
     check.add_argument("-C", "--config", metavar="PATH",
                        help=f"YAML configuration file (default: {DEFAULT_CONFIG}, or the "
                             "embedded default configuration where that file does not exist)")

@@ -32,6 +32,11 @@ Semantics that are not obvious from the schema:
   for in Connect (a larger request is lowered to it).
 - ``metrics`` is off unless given; ``metrics.address`` defaults to loopback.
 - File backends need an absolute ``path``; two namespaces may not share one.
+- ``subsystems[].hosts`` entries are host NQNs, or mappings with the ``nqn`` and the host's
+  DH-HMAC-CHAP settings (``dhchap_secret`` makes that host authenticate on every queue;
+  ``dhchap_ctrl_secret`` lets it authenticate the controller too; ``dhchap_hash`` and
+  ``dhchap_dhgroup`` as nvmet's configfs attributes of the same names).  A secret is never
+  echoed in an error message; ``to_dict()`` (and so ``check``) does write it out.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from typing import Any, ClassVar, Iterable, NoReturn, TypeVar
 import yaml
 
 from blockfabric.errors import ConfigError
+from blockfabric.protocol.auth import DHGROUP_NAMES, HASH_NAMES, SUPPORTED_DHGROUPS, Secret
 from blockfabric.fileutil import atomic_write
 from blockfabric.sizes import KiB, MiB, SizeError, format_size, parse_size
 
@@ -330,6 +336,29 @@ NQN = Text(f"an NQN (nqn.yyyy-mm.reverse.domain[:name], at most {MAX_NQN_BYTES} 
 NAME = Text("a name of 1 to 64 letters, digits, '_', '.' or '-'", _NAME_RE)
 
 
+class DhchapSecret(Kind):
+    """A DH-HMAC-CHAP secret in its text form; loads as a :class:`Secret`."""
+
+    expected = ("a DH-HMAC-CHAP secret 'DHHC-1:XX:<base64 of key and CRC-32>:' (make one with "
+                "`blockfabric gen-dhchap-key`)")
+
+    def load(self, value: Any, where: Where) -> Secret:
+        if not isinstance(value, str):
+            where.fail(f"{self.expected} (a string: quote it)", value)
+        try:
+            return Secret.parse(value)
+        except ValueError as exc:
+            # never echo the secret itself: the message may end up in a log
+            where.fail(f"{self.expected}; {exc}", _Plain("a secret that does not parse"))
+
+    def dump(self, value: Secret) -> str:
+        return str(value)
+
+
+HMAC_CHOICES = tuple(f"hmac({name})" for name in HASH_NAMES.values())
+DHGROUP_CHOICES = tuple(DHGROUP_NAMES[g] for g in SUPPORTED_DHGROUPS)
+
+
 def _ascii(max_chars: int) -> Text:
     return Text(f"1 to {max_chars} printable ASCII characters",
                 re.compile(f"[\\x20-\\x7e]{{1,{max_chars}}}"))
@@ -405,6 +434,56 @@ class Namespace(Model):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Host(Model):
+    """A host allowed on a subsystem, and how it must authenticate (if at all)."""
+
+    WHAT: ClassVar[str] = ("an allowed host: its NQN as a string, or a mapping with nqn and "
+                           "its dhchap_ settings")
+
+    nqn: str = _field(NQN)
+    dhchap_secret: Secret | None = _field(DhchapSecret(), None)
+    dhchap_ctrl_secret: Secret | None = _field(DhchapSecret(), None)
+    dhchap_hash: str = _field(Choice(*HMAC_CHOICES), HMAC_CHOICES[0])
+    dhchap_dhgroup: str = _field(Choice(*DHGROUP_CHOICES), DHGROUP_CHOICES[0])
+
+    def _finish(self, where: Where) -> Host:
+        if self.dhchap_ctrl_secret is not None and self.dhchap_secret is None:
+            where.at("dhchap_secret").fail("a host secret too (the controller authenticates "
+                                           "only after the host has)")
+        if (self.dhchap_ctrl_secret is not None
+                and self.dhchap_ctrl_secret.key == self.dhchap_secret.key):
+            where.at("dhchap_ctrl_secret").fail("a secret other than dhchap_secret (with one "
+                                                "key, a reflected challenge proves nothing)",
+                                                _Plain("the same key"))
+        return self
+
+    @property
+    def hash_id(self) -> int:
+        return next(h for h, name in HASH_NAMES.items() if f"hmac({name})" == self.dhchap_hash)
+
+    @property
+    def dhgroup_id(self) -> int:
+        return next(g for g, name in DHGROUP_NAMES.items() if name == self.dhchap_dhgroup)
+
+
+class HostEntry(Nested):
+    """``hosts[]``: a bare NQN, or a :class:`Host` mapping; dumped back the same way."""
+
+    def __init__(self) -> None:
+        super().__init__(Host)
+
+    def load(self, value: Any, where: Where) -> Host:
+        if isinstance(value, dict):
+            return Host.load_from(value, where)
+        if not isinstance(value, str):
+            where.fail(f"{NQN.expected}, or a mapping ({Host.WHAT})", value)
+        return Host(nqn=NQN.load(value, where))
+
+    def dump(self, value: Host) -> Any:
+        return value.to_dict() if value.dhchap_secret is not None else value.nqn
+
+
+@dataclass(frozen=True, kw_only=True)
 class Subsystem(Model):
     """An NVM subsystem: an NQN, who may connect, and its namespaces."""
 
@@ -414,7 +493,7 @@ class Subsystem(Model):
     serial: str | None = _field(_ascii(20), None)
     model: str = _field(_ascii(40), "blockfabric")
     allow_any_host: bool = _field(Bool(), False)
-    hosts: tuple[str, ...] = _field(ListOf(NQN), ())
+    hosts: tuple[Host, ...] = _field(ListOf(HostEntry()), ())
     namespaces: tuple[Namespace, ...] = _field(ListOf(Nested(Namespace)), ())
     listeners: tuple[str, ...] | None = _field(
         ListOf(Text("a listener's name or address:port", re.compile(r"\S+"))), None)
@@ -424,8 +503,8 @@ class Subsystem(Model):
             where.at("nqn").fail("an NQN other than the discovery NQN", self.nqn)
         if self.allow_any_host and self.hosts:
             where.at("hosts").fail("no hosts when allow_any_host is true (as nvmet refuses "
-                                   "them): drop one of the two", list(self.hosts))
-        _unique(((where.at("hosts").index(i), h, h) for i, h in enumerate(self.hosts)),
+                                   "them): drop one of the two", list(self.host_nqns))
+        _unique(((where.at("hosts").index(i), h.nqn, h.nqn) for i, h in enumerate(self.hosts)),
                 "a host NQN")
         _unique(((where.at("namespaces").index(i).at("nsid"), ns.nsid, ns.nsid)
                  for i, ns in enumerate(self.namespaces)), "an nsid")
@@ -435,7 +514,15 @@ class Subsystem(Model):
 
     def allows(self, hostnqn: str) -> bool:
         """Whether a host may connect to this subsystem."""
-        return self.allow_any_host or hostnqn in self.hosts
+        return self.allow_any_host or hostnqn in self.host_nqns
+
+    @property
+    def host_nqns(self) -> tuple[str, ...]:
+        return tuple(h.nqn for h in self.hosts)
+
+    def host(self, hostnqn: str) -> Host | None:
+        """The allow-list entry of ``hostnqn`` (None: not listed)."""
+        return next((h for h in self.hosts if h.nqn == hostnqn), None)
 
     def namespace(self, nsid: int) -> Namespace | None:
         return next((ns for ns in self.namespaces if ns.nsid == nsid), None)

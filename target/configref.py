@@ -42,6 +42,8 @@ def rows(model: type[cfg.Model] = cfg.TargetConfig,
             nested = kind.item.model
             path_children = f"{path}[]."
             expected = f"a list of mappings ({nested.WHAT})"
+            if isinstance(kind.item, cfg.HostEntry):    # NQN strings or mappings
+                expected = f"a list, each {nested.WHAT}"
         elif nested is not None:
             path_children = f"{path}."
             expected = f"a mapping ({nested.WHAT})"

@@ -148,7 +148,9 @@ def format_status(st: dict[str, Any]) -> str:
     up = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["started"]))
     lines = [f"blockfabric-target {st['version']}  pid {st['pid']}  up since {up} "
              f"({st['uptime_s']:.0f} s)  state {st['state']}",
-             f"config {st['config']}  reloads {st['reloads']}  discovery genctr {st['genctr']}"]
+             f"config {st['config']}  reloads {st['reloads']}  discovery genctr {st['genctr']}"
+             + (f"  authentication failures {st['auth_failures']}"
+                if st.get("auth_failures") else "")]
     if st.get("last_reload_error"):
         lines.append(f"last reload FAILED: {st['last_reload_error']}")
     lines.append("")
@@ -174,7 +176,11 @@ def format_status(st: dict[str, Any]) -> str:
     for c in st["controllers"]:
         queues = " ".join(f"q{q['qid']}:{q['in_use']}/{q['depth']}" for q in c["queues"])
         lines.append(f"  ctrl {c['cntlid']}  {c['hostnqn']} -> {c['subnqn']}")
+        auth = ""
+        if c.get("auth_required"):
+            done = ",".join(f"q{q}" for q in c["authenticated_queues"]) or "none yet"
+            auth = f"  DH-HMAC-CHAP authenticated: {done}"
         lines.append(f"    via {c['listener']} ({c['provider']}) from {c['peer']}  "
-                     f"kato {c['kato_ms']} ms  queues {queues}")
+                     f"kato {c['kato_ms']} ms  queues {queues}{auth}")
         lines.append(f"    {_io_line(c['io'])}  admin errors {c['admin_errors']}")
     return "\n".join(lines) + "\n"

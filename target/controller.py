@@ -19,6 +19,7 @@ from blockfabric.protocol import StatusCode
 from blockfabric.protocol import identify as idn
 from blockfabric.protocol import io as nio
 from blockfabric.protocol import logpages as lp
+from blockfabric.protocol import auth as au
 from blockfabric.protocol.admin import (OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, AsyncEvent,
                                         AsyncEventType, AsyncNotice, GetFeatures, GetLogPage,
                                         Identify, NumberOfQueues, SetFeatures)
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 NVME_VERSION = VS(ter=0, mnr=3, mjr=1).to_int()  # NVMe 1.3, as nvmet reports
 AERL = 3  # 0-based: four outstanding AERs at most (nvmet's value)
 DISCOVERY_KATO_MS = 120_000  # a discovery controller connected with kato 0 (as nvmet)
+#: Largest Authentication Send/Receive transfer taken (the Linux host uses 4 KiB; a Reply
+#: with ffdhe8192 is 16 + 2 x 64 + 1024 bytes).
+AUTH_MAX_TRANSFER = 16 * 1024
 
 _ERRNO_STATUS = {
     errno.ERANGE: StatusCode.LBA_OUT_OF_RANGE,
@@ -58,6 +62,13 @@ def errno_status(exc: OSError, writing: bool) -> StatusCode:
     if exc.errno == errno.EIO:
         return StatusCode.WRITE_FAULT if writing else StatusCode.UNRECOVERED_READ_ERROR
     return StatusCode.INTERNAL_ERROR
+
+
+def _no_auth(cmd: Command) -> ProtocolError:
+    """Authentication Send/Receive from a host that is not asked to authenticate: what
+    nvmet built without authentication answers (an unknown capsule type)."""
+    return ProtocolError(f"fabrics command {cmd.sqe.fctype:#x}: this host has no "
+                         "DH-HMAC-CHAP secret here", StatusCode.INVALID_OPCODE)
 
 
 class Controller:
@@ -91,6 +102,11 @@ class Controller:
         self.kato_timer = None
         self.dead = False
         self.listener = None                # the cfg.Listener it came in on (set by connect)
+        #: Set when the host's allow-list entry has a DH-HMAC-CHAP secret: then every queue
+        #: authenticates (Connect answers ATR) before it runs anything but Fabrics commands.
+        self.auth_policy: au.AuthPolicy | None = None
+        self.auth: dict[int, au.TargetAuth] = {}
+        self.auth_failures = 0
         self.peer = ""
         # counters (host-visible through SMART, operator-visible through status/metrics)
         self.io = IoStats()
@@ -155,6 +171,8 @@ class Controller:
             else:
                 self._io(cmd)
         except ProtocolError as exc:
+            if sqe.opcode == FABRICS_OPCODE and exc.status == StatusCode.INVALID_NS:
+                exc = _no_auth(cmd)     # on an I/O queue: its "nsid" was the fctype
             self._count_error(cmd)
             log.debug("%s qid=%d: cid %d opcode %#x: %s", self.name, cmd.queue.qid, sqe.cid,
                       sqe.opcode, exc)
@@ -165,6 +183,110 @@ class Controller:
             log.exception("%s qid=%d: cid %d opcode %#x: internal error", self.name,
                           cmd.queue.qid, sqe.cid, sqe.opcode)
             cmd.respond(StatusCode.INTERNAL_ERROR, dnr=True)
+
+    # -- in-band authentication ----------------------------------------------------------
+    def queue_handler(self, qid: int) -> Callable[[Command], None]:
+        """What runs the commands of queue ``qid``: :meth:`handle` itself when the host does
+        not authenticate (so that path costs nothing more), else a gate in front of it."""
+        if self.auth_policy is None:
+            return self.handle
+        state = au.TargetAuth(self.auth_policy, self.hostnqn, self.subnqn)
+        self.auth[qid] = state
+        return lambda cmd: self._gate(cmd, state)
+
+    def _gate(self, cmd: Command, auth: au.TargetAuth) -> None:
+        """Authentication Send/Receive go to the queue's transaction; before it succeeded,
+        everything else but Fabrics commands is AUTH_REQUIRED | DNR (nvmet_parse_admin_cmd,
+        nvmet_parse_io_cmd)."""
+        sqe = cmd.sqe
+        if sqe.opcode == FABRICS_OPCODE:
+            if sqe.fctype == FabricsType.AUTH_SEND or sqe.fctype == FabricsType.AUTH_RECEIVE:
+                if self.target.draining:
+                    return
+                self.last_activity = time.monotonic()
+                try:
+                    self._auth_command(cmd, auth)
+                except ProtocolError as exc:
+                    self._count_error(cmd)
+                    log.debug("%s qid=%d: cid %d authentication command: %s", self.name,
+                              cmd.queue.qid, sqe.cid, exc)
+                    cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
+                return
+        elif not auth.authenticated:
+            self._count_error(cmd)
+            cmd.respond(StatusCode.AUTH_REQUIRED, dnr=True)
+            return
+        self.handle(cmd)
+
+    @staticmethod
+    def _auth_fields(secp: int, spsp0: int, spsp1: int, length: int, what: str) -> None:
+        if secp != au.SECP_DHCHAP or spsp0 != au.SPSP_DHCHAP or spsp1 != au.SPSP_DHCHAP:
+            raise ProtocolError(f"authentication SECP {secp:#x} SPSP {spsp0:#x}/{spsp1:#x}: "
+                                "only DH-HMAC-CHAP (0xe9, 1, 1)", StatusCode.INVALID_FIELD)
+        if not 0 < length <= AUTH_MAX_TRANSFER:
+            raise ProtocolError(f"authentication {what} {length}, not 1..{AUTH_MAX_TRANSFER}",
+                                StatusCode.INVALID_FIELD)
+
+    def _auth_command(self, cmd: Command, auth: au.TargetAuth) -> None:
+        self.state.admit(cmd.sqe, cmd.queue.qid)
+        if cmd.sqe.fctype == FabricsType.AUTH_SEND:
+            send = au.AuthSend.from_sqe(cmd.sqe)
+            self._auth_fields(send.secp, send.spsp0, send.spsp1, send.tl, "TL")
+            if cmd.data_length != send.tl:
+                raise ProtocolError(f"SGL length {cmd.data_length}, TL {send.tl}",
+                                    StatusCode.SGL_DATA_LENGTH_INVALID)
+            view, sge, release = self.target.control_buffer(cmd.queue, send.tl)
+            cmd.on_released = release
+            cmd.fetch(view, sge, lambda c: self._auth_sent(c, auth, bytes(view[:send.tl])))
+            return
+        receive = au.AuthReceive.from_sqe(cmd.sqe)
+        self._auth_fields(receive.secp, receive.spsp0, receive.spsp1, receive.al, "AL")
+        if cmd.data_length != receive.al:
+            raise ProtocolError(f"SGL length {cmd.data_length}, AL {receive.al}",
+                                StatusCode.SGL_DATA_LENGTH_INVALID)
+        try:
+            message = auth.receive(receive.al)
+        except au.AuthError as exc:
+            raise ProtocolError(str(exc), StatusCode.INVALID_FIELD) from exc
+        view, sge, release = self.target.control_buffer(cmd.queue, len(message))
+        view[:len(message)] = message
+        cmd.on_released = self._auth_release(cmd, auth, release)
+        cmd.respond(data=(sge,))
+
+    def _auth_sent(self, cmd: Command, auth: au.TargetAuth, message: bytes) -> None:
+        was = auth.authenticated
+        auth.send(message)
+        if auth.authenticated and not was:
+            both = message[1:2] == bytes([au.AuthMsg.SUCCESS2])
+            log.info("%s qid=%d: host authenticated (hash %s, DH group %s)%s", self.name,
+                     cmd.queue.qid, au.HASH_NAMES.get(auth.hash_id, auth.hash_id),
+                     au.DHGROUP_NAMES.get(auth.dhgroup, auth.dhgroup),
+                     "; it authenticated the controller too" if both else "")
+        cmd.on_released = self._auth_release(cmd, auth, cmd.on_released)
+        cmd.respond()
+
+    def _auth_release(self, cmd: Command, auth: au.TargetAuth,
+                      release: Callable[[Command], None] | None
+                      ) -> Callable[[Command], None] | None:
+        """What runs once the answer has been sent: after a failure, the end of the
+        controller (nvmet_ctrl_fatal_error after Failure1 or a message out of sequence).
+        Set before the answer is posted: a provider may complete the send at once."""
+        if not auth.fatal or self.dead or self.auth_failures:
+            return release
+        self.auth_failures += 1
+        self.target.auth_failures += 1
+        log.warning("%s qid=%d peer=%s: authentication failed: %s (explanation %#x): tearing "
+                    "the controller down", self.name, cmd.queue.qid, self.peer, auth.reason,
+                    auth.explanation)
+        reason = f"authentication failed on qid {cmd.queue.qid}"
+
+        def released(c: Command) -> None:
+            if release is not None:
+                release(c)
+            self.target.reactor.call_later(0, lambda: self.target.destroy_controller(
+                self, reason))
+
+        return released
 
     def _count_error(self, cmd: Command) -> None:
         if cmd.queue.qid:
@@ -195,7 +317,10 @@ class Controller:
                                 StatusCode.INVALID_OPCODE)
 
     def _fabrics(self, cmd: Command) -> None:
-        """Property Get/Set (admit() already refused every other fabrics command here)."""
+        """Property Get/Set (admit() already refused every other fabrics command here but
+        Authentication Send/Receive, which reach here only when the host has no secret)."""
+        if cmd.sqe.fctype in (FabricsType.AUTH_SEND, FabricsType.AUTH_RECEIVE):
+            raise _no_auth(cmd)
         if cmd.sqe.fctype == FabricsType.PROPERTY_GET:
             cmd.respond(result=self.state.property_get(PropertyGet.from_sqe(cmd.sqe)))
             return
@@ -425,6 +550,8 @@ class Controller:
                                blocking=ns.memory is None)
         elif op == IOOpcode.DATASET_MANAGEMENT:
             self._dsm(cmd, nss[0], nio.DatasetManagement.from_sqe(sqe))
+        elif op == FABRICS_OPCODE:
+            raise _no_auth(cmd)
         else:
             raise ProtocolError(f"I/O opcode {op:#x} not supported", StatusCode.INVALID_OPCODE)
 

@@ -39,8 +39,11 @@ def verdicts(config: cfg.TargetConfig, hostnqn: str, subnqn: str | None) -> list
             continue
         if sub.allow_any_host:
             allowed, reason = True, "allow_any_host is true"
-        elif hostnqn in sub.hosts:
+        elif hostnqn in sub.host_nqns:
             allowed, reason = True, f"listed in subsystems[{i}].hosts"
+            if sub.host(hostnqn).dhchap_secret is not None:
+                reason += ("; it must authenticate with its DH-HMAC-CHAP secret "
+                           "(nvme connect --dhchap-secret)")
         else:
             allowed = False
             reason = (f"not in subsystems[{i}].hosts ({len(sub.hosts)} host(s) listed): add "

@@ -29,6 +29,7 @@ from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol.admin import AsyncNotice
+from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
@@ -84,11 +85,14 @@ class QueueSession:
         self.queue: TargetQueue | None = None
         #: Disconnects the queue if no Fabrics Connect completes in limits.connect_timeout.
         self.connect_timer: Timer | None = None
+        #: The connected queue's command handler (the controller's, or its authentication
+        #: gate); None until the Connect.
+        self.handler: Callable[[Command], None] | None = None
 
     def handle(self, cmd: Command) -> None:
-        ctrl = self.controller
-        if ctrl is not None:
-            ctrl.handle(cmd)
+        handler = self.handler
+        if handler is not None:
+            handler(cmd)
             return
         sqe = cmd.sqe
         try:
@@ -124,11 +128,22 @@ class QueueSession:
         if self.connect_timer is not None:
             self.connect_timer.cancel()
             self.connect_timer = None
+        self.handler = ctrl.queue_handler(self.qid)
         self.queue.sq_flow = not connect.sq_flow_control_disabled
-        cmd.respond(result=ctrl.cntlid)
+        # ATR: authenticate this queue before anything else (nvmet_connect_result)
+        cmd.respond(result=ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0))
 
     def queue_broken(self, queue: TargetQueue, reason: str) -> None:
         self.target.queue_broken(self, queue, reason)
+
+
+def auth_policy(subsystem: cfg.Subsystem, hostnqn: str) -> AuthPolicy | None:
+    """How ``hostnqn`` must authenticate to ``subsystem`` (None: it need not)."""
+    entry = subsystem.host(hostnqn)
+    if entry is None or entry.dhchap_secret is None:
+        return None
+    return AuthPolicy(entry.dhchap_secret, entry.dhchap_ctrl_secret, entry.hash_id,
+                      entry.dhgroup_id)
 
 
 def _peer(queue: TargetQueue | None) -> str:
@@ -164,6 +179,7 @@ class Target:
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
         self.genctr = 0
+        self.auth_failures = 0                  # controllers ended by failed authentication
         self.draining = False
         self.started = time.time()
         self.reloads = 0
@@ -432,6 +448,8 @@ class Target:
                 connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
                 cap=Controller.capabilities(limits.queue_size), aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
+            if subsystem is not None:
+                ctrl.auth_policy = auth_policy(subsystem.conf, hostnqn)
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
@@ -668,7 +686,8 @@ class Target:
         for change in plan.changed:
             self._commit_subsystem(change, namespaces)
         # Controllers that came in on a listener that no longer exists, or that no longer
-        # exposes their subsystem, or whose host is no longer allowed, go.
+        # exposes their subsystem, or whose host is no longer allowed (or must now
+        # authenticate differently), go.
         self._destroy_where(lambda c: not c.is_discovery and not self._may_stay(c),
                             "no longer allowed by the configuration")
         self._destroy_where(lambda c: rl.listener_key(c.listener) in removed,
@@ -689,9 +708,12 @@ class Target:
                     ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
 
     def _may_stay(self, ctrl: Controller) -> bool:
+        """After a reload: still allowed, still exposed, and authenticated with what the
+        configuration now says (a changed or revoked secret disconnects the host)."""
         sub = ctrl.subsystem
         return (self.subsystems.get(sub.nqn) is sub and sub.allows(ctrl.hostnqn)
-                and self._exposed(sub, ctrl.listener))
+                and self._exposed(sub, ctrl.listener)
+                and ctrl.auth_policy == auth_policy(sub.conf, ctrl.hostnqn))
 
     def _destroy_where(self, condition: Callable[[Controller], bool], reason: str) -> None:
         for ctrl in [c for c in self.controllers.values() if condition(c)]:
@@ -801,7 +823,7 @@ class Target:
         for sub in self.subsystems.values():
             subsystems.append({
                 "nqn": sub.nqn, "allow_any_host": sub.conf.allow_any_host,
-                "hosts": list(sub.conf.hosts),
+                "hosts": list(sub.conf.host_nqns),     # never the secrets
                 "listeners": [x.endpoint for x in self.config.listeners_for(sub.conf)],
                 "controllers": sum(1 for c in self.controllers.values() if c.subsystem is sub),
                 "io": sub.stats(),
@@ -819,14 +841,18 @@ class Target:
                 "kato_ms": ctrl.kato_ms, "created": ctrl.created,
                 "queues": [{"qid": qid, "depth": q.depth, "in_use": q.outstanding}
                            for qid, q in sorted(ctrl.queues.items())],
-                "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors})
+                "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors,
+                # DH-HMAC-CHAP: whether its queues must authenticate, and which have
+                "auth_required": ctrl.auth_policy is not None,
+                "authenticated_queues": sorted(q for q, a in ctrl.auth.items()
+                                               if a.authenticated)})
         now = time.time()
         return {
             "version": __version__, "pid": os.getpid(), "config": self.config.source,
             "started": self.started, "uptime_s": now - self.started,
             "state": "draining" if self.draining else "serving",
             "reloads": self.reloads, "last_reload_error": self.last_reload_error,
-            "genctr": self.genctr,
+            "genctr": self.genctr, "auth_failures": self.auth_failures,
             "listeners": [{"endpoint": lc.endpoint, "name": lc.name, "address": lc.address,
                            "port": lc.port, "provider": p,
                            "controllers": per_listener.get(rl.listener_key(lc), 0)}
@@ -893,6 +919,9 @@ def render_metrics(st: dict[str, Any]) -> str:
     reload_ok = mx.Family("blockfabric_last_reload_ok", "gauge",
                           "0 when the last reload was rejected.",
                           [({}, 0 if st["last_reload_error"] else 1)])
+    auth_failed = mx.Family("blockfabric_auth_failures_total", "counter",
+                            "Controllers torn down because DH-HMAC-CHAP authentication failed.",
+                            [({}, st.get("auth_failures", 0))])
     listeners = mx.Family("blockfabric_listener_controllers", "gauge",
                           "Controllers connected through each listener.",
                           [({"listener": x["endpoint"], "provider": x["provider"]},
@@ -920,5 +949,5 @@ def render_metrics(st: dict[str, Any]) -> str:
         queues.samples.append((labels, len(c["queues"])))
         for q in c["queues"]:
             depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
-    return mx.render([up, reloads, reload_ok, listeners, conns, size, queues, depth]
+    return mx.render([up, reloads, reload_ok, auth_failed, listeners, conns, size, queues, depth]
                      + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

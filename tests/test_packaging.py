@@ -15,7 +15,7 @@ BIN = pathlib.Path(sys.executable).parent
 
 TARGET_COMMANDS = ["run", "check", "status"]
 HOST_COMMANDS = ["discover", "connect", "identify", "mount", "umount", "list", "disconnect",
-                 "bench"]
+                 "bench", "gen-dhchap-key"]
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:
@@ -55,6 +55,33 @@ def test_connection_flags_follow_nvme_cli():
     for short, long in pairs:
         assert re.search(rf"^  {short} \S+, {long} \S+", res.stdout, re.M), (short, long)
     assert "--provider {auto,soft,verbs}" in res.stdout
+    for flag in ("--dhchap-secret", "--dhchap-ctrl-secret"):
+        assert re.search(rf"^  -\S \S+, {flag} \S+", res.stdout, re.M), flag
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dhchap-secret", "DHHC-1:01:Zm9v:"], "--dhchap-secret: the key is 0 bytes"),
+    (["--dhchap-secret", "secret"], "--dhchap-secret: a secret starts with 'DHHC-1:'"),
+    (["--dhchap-ctrl-secret", "DHHC-1:00:" + "A" * 48 + ":"], "--dhchap-ctrl-secret: the CRC"),
+    (["--dhchap-ctrl-secret", "DHHC-1:00:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACtVQoZ:"], "needs --dhchap-secret"),
+])
+def test_bad_secrets_are_usage_errors(argv, message):
+    res = run(str(BIN / "blockfabric"), "connect", "-a", "127.0.0.1", "-n", "nqn.x", *argv)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_gen_dhchap_key_prints_secrets_that_parse():
+    from blockfabric.protocol.auth import Secret
+    keys = set()
+    for hmac_id, length in ((0, 32), (1, 32), (2, 48), (3, 64)):
+        res = run(str(BIN / "blockfabric"), "gen-dhchap-key", "--hmac", str(hmac_id))
+        assert res.returncode == 0, res.stderr
+        secret = Secret.parse(res.stdout.strip())
+        assert (secret.transform, len(secret.key)) == (hmac_id, length)
+        keys.add(secret.key)
+    assert len(keys) == 4
+    res = run(str(BIN / "blockfabric"), "gen-dhchap-key", "-l", "64")
+    assert len(Secret.parse(res.stdout.strip()).key) == 64
 
 
 @pytest.fixture(scope="module")

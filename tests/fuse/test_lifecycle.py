@@ -133,6 +133,11 @@ def test_shipped_initiator_yaml_loads():
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m}, {traddr: a, nqn: c, mountpoint: /m}]",
      "mounts[1].mountpoint", "not used by mounts[0]"),
     ("mount: []", "mount", "only 'mounts'"),
+    ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_secret: 'DHHC-1:01:Zm9v:'}]",
+     "mounts[0].dhchap_secret", "DH-HMAC-CHAP secret"),
+    ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_ctrl_secret: 'DHHC-1:00:"
+     "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACtVQoZ:'}]",
+     "mounts[0].dhchap_secret", "a host secret too"),
 ])
 def test_bad_initiator_yaml_names_file_key_and_expectation(text, key, expected):
     with pytest.raises(ConfigError) as exc:

@@ -201,3 +201,39 @@ def test_reload_adds_and_removes_listeners_and_subsystems(tmp_path, start_servic
         live.finish()
         host.close()
     assert svc.proc.stop() == 0
+
+
+def test_reload_with_a_changed_secret_disconnects_that_host_only(tmp_path, start_service):
+    """Revoking a DH-HMAC-CHAP secret must not leave a controller authenticated with it."""
+    from blockfabric.initiator.host import AuthenticationFailed
+    from blockfabric.protocol.auth import generate_secret
+    old, new_secret = generate_secret(32, 1), generate_secret(32, 1)
+    config = base_config(tmp_path, free_port())
+    config["subsystems"][0] = {
+        "nqn": NQN, "hosts": [{"nqn": HOSTNQN, "dhchap_secret": str(old)}, OTHER_HOSTNQN],
+        "namespaces": [{"nsid": 1, "backend": "ramdisk", "size": "8MiB"}]}
+    svc = start_service(config)
+    host = svc.connect(dhchap_secret=str(old), reconnect_delay=0.2, ctrl_loss_tmo=1.0,
+                       connect_timeout=1.0)
+    other = svc.connect(hostnqn=OTHER_HOSTNQN)
+    try:
+        live = LiveIO(other.namespaces[1], seed=3)
+        live.start()
+        changed = copy.deepcopy(config)
+        changed["subsystems"][0]["hosts"][0]["dhchap_secret"] = str(new_secret)
+        svc.reload(changed)
+        assert str(old) not in svc.proc.log and str(new_secret) not in svc.proc.log
+        _wait(lambda: "no longer allowed by the configuration" in svc.proc.log, 5,
+              "the host with the old secret was not disconnected")
+        with pytest.raises((QueueDead, ConnectionError, NvmeError)):
+            for _ in range(200):
+                host.namespaces[1].read(0, 4096)
+                time.sleep(0.02)
+        with pytest.raises(AuthenticationFailed):
+            svc.connect(dhchap_secret=str(old))
+        with svc.connect(dhchap_secret=str(new_secret)) as again:
+            again.namespaces[1].write(0, b"n" * 4096)
+        assert live.finish() > 0                    # the other host never stopped
+    finally:
+        host.close()
+        other.close()

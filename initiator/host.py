@@ -46,9 +46,9 @@ from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DY
                                   DiscoveryLogEntry, DiscoveryLogHeader, DSMRange, Flush,
                                   GetLogPage, Identify, IdentifyCNS, IdentifyController,
                                   IdentifyNamespace, IOOpcode, KeepAlive, KeyedSGL, LogPageId,
-                                  NumberOfQueues, Property, PropertyGet, PropertySet,
-                                  ProtocolError, ReadWrite, SetFeatures, StatusCode,
-                                  WriteZeroes)
+                                  NULL_SGL, PSDT_SGL, NumberOfQueues, Property, PropertyGet,
+                                  PropertySet, ProtocolError, ReadWrite, SetFeatures,
+                                  StatusCode, WriteZeroes)
 from blockfabric.protocol.auth import (CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, DHGROUP_NAMES,
                                        HASH_NAMES, AuthError, AuthReceive, AuthSend, Secret,
                                        host_authenticate)
@@ -888,8 +888,12 @@ class Controller:
         nsid = ns.nsid
         for start, count in pieces:
             rel = start - offset
-            def make_sqe(start: int = start, count: int = count) -> SQE:
-                return ReadWrite(IOOpcode(opcode), nsid, start // bs, count // bs - 1).to_sqe()
+            def make_sqe(slba: int = start // bs, nlb: int = count // bs - 1) -> SQE:
+                # the Read/Write layout (protocol.io.ReadWrite), built directly: per I/O
+                return SQE(opcode, PSDT_SGL, 0, nsid, 0, 0, 0, NULL_SGL, slba & 0xFFFFFFFF,
+                           slba >> 32, nlb, 0, 0, 0)
+            if count // bs > 0x10000:
+                raise ValueError(f"{count} bytes is more blocks than one command carries")
             piece_out = data_out[rel:rel + count] if data_out is not None else None
             self._dispatch(_Request(make_sqe, done, data_out=piece_out,
                                     inline=piece_out is not None,

@@ -613,16 +613,17 @@ class Controller:
                 release(cmd)
 
     def _read_write(self, cmd: Command, ns: Namespace, write: bool) -> None:
-        rw = nio.ReadWrite.from_sqe(cmd.sqe)
-        length = rw.blocks * ns.block_size
+        sqe = cmd.sqe       # the fields of protocol.io.ReadWrite, read directly: per I/O
+        slba, blocks = sqe.cdw10 | sqe.cdw11 << 32, (sqe.cdw12 & 0xFFFF) + 1
+        length = blocks * ns.block_size
         if cmd.data_length != length:
-            raise ProtocolError(f"SGL length {cmd.data_length} for {rw.blocks} blocks of "
+            raise ProtocolError(f"SGL length {cmd.data_length} for {blocks} blocks of "
                                 f"{ns.block_size}", StatusCode.SGL_DATA_LENGTH_INVALID)
         if length > self.mdts_bytes:
             raise ProtocolError(f"{length} bytes exceeds MDTS {self.mdts_bytes}",
                                 StatusCode.INVALID_FIELD)
-        self._check_range(ns, rw.slba, rw.blocks, write)
-        offset = rw.slba * ns.block_size
+        self._check_range(ns, slba, blocks, write)
+        offset = slba * ns.block_size
         queue = cmd.queue
         mr = ns.mr(queue.pd)
         nss = [ns]

@@ -41,6 +41,11 @@ DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (re
 _WC_OF = {WrOpcode.SEND: WcOpcode.SEND, WrOpcode.SEND_WITH_IMM: WcOpcode.SEND,
           WrOpcode.SEND_WITH_INV: WcOpcode.SEND, WrOpcode.RDMA_WRITE: WcOpcode.RDMA_WRITE,
           WrOpcode.RDMA_WRITE_WITH_IMM: WcOpcode.RDMA_WRITE, WrOpcode.RDMA_READ: WcOpcode.RDMA_READ}
+# Flag bits as plain ints: ``int & IntFlag`` runs enum code in Python, per work request.
+_SIGNALED, _INLINE = int(SendFlags.SIGNALED), int(SendFlags.INLINE)
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
+_REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
+_F_IMM, _F_INV = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV)
 # what the payload in flight is for, when it has all arrived
 RX_DISCARD, RX_RECV, RX_WRITE, RX_READ = range(4)
 
@@ -202,7 +207,7 @@ class SoftQP(QP):
             mr = lkeys.get(sge.lkey)
             addr, length = sge.addr, sge.length
             if (mr is None or mr.pd is not pd or addr < mr.addr or addr + length > mr.end
-                    or length < 0 or (local_write and not mr.access & Access.LOCAL_WRITE)):
+                    or length < 0 or (local_write and not int(mr.access) & _LOCAL_WRITE)):
                 return [], 0, WcStatus.LOC_PROT_ERR
             if length:
                 off = addr - mr.addr
@@ -255,7 +260,8 @@ class SoftQP(QP):
         e = _Entry()
         e.wr_id = wr.wr_id
         e.opcode = _WC_OF[op]
-        e.signaled = self.sig_all or bool(wr.send_flags & SendFlags.SIGNALED)
+        flags = int(wr.send_flags)
+        e.signaled = self.sig_all or bool(flags & _SIGNALED)
         e.rnr = 0
         e.sent = False
         views, total, status = self._resolve(wr.sg_list, op == WrOpcode.RDMA_READ)
@@ -266,7 +272,7 @@ class SoftQP(QP):
             e.psn = None
             e.frame = None
             return e
-        if wr.send_flags & SendFlags.INLINE and op != WrOpcode.RDMA_READ:
+        if flags & _INLINE and op != WrOpcode.RDMA_READ:
             if total > cap.max_inline_data:
                 raise RdmaError(f"{total} B inline > max_inline_data {cap.max_inline_data}",
                                 errno=_errno.EINVAL)
@@ -484,32 +490,32 @@ class SoftQP(QP):
             return
         self._exp_psn = (psn + 1) & M
         wc = WC(wr_id, WcStatus.SUCCESS, WcOpcode.RECV, length, self.qp_num)
-        if flags & FrameFlags.WITH_INV:
+        if flags & _F_INV:
             wc.wc_flags = WcFlags.WITH_INV
             wc.invalidated_rkey = extra
-        elif flags & FrameFlags.WITH_IMM:
+        elif flags & _F_IMM:
             wc.wc_flags = WcFlags.WITH_IMM
             wc.imm_data = extra
         self._rwc = wc
         self._done_psn = psn
         self._expect(_cut(views, length), length, RX_RECV)
 
-    def _rkey_mr(self, key: int, addr: int, length: int, need: Access):
+    def _rkey_mr(self, key: int, addr: int, length: int, need: int):
         """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
         mr = self.ctx.rkeys.get(key)
-        if (mr is None or mr.pd is not self.pd or not mr.access & need or addr < mr.addr
+        if (mr is None or mr.pd is not self.pd or not int(mr.access) & need or addr < mr.addr
                 or addr + length > mr.end):
             return None
         return mr
 
     def _rx_write(self, psn: int, flags: int, length: int, key: int, extra: int,
                   addr: int) -> None:
-        mr = self._rkey_mr(key, addr, length, Access.REMOTE_WRITE) if length else None
+        mr = self._rkey_mr(key, addr, length, _REMOTE_WRITE) if length else None
         if length and mr is None:
             self._responder_error(psn, length, WcStatus.REM_ACCESS_ERR)
             return
         self._rwc = None
-        if flags & FrameFlags.WITH_IMM:
+        if flags & _F_IMM:
             recv = self._take_recv(psn, length)
             if recv is None:
                 return
@@ -521,7 +527,7 @@ class SoftQP(QP):
         self._expect([mr.buf[off:off + length]] if length else None, length, RX_WRITE)
 
     def _rx_read_req(self, psn: int, length: int, key: int, addr: int) -> None:
-        mr = self._rkey_mr(key, addr, length, Access.REMOTE_READ) if length else None
+        mr = self._rkey_mr(key, addr, length, _REMOTE_READ) if length else None
         if length and mr is None:
             self._responder_error(psn, 0, WcStatus.REM_ACCESS_ERR)
             return

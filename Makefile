@@ -61,11 +61,12 @@ $(STAMP): pyproject.toml | deps
 
 venv: deps $(STAMP)
 
-# The end-to-end suite runs a second time with the soft provider's engine driven by the
-# reactors themselves (poll progress) instead of its own thread: both modes are supported.
+# The end-to-end and FUSE suites run a second time with the soft provider's engine on its
+# own thread (thread progress) instead of driven by the reactors (poll, the default): both
+# modes are supported.
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
-	BLOCKFABRIC_SOFT_PROGRESS=poll $(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+	BLOCKFABRIC_SOFT_PROGRESS=thread $(PY) -m pytest tests/e2e tests/fuse $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) scripts/demo.py

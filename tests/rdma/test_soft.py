@@ -55,7 +55,7 @@ def test_progress_mode_from_argument_and_environment(monkeypatch):
     assert SoftProvider().progress == "poll"
     assert SoftProvider(progress="thread").progress == "thread"
     monkeypatch.delenv("BLOCKFABRIC_SOFT_PROGRESS")
-    assert SoftProvider().progress == "thread"
+    assert SoftProvider().progress == "poll"
     with pytest.raises(ValueError):
         SoftProvider(progress="spin")
 
@@ -199,8 +199,9 @@ class RawPeer:
 
 @pytest.fixture
 def passive():
-    """A soft provider listening on loopback, accepting one connection with a QP."""
-    p = SoftProvider()
+    """A soft provider listening on loopback, accepting one connection with a QP.  Its engine
+    runs on its own thread: these tests watch what the NIC does with no owner polling."""
+    p = SoftProvider(progress="thread")
     lst = p.listen("127.0.0.1", 0)
     made = {}
 
@@ -266,7 +267,7 @@ def test_silent_responder_gives_retry_exceeded():
     """A peer whose QP never answers: RETRY_EXC_ERR after ack_timeout x (retry_count+1)."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    p = SoftProvider()
+    p = SoftProvider(progress="thread")     # nobody polls: the engine's own timer must fire
     cmid = p.create_id()
     cmid.resolve("127.0.0.1", port)
     pd, cq = cmid.context.alloc_pd(), cmid.context.create_cq()

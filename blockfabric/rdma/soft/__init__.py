@@ -57,9 +57,12 @@ Semantics, and where a choice was made (as an IB HCA does it unless said otherwi
   ``ack_timeout * (retry_count + 1)`` (2 s per retry by default).
 * Posting to a QP in ERR completes the WRs with WR_FLUSH_ERR.
 
-Progress: ``SoftProvider(progress="thread")`` (default) runs the engine in a daemon thread
-and CQ fds are eventfds; ``progress="poll"`` runs it inside ``CQ.poll()`` and CQ fds are the
-device's epoll fd.  Posting transmits from the caller's thread whenever the socket accepts.
+Progress: ``SoftProvider(progress="poll")`` (default) runs the engine inside ``CQ.poll()``
+and CQ fds are the device's epoll fd, so the reactor that owns the queues drives the network
+with no thread hand-off (measured 1.4x QD1 and 2.3x QD16 IOPS at library level, see
+docs/performance.md); ``progress="thread"`` runs it in a daemon thread and CQ fds are
+eventfds, for owners that do not poll.  Posting transmits from the caller's thread whenever
+the socket accepts.
 """
 
 from blockfabric.rdma.soft.cm import SoftCMId, SoftListener, SoftProvider

@@ -327,13 +327,15 @@ class SoftListener(Listener):
 
 
 class SoftProvider(Provider):
-    """The soft RDMA provider.  ``progress``: "thread" (default) or "poll"; the environment
+    """The soft RDMA provider.  ``progress``: "poll" (default: the engine runs inside
+    ``CQ.poll``, i.e. on the thread that owns the completion queues, the reactor of a target
+    or host) or "thread" (its own thread, for owners that do not poll); the environment
     variable BLOCKFABRIC_SOFT_PROGRESS sets the default."""
 
     name = "soft"
 
     def __init__(self, progress: str | None = None) -> None:
-        self.progress = progress or os.environ.get(PROGRESS_ENV) or "thread"
+        self.progress = progress or os.environ.get(PROGRESS_ENV) or "poll"
         if self.progress not in ("thread", "poll"):
             raise ValueError(f"progress must be 'thread' or 'poll', not {self.progress!r}")
         self._ctx: SoftContext | None = None

@@ -40,10 +40,12 @@ JOBS = {
 
 # variant -> how to mount it; {mnt}, {port} are filled in
 VARIANTS = {
-    "mfusepy-mt": "blockfabric -o threads=16",
-    "mfusepy-mt4": "blockfabric -o threads=4",
-    "mfusepy-single": "blockfabric -o single_thread",
-    "mfusepy-mt-cache": "blockfabric -o threads=16,cache",
+    "kernel": "blockfabric -o binding=kernel",
+    "kernel-cache": "blockfabric -o binding=kernel,cache",
+    "mfusepy-mt": "blockfabric -o binding=libfuse,threads=16",
+    "mfusepy-mt4": "blockfabric -o binding=libfuse,threads=4",
+    "mfusepy-single": "blockfabric -o binding=libfuse,single_thread",
+    "mfusepy-mt-cache": "blockfabric -o binding=libfuse,threads=16,cache",
     "pyfuse3": "other pyfuse3",
     "fusepy": "other fusepy",
 }

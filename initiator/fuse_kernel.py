@@ -222,9 +222,11 @@ class KernelFuse:
 
     # -- limits ------------------------------------------------------------------------
     def _limit(self) -> int:
+        """Commands the fast path may have in flight: a queue's depth less the workers'
+        reserve (at most half of it)."""
         queues = self.ctrl.io_queues
         depth = min((q.depth for q in queues), default=32)
-        return max(1, depth - WORKER_RESERVE)
+        return max(1, depth - min(WORKER_RESERVE, depth // 2))
 
     # -- lifecycle -----------------------------------------------------------------------
     def mount(self) -> None:
@@ -593,6 +595,7 @@ class KernelFuse:
                 self._inflight += pieces
                 parked = False
         if parked:
+            self.fs.counters.add(parked=1)
             self._stop_reading()
             return 0
         return pieces

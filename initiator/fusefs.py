@@ -111,8 +111,10 @@ def _positive(word: str) -> int:
 class Counters:
     """What the mount did, in FUSE terms (the NVMe queues keep their own counters)."""
 
+    #: parked: requests held back (kernel binding) because the queues had no slot to spare;
+    #: many of them say the queue depth (-Q) is small for this load.
     NAMES = ("reads", "writes", "read_bytes", "write_bytes", "rmw_blocks", "flushes",
-             "discards", "write_zeroes", "errors", "largest_request")
+             "discards", "write_zeroes", "errors", "largest_request", "parked")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

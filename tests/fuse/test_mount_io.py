@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from .conftest import MiB
+from .conftest import MiB, Mount
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -67,11 +67,14 @@ def test_read_only_mount_option(make_mount):
     assert "ro," in m.status()
 
 
-@pytest.mark.parametrize("options", ["", "cache"])
+@pytest.mark.parametrize("options", ["", "cache", "binding=libfuse",
+                                     "binding=libfuse,cache"])
 def test_random_unaligned_io_matches_a_model(make_mount, options):
     """Seeded random writes and reads at any offset and length (mostly unaligned), in
-    direct-I/O and page-cache modes, compared with a bytearray after every read."""
-    m = make_mount(options, name=f"model-{options or 'direct'}")
+    direct-I/O and page-cache modes, through both bindings, compared with a bytearray after
+    every read."""
+    m = make_mount(options, name=f"model-{options.replace('=', '-') or 'direct'}")
+    assert f"binding={'libfuse' if 'libfuse' in options else 'kernel'}" in m.status()
     rnd = random.Random(5 + len(options))
     region = 2 * MiB
     base = 8 * MiB if options else 4 * MiB          # keep the two runs apart on n1
@@ -218,7 +221,9 @@ def test_many_concurrent_readers_and_writers(shared_mount):
     assert max(inflight) > 1, shared_mount.status()
 
 
-def test_fio_verify_crc32c(shared_mount):
+@pytest.mark.parametrize("binding", ["kernel", "libfuse"])
+def test_fio_verify_crc32c(make_mount, binding):
+    shared_mount = make_mount(f"binding={binding}", name=f"fio-{binding}")
     proc = subprocess.run(
         ["fio", "--name=verify", f"--filename={shared_mount.file('n1')}", "--direct=1",
          "--ioengine=libaio", "--iodepth=16", "--rw=randwrite", "--bs=4k", "--size=8M",
@@ -226,3 +231,35 @@ def test_fio_verify_crc32c(shared_mount):
          "--randrepeat=1", "--verify_state_save=0", "--output-format=terse"],
         capture_output=True, text=True, timeout=60, cwd=shared_mount.path + "/..")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_shallow_queue_parks_requests_and_loses_nothing(target, tmp_path):
+    """-Q 16: the kernel binding may keep only 8 commands in flight from the reactor (the
+    rest of the slots are the workers'), so fio at depth 64 with 1 MiB and unaligned 4 KiB
+    writes makes it park requests and stop reading /dev/fuse; everything must still verify,
+    and no queue may ever hold more than its 16 slots."""
+    m = Mount(target, tmp_path, name="shallow")
+    argv = m.argv()
+    m.argv = lambda: argv[:-1] + ["-Q", "16", "-i", "1"] + argv[-1:]
+    m.start()
+    try:
+        jobs = [["--name=big", "--bs=1m", "--iodepth=64", "--size=16M", "--offset=0"],
+                ["--name=small", "--bs=4k", "--iodepth=64", "--size=4M", "--offset=20M"],
+                ["--name=odd", "--bs=3k", "--iodepth=8", "--size=3M", "--offset=30M",
+                 "--direct=0"]]
+        procs = [subprocess.Popen(
+            ["fio", *job, f"--filename={m.file('n1')}", "--direct=1", "--ioengine=libaio",
+             "--rw=randwrite", "--verify=crc32c", "--verify_fatal=1", "--do_verify=1",
+             "--randrepeat=1", "--verify_state_save=0", "--output-format=terse"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out + err
+        status = m.status()
+        inflight = [int(line.split("max in flight ")[1].split(",")[0])
+                    for line in status.splitlines() if "(io)" in line]
+        assert inflight and max(inflight) <= 16, status
+        assert m.counter("parked") > 0, status
+        assert m.counter("errors") == 0, status
+    finally:
+        m.cleanup()

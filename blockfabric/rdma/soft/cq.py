@@ -24,6 +24,7 @@ class SoftCQ(CQ):
         self.depth = depth
         self._q: deque[WC] = deque()
         self._armed = False
+        self._signalled = False
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poll_mode = ctx.poll_mode
         self.closed = False
@@ -35,7 +36,11 @@ class SoftCQ(CQ):
         self._q.append(wc)
         if self._armed:
             self._armed = False
-            os.eventfd_write(self._efd, 1)
+            self._signal()
+
+    def _signal(self) -> None:
+        os.eventfd_write(self._efd, 1)
+        self._signalled = True      # after the write: ack_events reads only when set
 
     def poll(self, max_entries: int = 16) -> list[WC]:
         q = self._q
@@ -57,13 +62,16 @@ class SoftCQ(CQ):
         self._armed = True
         if self._q:  # already waiting: make the fd readable now (a permitted spurious wake-up)
             self._armed = False
-            os.eventfd_write(self._efd, 1)
+            self._signal()
 
     def ack_events(self) -> int:
-        try:
-            n = os.eventfd_read(self._efd)
-        except BlockingIOError:
-            n = 0
+        n = 0
+        if self._signalled:         # a system call (and an exception) only when signalled
+            self._signalled = False
+            try:
+                n = os.eventfd_read(self._efd)
+            except BlockingIOError:
+                pass
         if self._poll_mode:
             self.ctx.progress(0)
         return n

@@ -47,6 +47,7 @@ class SoftContext(Context):
         # readable while a timer is pending, so a poll-mode owner keeps calling progress()
         self._kick = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ep.register(self._kick, _IN)
+        self._kicked = False
         self._thread: threading.Thread | None = None
         self.closed = False
 
@@ -105,6 +106,7 @@ class SoftContext(Context):
         """A QP armed a timer: make sure someone calls progress() soon."""
         if self.poll_mode:
             os.eventfd_write(self._kick, 1)
+            self._kicked = True     # after the write: progress() reads it only when set
 
     # ------------------------------------------------------------------ the engine
     def progress(self, timeout: float = 0.0) -> int:
@@ -131,7 +133,8 @@ class SoftContext(Context):
             now = time.monotonic()
             if self.rnr_waiters:
                 self._fire_rnr(now)
-            elif self.poll_mode:
+            elif self._kicked:      # (poll mode) a system call only when there is a kick
+                self._kicked = False
                 try:
                     os.eventfd_read(self._kick)
                 except BlockingIOError:

@@ -225,7 +225,8 @@ auth_subsystem_yaml() {  # a subsystem of ours whose two hosts must authenticate
 YAML
 }
 
-kernel_auth_case() {  # kernel_auth_case NAME HOSTNQN WANT(auth/refused) TEXT [nvme connect args]
+kernel_auth_case() {  # NAME HOSTNQN WANT TEXT [nvme connect args]; WANT: auth, auth-bidi (the
+    # controller authenticated too), refused (our target logs the failure) or refused-silent
     local name=$1 hostnqn=$2 want=$3 text=$4 t0 ok=OK dev ctrl before after nq rc bytes=0
     shift 4
     say "A/$name: kernel host -> blockfabric-target with DH-HMAC-CHAP: $text"
@@ -246,7 +247,8 @@ kernel_auth_case() {  # kernel_auth_case NAME HOSTNQN WANT(auth/refused) TEXT [n
         dmesg | grep -i "nvme" | tail -n 4
         # (without a secret the kernel host gives up before sending anything: nothing to log)
         if [ "$want" = refused ]; then
-            POLL_MAX=50 poll eval '[ $(grep -c "authentication failed" "$W/target.log") -gt $fails_before ]' \
+            POLL_MAX=50 poll eval \
+                '[ $(grep -c "authentication failed" "$W/target.log") -gt $fails_before ]' \
                 || { echo "our target logged no authentication failure"; ok=FAIL; }
             grep "authentication failed" "$W/target.log" | tail -n 1
         fi
@@ -262,8 +264,10 @@ kernel_auth_case() {  # kernel_auth_case NAME HOSTNQN WANT(auth/refused) TEXT [n
     dev=$(ns_dev "$NQN_AUTH" 1) || { result "A/$name" FAIL "no /dev/nvmeXnY"; return 1; }
     ctrl=$(ctrl_dev "$NQN_AUTH")
     nq=$(ls -d /sys/block/${dev#/dev/}/mq/* | wc -l)
-    echo "controller $ctrl: dhchap_secret in sysfs: $(cut -c1-10 /sys/class/nvme/${ctrl#/dev/}/dhchap_secret 2>/dev/null)..." \
-         "ctrl secret: $(cut -c1-10 /sys/class/nvme/${ctrl#/dev/}/dhchap_ctrl_secret 2>/dev/null)... $nq I/O queue(s)"
+    local sys=/sys/class/nvme/${ctrl#/dev/}
+    echo "controller $ctrl: $nq I/O queue(s); in sysfs dhchap_secret" \
+         "$(cut -c1-10 "$sys/dhchap_secret" 2>/dev/null)... dhchap_ctrl_secret" \
+         "$(cut -c1-10 "$sys/dhchap_ctrl_secret" 2>/dev/null)..."
     # each queue (admin + I/O) authenticated on its own, as our target logged it
     after=$(grep -c "host authenticated" "$W/target.log")
     grep "host authenticated" "$W/target.log" | tail -n $((after - before))
@@ -282,7 +286,8 @@ kernel_auth_case() {  # kernel_auth_case NAME HOSTNQN WANT(auth/refused) TEXT [n
     else cat "$W/fio-auth.txt"; ok=FAIL; fi
     nvme disconnect -n "$NQN_AUTH" || ok=FAIL
     poll eval '! ctrl_dev "$NQN_AUTH" > /dev/null' || { echo "controller still present"; ok=FAIL; }
-    result "A/$name" "$ok" "kernel host, $text: $((nq + 1)) queues authenticated, $bytes bytes verified, $(since "$t0") s"
+    result "A/$name" "$ok" \
+        "kernel host, $text: $((nq + 1)) queues authenticated, $bytes bytes verified, $(since "$t0") s"
 }
 
 kernel_auth_cases() {
@@ -400,7 +405,8 @@ kernel_auth_target_down() {
     rmdir "$CFS/subsystems/$NQN_KAUTH"
 }
 
-our_auth_case() {  # our_auth_case NAME HOSTNQN WANT(auth/refused) TEXT [interop_host.py args]
+our_auth_case() {  # NAME HOSTNQN WANT TEXT [args]; WANT: auth or auth-bidi (args for
+    # interop_host.py), refused (args for blockfabric connect)
     local name=$1 hostnqn=$2 want=$3 text=$4 t0 ok=OK out rc bytes
     shift 4
     say "B/$name: blockfabric host (verbs) -> kernel nvmet with DH-HMAC-CHAP: $text"
@@ -426,7 +432,8 @@ our_auth_case() {  # our_auth_case NAME HOSTNQN WANT(auth/refused) TEXT [interop
     dmesg | grep -i "nvmet" | tail -n 6
     echo "$out" | grep -q "^authenticated: 3 queue" || { echo "not every queue authenticated"; ok=FAIL; }
     if [ "$want" = auth-bidi ]; then
-        echo "$out" | grep -q "controller authenticated" || { echo "controller not authenticated"; ok=FAIL; }
+        echo "$out" | grep -q "controller authenticated" \
+            || { echo "controller not authenticated"; ok=FAIL; }
     fi
     bytes=$(echo "$out" | sed -n 's/^verified: \([0-9]*\) bytes on.*/\1/p')
     result "B/$name" "$ok" "our host, $text: ${bytes:-0} bytes verified on /dev/ram1, $(since "$t0") s"

@@ -487,6 +487,14 @@ class Controller:
         except NvmeError as exc:
             raise AuthenticationFailed(f"queue {qid}: DH-HMAC-CHAP authentication with "
                                        f"{subnqn} failed: {exc}") from exc
+        except (QueueDead, TimeoutError) as exc:
+            # Linux nvmet ends the controller as it sends Failure1, and the end may overtake
+            # the message: a dropped queue in mid-exchange is most likely a refusal
+            raise AuthenticationFailed(
+                f"queue {qid}: DH-HMAC-CHAP authentication with {subnqn} as {self.hostnqn} "
+                f"failed: the controller ended the exchange without an answer ({exc}); a "
+                "controller does that when it does not accept the host's response: check "
+                "the secret") from exc
         how = (f"hmac({HASH_NAMES.get(res.hash_id, res.hash_id)}), "
                f"{DHGROUP_NAMES.get(res.dhgroup, res.dhgroup)}"
                + (", controller authenticated" if res.bidirectional else ""))
@@ -768,7 +776,11 @@ class Controller:
         self.submit(queue, sqe, cb, data_out=data_out, data_in=data_in, inline=inline)
         if timeout is None and self.state != CtrlState.LIVE:
             timeout = self.opts.connect_timeout     # (re)connecting to a target that hangs
-        cqe, data, error = fut.result(timeout)
+        try:
+            cqe, data, error = fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"{what}: no answer from the target within {timeout:g} s"
+                               ) from None
         if error is not None:
             raise QueueDead(f"{what}: {error}")
         if cqe.status != StatusCode.SUCCESS:

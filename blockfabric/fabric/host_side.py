@@ -21,7 +21,7 @@ from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_
                                          Endpoint, wr_id)
 from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL, ProtocolError
 from blockfabric.protocol.status import StatusCode
-from blockfabric.rdma import PD, WC, CMId, SendFlags, SendWR, WcStatus, WrOpcode
+from blockfabric.rdma import PD, WC, CMEventType, CMId, SendFlags, SendWR, WcStatus, WrOpcode
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,22 @@ class HostQueue(Endpoint):
         self.stats = QueueStats()
         self._next_seq = 0
         self.dead_reason: str | None = None
+        self.on_cm_event = self._on_cm_event
+
+    def _on_cm_event(self) -> None:
+        """The target ended the connection (DREQ) or the device went away: fail what is
+        outstanding now.  Linux nvmet, for one, disconnects right after a failed
+        authentication, and may do so before its answer is sent; on the verbs provider
+        nothing else would tell a host that has no work request outstanding (the receives
+        flush only once the event has been read).  What already arrived is taken first."""
+        while not self.closed:
+            event = self.cmid.get_event(0)
+            if event is None:
+                return
+            if event.type in (CMEventType.DISCONNECTED, CMEventType.DEVICE_REMOVAL):
+                self.service()
+                self.fail("the target disconnected", expected=self.closed)
+                return
 
     # -- submission ------------------------------------------------------------------
     def submit(self, sqe: SQE, callback: Callback, *, inline: bytes | memoryview | None = None,

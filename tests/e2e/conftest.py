@@ -31,8 +31,10 @@ class TargetProc:
     """``blockfabric-target run`` in a subprocess, with its stderr collected."""
 
     def __init__(self, config: dict[str, Any], tmp: pathlib.Path, netns: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
         self.config = config
+        #: what runs instead of ``blockfabric-target`` (a wrapper with the same command line)
+        self.command = command or [str(BIN / "blockfabric-target")]
         self.path = tmp / f"target-{time.monotonic_ns()}.yaml"
         self.path.write_text(yaml.safe_dump(config))
         self.netns = netns
@@ -51,7 +53,7 @@ class TargetProc:
                 enter_netns(name)
         env = dict(os.environ, **(self.env or {}))
         self.proc = subprocess.Popen(
-            [str(BIN / "blockfabric-target"), "run", "-C", str(self.path), "-v"],
+            [*self.command, "run", "-C", str(self.path), "-v"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, preexec_fn=preexec, env=env)
         threading.Thread(target=self._read, daemon=True).start()

@@ -5,7 +5,9 @@ down, and the target and its other hosts carry on."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
+import sys
 import time
 
 import pytest
@@ -287,3 +289,36 @@ def test_reconnect_authenticates_again(start_target):
         _io(ctrl, 0x88)                       # held until the reconnect, then re-issued
         assert ctrl.recovery_stats()["reconnects"] >= 1
         assert second.log.count("host authenticated") == 3       # admin + 2 I/O queues
+
+
+@pytest.mark.parametrize("mode", ["end", "silent"])
+def test_controller_that_ends_instead_of_sending_failure1(tmp_path, mode):
+    """Linux nvmet ends the controller as it answers a wrong response with Failure1, and the
+    disconnect may overtake the message (the lab saw it: B/auth-wrong-secret).  The host
+    must call that a failed authentication, with a reason, not a bare timeout: ``end``, the
+    queue dies at once; ``silent``, no answer comes within connect_timeout."""
+    from .conftest import TargetProc
+    port = free_port()
+    config = ram_config(port, allow_any_host=False,
+                        hosts=[{"nqn": HOSTNQN, "dhchap_secret": str(SECRET)}])
+    here = pathlib.Path(__file__).parent
+    target = TargetProc(config, tmp_path, env={"NVMET_LIKE": mode},
+                        command=[sys.executable, str(here / "nvmet_like_target.py")]).start()
+    target.port = port
+    try:
+        t0 = time.monotonic()
+        # (the soft provider flushes the receives as the event arrives: either may tell first)
+        why = ("the target disconnected|work completion WR_FLUSH_ERR" if mode == "end"
+               else "no answer from the target within 2 s")
+        with pytest.raises(AuthenticationFailed, match=f"ended the exchange without an answer "
+                           f"\\(Authentication Receive: ({why})\\); .* check the secret"):
+            _connect(target, dhchap_secret=str(au.generate_secret(32, 1)), connect_timeout=2)
+        elapsed = time.monotonic() - t0
+        assert elapsed < (1.5 if mode == "end" else 4), elapsed
+        assert target.wait_log("nvmet-like: " + ("controller ended" if mode == "end"
+                                                 else "Authentication Receive"), 5)
+        with _connect(target, dhchap_secret=str(SECRET)) as good:    # the target carries on
+            _io(good, 0x66)
+    finally:
+        target.stop()
+    assert "Traceback" not in target.log, target.log

@@ -5,6 +5,8 @@ writes seeded random data in many sizes at many offsets with several commands in
 on every I/O queue, reads it all back and compares, flushes, discards, and (with
 --check-device) compares the target's own backing device byte for byte, so a success here
 is the kernel target agreeing with our wire format, not our host agreeing with itself.
+With --dhchap-secret (and --dhchap-ctrl-secret) every queue first authenticates with
+DH-HMAC-CHAP, and ``authenticated: N queue(s) ...`` says how.
 Prints ``verified: N bytes ...``; exit status 0 only when every byte matched.
 """
 
@@ -42,17 +44,23 @@ def main() -> int:
     ap.add_argument("--span", type=int, default=16 << 20, help="bytes of the namespace to use")
     ap.add_argument("--check-device", help="the target's backing device, compared at the end")
     ap.add_argument("--seed", type=int, default=20261209)
+    ap.add_argument("--dhchap-secret", help="the host's DH-HMAC-CHAP secret (DHHC-1:...)")
+    ap.add_argument("--dhchap-ctrl-secret", help="the controller's, to authenticate it too")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     with connect(args.traddr, args.nqn, args.trsvcid, hostnqn=args.hostnqn,
-                 provider="verbs", nr_io_queues=args.queues) as ctrl:
+                 provider="verbs", nr_io_queues=args.queues, dhchap_secret=args.dhchap_secret,
+                 dhchap_ctrl_secret=args.dhchap_ctrl_secret) as ctrl:
         ns = ctrl.namespaces[args.nsid]
         bs = ns.block_size
         span = min(args.span, ns.size)
         print(f"connected: cntlid {ctrl.cntlid}, {len(ctrl.io_queues)} I/O queues, "
               f"nsid {ns.nsid}: {ns.size} bytes, {bs}-byte blocks, "
               f"model {ctrl.identify.mn!r}")
+        if ctrl.authenticated:
+            print(f"authenticated: {len(ctrl.authenticated)} queue(s) (qids "
+                  f"{sorted(ctrl.authenticated)}): {ctrl.authenticated[0]}")
         image = bytearray(span)
         # Writes: sizes from one block to 1 MiB (the kernel target's MDTS), ten in flight.
         # The first pass covers the span sequentially so every byte is known; then random

@@ -239,6 +239,10 @@ class VerbsQP(base.QP):
         # completion, which verbs leaves undefined.
         self._sq: collections.deque = collections.deque()
         self._rq: collections.deque = collections.deque()
+        # The host posts from its callers' threads while the reactor retires completions:
+        # both deques change under this lock only, and a post records its WRs before a
+        # completion of them can be retired (else retire misses them, and they stay).
+        self._wr_lock = threading.Lock()
         self._closed = False
         _qps[self.qp_num] = self
 
@@ -268,16 +272,17 @@ class VerbsQP(base.QP):
         Completions come in order per queue; a signaled send completion also retires the
         unsignaled sends posted before it.
         """
-        from_rq = (opcode is not None and opcode >= WcOpcode.RECV) or (
-            opcode is None and self._rq and self._rq[0][0] == wr_id)
-        queue = self._rq if from_rq else self._sq
-        if not any(w == wr_id for w, _ in queue):
+        with self._wr_lock:
+            from_rq = (opcode is not None and opcode >= WcOpcode.RECV) or (
+                opcode is None and self._rq and self._rq[0][0] == wr_id)
+            queue = self._rq if from_rq else self._sq
+            if not any(w == wr_id for w, _ in queue):
+                return opcode
+            while queue:
+                w, op = queue.popleft()
+                if w == wr_id:
+                    return opcode if opcode is not None else op
             return opcode
-        while queue:
-            w, op = queue.popleft()
-            if w == wr_id:
-                return opcode if opcode is not None else op
-        return opcode
 
     def _sges(self, sg_list: Sequence[SGE]) -> list:
         sge = self._pv.wr.SGE
@@ -310,17 +315,22 @@ class VerbsQP(base.QP):
             return
         if any(len(w.sg_list) > max_sge for w in wrs):
             raise RdmaError(f"{what}: more than {max_sge} SGEs in a work request", errno=22)
-        if len(queue) + len(wrs) > depth:
-            raise RdmaError(f"{what}: queue full ({len(queue)} of {depth} posted)", errno=12)
         built = [build(w) for w in wrs]
         for wr, nxt in zip(built, built[1:]):
             wr.next_wr = nxt
-        try:
-            post(built[0])
-        except self._pv.PyverbsError as exc:
-            raise rdma_error(f"{what} failed", exc) from exc
-        queue.extend((w.wr_id, _COMPLETES_AS[WrOpcode(w.opcode)] if one is SendWR
-                      else WcOpcode.RECV) for w in wrs)
+        with self._wr_lock:
+            if len(queue) + len(wrs) > depth:
+                raise RdmaError(f"{what}: queue full ({len(queue)} of {depth} posted)",
+                                errno=12)
+            entries = [(w.wr_id, _COMPLETES_AS[WrOpcode(w.opcode)] if one is SendWR
+                        else WcOpcode.RECV) for w in wrs]
+            queue.extend(entries)
+            try:
+                post(built[0])
+            except self._pv.PyverbsError as exc:
+                for _ in entries:            # nothing of a failed chain is counted
+                    queue.pop()
+                raise rdma_error(f"{what} failed", exc) from exc
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
         self._post(wrs, SendWR, self._send_wr, self.qp.post_send, self._sq,

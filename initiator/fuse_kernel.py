@@ -515,7 +515,8 @@ class KernelFuse:
         if nodeid == STATUS_ID:
             self._reply(unique, self.fs.status_text()[offset:offset + size])
             return False
-        ns = self.fs.namespace(self._path(nodeid))
+        path = self._path(nodeid)
+        ns = self.fs.namespace(path)
         end = min(offset + size, ns.size)
         if offset >= end:
             self._reply(unique)
@@ -524,29 +525,13 @@ class KernelFuse:
         start = offset - offset % bs
         stop = -(-end // bs) * bs
         if DATA_OFF + stop - start > BUF_SIZE:     # edges of huge blocks: the slow way
-            path = self._path(nodeid)
             self._blocking(index, unique, lambda: self.fs.read(path, size, offset))
             return True
-        fs = self.fs
-        fs.counters.request(size)
+        self.fs.counters.request(size)
         lo, hi = DATA_OFF + offset - start, DATA_OFF + end - start
-
-        def done(error: BaseException | None) -> None:
-            self._finished(pieces)
-            if error is None:
-                self._reply(unique, view[lo:hi])
-                fs.counters.add(reads=1, read_bytes=hi - lo)
-            else:
-                fs.counters.add(errors=1)
-                self._error(unique, nvme_errno(error))
-            self._release(index)
-
-        pieces = self._admit(index, n, -(-(stop - start) // self.ctrl.max_transfer))
-        if not pieces:
-            return True
-        self.ctrl.start_io(ns, IOOpcode.READ, start, stop - start,
-                           self.bufs.addrs[index] + DATA_OFF, self.bufs.mr.rkey, done)
-        return True
+        return self._start_io(index, n, unique, ns, IOOpcode.READ, start, stop - start,
+                              DATA_OFF, lambda: view[lo:hi],
+                              {"reads": 1, "read_bytes": hi - lo})
 
     def _write(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
         _fh, offset, size, *_ = RW_IN.unpack_from(view, IN_SIZE)
@@ -565,23 +550,34 @@ class KernelFuse:
                            lambda written: WRITE_OUT.pack(written, 0))
             return True
         fs.counters.request(size)
+        return self._start_io(index, n, unique, ns, IOOpcode.WRITE, offset, size, WRITE_DATA,
+                              lambda: WRITE_OUT.pack(size, 0),
+                              {"writes": 1, "write_bytes": size},
+                              data_out=view[WRITE_DATA:WRITE_DATA + size])
+
+    def _start_io(self, index: int, n: int, unique: int, ns: Any, opcode: int, offset: int,
+                  length: int, data_off: int, reply: Callable[[], Any],
+                  counts: dict[str, int], data_out: memoryview | None = None) -> bool:
+        """Issue the NVMe command(s) of request buffer ``index`` on its data at
+        ``data_off``; on completion, reply ``reply()`` (or the errno), count ``counts`` and
+        release the buffer.  Parked instead when the queues have no room.  Owns the buffer
+        either way (True)."""
+        fs = self.fs
 
         def done(error: BaseException | None) -> None:
             self._finished(pieces)
             if error is None:
-                self._reply(unique, WRITE_OUT.pack(size, 0))
-                fs.counters.add(writes=1, write_bytes=size)
+                self._reply(unique, reply())
+                fs.counters.add(**counts)
             else:
                 fs.counters.add(errors=1)
                 self._error(unique, nvme_errno(error))
             self._release(index)
 
-        pieces = self._admit(index, n, -(-size // self.ctrl.max_transfer))
-        if not pieces:
-            return True
-        self.ctrl.start_io(ns, IOOpcode.WRITE, offset, size,
-                           self.bufs.addrs[index] + WRITE_DATA, self.bufs.mr.rkey, done,
-                           data_out=view[WRITE_DATA:WRITE_DATA + size])
+        pieces = self._admit(index, n, -(-length // self.ctrl.max_transfer))
+        if pieces:
+            self.ctrl.start_io(ns, opcode, offset, length, self.bufs.addrs[index] + data_off,
+                               self.bufs.mr.rkey, done, data_out=data_out)
         return True
 
     def _admit(self, index: int, n: int, pieces: int) -> int:

@@ -23,10 +23,13 @@ from blockfabric.initiator.host import Controller, ConnectOptions
 
 def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int = 1,
                 region_blocks: int = 256, max_run: int = 8, nsid: int = 1,
-                first_block: int = 0, stop: threading.Event | None = None) -> dict:
+                first_block: int = 0, stop: threading.Event | None = None,
+                completions: list[float] | None = None) -> dict:
     """Run for ``seconds`` (or until ``stop``); returns counts, error times and mismatches.
     Thread ``t`` owns blocks ``first_block + t * region_blocks`` onwards (several hosts
-    share a namespace with disjoint ``first_block``)."""
+    share a namespace with disjoint ``first_block``).  ``completions``, if given, gets the
+    ``time.monotonic()`` of every I/O that completed successfully (a test measures the
+    longest gap without progress from it)."""
     ns = ctrl.namespaces[nsid]
     bs = ns.block_size
     start = time.monotonic()
@@ -73,6 +76,8 @@ def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int
             for i, c in enumerate(crcs):
                 model[first + i] = {c}
             ios += 1
+            if completions is not None:
+                completions.append(time.monotonic())
             if rng.random() < 0.3 and model:       # an older block, from before any fault
                 old = rng.choice(list(model))
                 first, n = old, 1
@@ -82,6 +87,8 @@ def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int
                 note_error(exc)
                 continue
             ios += 1
+            if completions is not None:
+                completions.append(time.monotonic())
             mismatches += check(first, back)
             verified += len(back)
         if not stop.is_set() and model:             # a last pass over the whole region

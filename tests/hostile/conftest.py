@@ -3,7 +3,10 @@ host running a verify load beside the attacker, and the attacker's own controlle
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+import time
 
 import pytest
 
@@ -29,16 +32,55 @@ def target(start_target, request):
 
 class Bystander:
     """A well-behaved host on 127.0.0.1 verifying its data in a thread while an attack runs;
-    :meth:`finish` returns its counts, which must show no error and no mismatch."""
+    :meth:`finish` returns its counts, which must show no error and no mismatch.
 
-    def __init__(self, port: int) -> None:
-        self.ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=OTHER_HOSTNQN,
+    Every completed I/O is time-stamped, so a test can say how fast the bystander went
+    before and during an attack (:meth:`attack`) and that it never stood still
+    (:meth:`max_gap`)."""
+
+    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN) -> None:
+        self.ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=hostnqn,
                             nr_io_queues=1, keep_alive_tmo=2.0)
         self.stop = threading.Event()
         self.result: dict = {}
+        self.times: list[float] = []
+        self.started = time.monotonic()
+        self.windows: dict[str, tuple[float, float]] = {}
         self.thread = threading.Thread(target=lambda: self.result.update(
-            verify_load(self.ctrl, 60, threads=2, region_blocks=128, stop=self.stop)))
+            verify_load(self.ctrl, 120, threads=2, region_blocks=128, stop=self.stop,
+                        completions=self.times)))
         self.thread.start()
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Completed I/Os per second in [t0, t1)."""
+        n = sum(1 for t in list(self.times) if t0 <= t < t1)
+        return n / max(t1 - t0, 1e-6)
+
+    def max_gap(self, t0: float | None = None, t1: float | None = None) -> float:
+        """The longest time without a completion in [t0, t1] (default: the whole run)."""
+        t0 = self.started if t0 is None else t0
+        t1 = time.monotonic() if t1 is None else t1
+        marks = [t0, *(t for t in list(self.times) if t0 <= t <= t1), t1]
+        return max(b - a for a, b in zip(marks, marks[1:]))
+
+    @contextlib.contextmanager
+    def attack(self, name: str, warmup: float = 1.0):
+        """Time an attack: waits ``warmup`` s of undisturbed I/O first (the 'before' rate),
+        then records the window of the ``with`` body under ``name`` for the summary."""
+        time.sleep(max(0.0, self.started + warmup - time.monotonic()))
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.windows[name] = (t0, time.monotonic())
+
+    def report(self) -> list[tuple[str, float, float, float]]:
+        """(attack, I/O per s before, I/O per s during, longest gap during) per window."""
+        out = []
+        for name, (t0, t1) in self.windows.items():
+            before = self.rate(self.started, t0)
+            out.append((name, before, self.rate(t0, t1), self.max_gap(t0, t1)))
+        return out
 
     def finish(self) -> dict:
         self.stop.set()
@@ -47,16 +89,88 @@ class Bystander:
         return self.result
 
 
+#: what every bystander saw, for the summary at the end of the run
+RATES: list[tuple[str, str, float, float, float]] = []
+
+
 @pytest.fixture
-def bystander(target):
+def bystander(target, request):
     b = Bystander(target.port)
     yield b
     if b.thread.is_alive():
         b.stop.set()
         b.thread.join(30)
         b.ctrl.close()
+    for row in b.report():
+        RATES.append((request.node.name, *row))
 
 
-def assert_undisturbed(result: dict) -> None:
+def pytest_terminal_summary(terminalreporter):
+    if not RATES:
+        return
+    terminalreporter.section("hostile peers: the bystander's I/O rate")
+    terminalreporter.write_line(f"{'test / attack':60} {'before/s':>9} {'during/s':>9} "
+                                f"{'max gap s':>9}")
+    for test, attack, before, during, gap in RATES:
+        terminalreporter.write_line(f"{(test + ' / ' + attack)[:60]:60} {before:9.0f} "
+                                    f"{during:9.0f} {gap:9.2f}")
+
+
+MAX_GAP = 2.0   # seconds: the bystander must complete an I/O at least this often
+
+
+class TargetProbe:
+    """What the target process holds (open fds, resident memory) and how much it logged:
+    taken before an attack and compared after, so a test can show each stayed bounded."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.pid = target.proc.pid
+        self.base = self.sample()
+
+    def sample(self) -> dict[str, int]:
+        fds = len(os.listdir(f"/proc/{self.pid}/fd"))
+        rss = 0
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+        return {"fds": fds, "rss": rss, "log": len(self.target.log)}
+
+    def assert_bounded(self, *, fds: int = 16, rss: int = 64 << 20, log: int = 64 << 10,
+                       settle: float = 10.0) -> dict[str, int]:
+        """After the attack: at most ``fds`` more open files (once things settle), ``rss``
+        more bytes resident and ``log`` more bytes of log than before it."""
+        deadline = time.monotonic() + settle
+        while True:
+            now = self.sample()
+            grew = {k: now[k] - self.base[k] for k in now}
+            if grew["fds"] <= fds or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert grew["fds"] <= fds, f"target holds {grew['fds']} more fds: {now}"
+        assert grew["rss"] <= rss, f"target grew by {grew['rss'] >> 20} MiB: {now}"
+        assert grew["log"] <= log, (f"target logged {grew['log']} bytes during the attack:\n"
+                                    + self.target.log[-2000:])
+        return grew
+
+
+def assert_accepts_new_host(port: int, hostnqn: str = HOSTNQN) -> None:
+    """After an attack, a new host can connect, write and read back."""
+    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=hostnqn,
+                 nr_io_queues=1, connect_timeout=5.0) as ctrl:
+        ns = ctrl.namespaces[1]
+        data = os.urandom(ns.block_size)
+        ns.write(ns.block_size * 1000, data)
+        assert ns.read(ns.block_size * 1000, len(data)) == data
+
+
+def assert_undisturbed(result: dict, bystander: Bystander | None = None) -> None:
+    """No error, no mismatch, no reconnect; with ``bystander``, also never a gap of
+    MAX_GAP seconds without a completed I/O during any attack window."""
     assert result["errors"] == 0 and result["mismatches"] == 0, result
     assert result["ios"] > 0 and result["recovery"]["losses"] == 0, result
+    if bystander is not None:
+        for name, before, during, gap in bystander.report():
+            assert gap < MAX_GAP, (f"{name}: the bystander made no progress for {gap:.1f} s "
+                                   f"({before:.0f}/s before, {during:.0f}/s during)")

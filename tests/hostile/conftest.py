@@ -109,10 +109,10 @@ def pytest_terminal_summary(terminalreporter):
     if not RATES:
         return
     terminalreporter.section("hostile peers: the bystander's I/O rate")
-    terminalreporter.write_line(f"{'test / attack':60} {'before/s':>9} {'during/s':>9} "
+    terminalreporter.write_line(f"{'test / attack':72} {'before/s':>9} {'during/s':>9} "
                                 f"{'max gap s':>9}")
     for test, attack, before, during, gap in RATES:
-        terminalreporter.write_line(f"{(test + ' / ' + attack)[:60]:60} {before:9.0f} "
+        terminalreporter.write_line(f"{(test + ' / ' + attack)[:72]:72} {before:9.0f} "
                                     f"{during:9.0f} {gap:9.2f}")
 
 

@@ -289,6 +289,10 @@ class QP(_Closable):
 
     qp_num: int
     cap: QPCap
+    #: Bytes of frames the peer may leave unread before the connection is cut (0: the
+    #: provider's default).  The soft provider queues them in memory; an HCA has no such
+    #: queue, and the verbs provider ignores this.
+    max_unsent: int = 0
 
     @property
     @abc.abstractmethod

@@ -26,6 +26,40 @@ executes them in PSN order and answers with READ_RESP (carries the data, and ack
 everything before it), ACK (cumulative; one per batch of frames read, so ACKs coalesce),
 NAK (with the status) or RNR_NAK.
 
+Validation: the peer is not trusted
+-----------------------------------
+Every header is checked before any field is used (``wire.decode``, then the QP's state), on
+both sides and in the CM exchange:
+
+* type: one of ``wire.Frame``; CM frames only during set-up (CONN_RTU once, as the passive
+  side's first frame), never on a connected QP;
+* flags: only WITH_IMM or WITH_INV on SEND (not both), only WITH_IMM on WRITE, none
+  elsewhere;
+* length: private data <= 56 B (CONN_REQ) or 196 B (CONN_REP, CONN_REJ); 0 for CONN_RTU,
+  DREQ, ACK, NAK, RNR_NAK; at most MAX_MESSAGE (2 GiB) for the rest; a SEND no longer than
+  its posted receive, a WRITE/READ_REQ inside the MR its rkey names (else the NAKs below);
+  a READ_RESP exactly as long as its READ;
+* fields a type does not use are zero: psn and key of CM frames; key of SEND, READ_RESP,
+  ACK, RNR_NAK; extra unless a flag gives it a meaning (CONN_REQ/CONN_REP: a 24-bit QP
+  number); addr of all but WRITE and READ_REQ;
+* NAK key: a remote error status (REM_INV_REQ_ERR, REM_ACCESS_ERR, REM_OP_ERR);
+* PSNs: a request must carry the next PSN (another only while go-back-N after an RNR NAK,
+  when it is dropped, or once the QP is in ERR); an ACK, NAK, RNR_NAK or READ_RESP must name
+  a request that was sent (ACK, READ_RESP: sent *whole*, every byte taken by the kernel;
+  NAK, RNR_NAK: its header sent) and may not pass a READ still unanswered; a READ_RESP
+  answers a READ, an RNR_NAK a request that consumes a receive.
+
+A violation is that connection's end (as an HCA moves the QP to ERR on a fatal error): the
+socket closes, both queues flush, the CM id gets DISCONNECTED, and one WARNING line names the
+peer and the violation.  Nothing of it reaches another connection: the engine catches any
+exception raised while handling one connection (a bug included) and ends that connection
+only.  A send WR completes only when the peer answers for bytes it has had in full, and an
+error that completes WRs while frames are still queued for the socket first closes it, so the
+provider never sends (nor, for receives and READs, places) memory its owner got back.
+Frames the peer leaves unread are bounded per connection by ``QP.max_unsent`` (bytes, each
+queued buffer counted 128 B more; default 1 GiB, the target sets it per queue from
+``limits.max_unsent_bytes``): past it the connection is cut, logged once.
+
 Semantics, and where a choice was made (as an IB HCA does it unless said otherwise)
 -------------------------------------------------------------------------------------
 * Send completions come only from the peer's ACK/READ_RESP, i.e. once the data is placed.

@@ -62,9 +62,7 @@ def _recv_frame(sock: socket.socket, deadline: float) -> tuple[int, int, bytes]:
             got += k
         return bytes(buf)
 
-    ftype, _flags, _psn, length, _key, extra, _addr = wire.unpack(exact(wire.HEADER_SIZE))
-    if length > wire.MAX_REP_PRIVATE_DATA:
-        raise wire.WireError(f"CM frame with {length} B of private data")
+    ftype, _flags, _psn, length, _key, extra, _addr = wire.decode(exact(wire.HEADER_SIZE))
     return ftype, extra, exact(length) if length else b""
 
 
@@ -171,7 +169,7 @@ class SoftCMId(CMId):
             sock.close()
             raise RdmaError(f"accept: {exc}", errno=exc.errno) from exc
         _tune(sock, ack_timeout * (retry_count + 1))
-        self.qp.start(sock, rnr_retry_count, retry_count, ack_timeout)
+        self.qp.start(sock, rnr_retry_count, retry_count, ack_timeout, passive=True)
 
     def reject(self, private_data: bytes = b"") -> None:
         data = _check_private_data(private_data, wire.MAX_REP_PRIVATE_DATA, "reject")
@@ -296,7 +294,7 @@ class SoftListener(Listener):
             buf += chunk
             if len(buf) < want:
                 return
-            ftype, _fl, _psn, length, _key, _qpn, _addr = wire.unpack(buf)
+            ftype, _fl, _psn, length, _key, _qpn, _addr = wire.decode(buf)
             if ftype != Frame.CONN_REQ or length > wire.MAX_REQ_PRIVATE_DATA:
                 raise wire.WireError(f"not a connect request (type {ftype}, {length} B)")
             if want == wire.HEADER_SIZE and length:

@@ -1,7 +1,10 @@
 """The soft device ("soft0"): key tables, and the progress engine over an epoll of its sockets.
 
 :meth:`SoftContext.progress` is the whole engine: it reads frames into registered memory,
-answers requests, retires acknowledged work and fires timers.  It is driven either by a
+answers requests, retires acknowledged work and fires timers.  Whatever goes wrong while
+handling one connection (a bug included: the peer's bytes are validated before use) ends
+that connection and nothing else: it never reaches another connection's handling, nor the
+caller of ``CQ.poll`` whose call happened to run the engine.  It is driven either by a
 daemon thread (``progress="thread"``) or by the CQ owner through :meth:`CQ.poll`
 (``progress="poll"``), so a reactor can run the provider without thread hand-offs.
 """
@@ -126,10 +129,13 @@ class SoftContext(Context):
                 qp = fds.get(fd)
                 if qp is None:
                     continue
-                if ev & _OUT:
-                    qp.on_writable()
-                if ev & _READ_EVENTS:
-                    qp.on_readable()
+                try:
+                    if ev & _OUT:
+                        qp.on_writable()
+                    if ev & _READ_EVENTS:
+                        qp.on_readable()
+                except Exception as exc:  # noqa: BLE001  one connection's, and only its
+                    qp.fail(exc)
             now = time.monotonic()
             if self.rnr_waiters:
                 self._fire_rnr(now)
@@ -142,7 +148,10 @@ class SoftContext(Context):
             if now >= self._next_sweep:
                 self._next_sweep = now + SWEEP_INTERVAL
                 for qp in list(self._qps):
-                    qp.check_timeout(now)
+                    try:
+                        qp.check_timeout(now)
+                    except Exception as exc:  # noqa: BLE001
+                        qp.fail(exc)
             return len(events)
         finally:
             self._plock.release()
@@ -154,7 +163,10 @@ class SoftContext(Context):
             left = qp.rnr_deadline - now
             if left <= 0:
                 self.rnr_waiters.discard(qp)
-                qp.rnr_replay()
+                try:
+                    qp.rnr_replay()
+                except Exception as exc:  # noqa: BLE001
+                    qp.fail(exc)
             else:
                 wait = min(wait, left)
         return wait

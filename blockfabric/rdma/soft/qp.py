@@ -6,11 +6,22 @@ hand-off) while the socket takes the bytes; what it does not take waits in ``_ou
 written by the engine when the socket is writable.  Payloads go from registered memory to
 the socket (``sendmsg`` of MR memoryviews) and from the socket into registered memory
 (``recv_into``/``recvmsg_into`` of MR memoryviews): no intermediate copies.
+
+The peer is not trusted.  Every header is checked by :func:`wire.decode`, and here against
+the connection's state: a request must carry the next PSN (another only while go-back-N
+after an RNR NAK, or in ERR); an ACK, NAK, RNR NAK or READ_RESP must name a request that
+went out *whole* (every byte of it taken by the kernel: ``_Entry.end`` against
+``_tx_sent``) and that can take that answer.  A violation ends the connection, logged once.
+Because a send WR completes only once its bytes are out, and a failure that completes WRs
+with bytes still queued cuts the connection first, no completed WR's memory is referenced
+by the provider any more (receives: an error aborts the payload being placed).  Bytes the
+peer leaves unread are bounded by :attr:`SoftQP.max_unsent`.
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import logging
 import socket
 import threading
 import time
@@ -29,14 +40,19 @@ if TYPE_CHECKING:
     from blockfabric.rdma.soft.cq import SoftCQ
     from blockfabric.rdma.soft.memory import SoftPD
 
+log = logging.getLogger(__name__)
+
 M = wire.PSN_MASK
 HDR = wire.HEADER_SIZE
 _pack = wire.pack
+_decode = wire.decode
 _now = time.monotonic
 IOV_BATCH = 512                 # below IOV_MAX (1024)
 SCRATCH = 1 << 16               # where discarded payloads go
 RNR_FIRST, RNR_MAX = 0.001, 0.05  # RNR timer: 1 ms, doubling per retry up to 50 ms
 DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (retry_count+1)x
+DEFAULT_MAX_UNSENT = 1 << 30    # bytes a peer may leave unread, unless the owner says
+QUEUED_BUFFER_COST = 128        # what one queued buffer costs beyond its bytes (objects)
 
 _WC_OF = {WrOpcode.SEND: WcOpcode.SEND, WrOpcode.SEND_WITH_IMM: WcOpcode.SEND,
           WrOpcode.SEND_WITH_INV: WcOpcode.SEND, WrOpcode.RDMA_WRITE: WcOpcode.RDMA_WRITE,
@@ -54,7 +70,7 @@ class _Entry:
     """One send-queue slot: posted, maybe transmitted, not yet completed."""
 
     __slots__ = ("psn", "wr_id", "opcode", "byte_len", "signaled", "status", "frame", "views",
-                 "rnr", "sent")
+                 "rnr", "sent", "size", "end")
 
 
 def _advance(views: list, n: int) -> list:
@@ -86,6 +102,9 @@ def _cut(views: list, n: int) -> list:
 
 
 class SoftQP(QP):
+    """``max_unsent`` (see :class:`QP`) counts each queued buffer QUEUED_BUFFER_COST more
+    than its bytes; 0 means DEFAULT_MAX_UNSENT."""
+
     def __init__(self, cmid: "SoftCMId", pd: "SoftPD", send_cq: "SoftCQ", recv_cq: "SoftCQ",
                  cap: QPCap | None, sq_sig_all: bool) -> None:
         self.ctx = pd.ctx
@@ -104,6 +123,10 @@ class SoftQP(QP):
         self.closed = False
         self._outq: deque = deque()
         self._blocked = False
+        self._tx_queued = 0      # bytes handed to the socket queue since the start ...
+        self._tx_sent = 0        # ... and how many of them the kernel took
+        self._last_ack: bytes | None = None     # the ACK at the tail of _outq, if any
+        self._rtu_due = False    # passive side: the peer's CONN_RTU comes first
         # requester
         self._sq: deque[_Entry] = deque()
         self._next_psn = 0
@@ -114,11 +137,13 @@ class SoftQP(QP):
         self.retry_count = 7
         self.ack_timeout = DEFAULT_ACK_TIMEOUT
         self._last_progress = 0.0
+        self._acked = M          # the last PSN completed by the peer's answer
         # responder
         self._rq: deque[tuple] = deque()
         self._exp_psn = 0
         self._done_psn = M
         self._ack_due = False
+        self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
         self._hdr = bytearray(HDR)
         self._hmv = memoryview(self._hdr)
@@ -136,9 +161,10 @@ class SoftQP(QP):
         return self._state
 
     def start(self, sock: socket.socket, rnr_retry: int, retry_count: int,
-              ack_timeout: float) -> None:
+              ack_timeout: float, *, passive: bool = False) -> None:
         """Connected: hand the socket to the device's engine and go to RTS."""
         with self._lock:
+            self._rtu_due = passive
             self.rnr_retry = rnr_retry
             self.retry_count = retry_count
             self.ack_timeout = ack_timeout
@@ -152,7 +178,7 @@ class SoftQP(QP):
     def disconnect(self) -> None:
         with self._lock:
             if self.sock is not None and not self._dead:
-                self._xmit([_pack(Frame.DREQ)])
+                self._xmit([_pack(Frame.DREQ)], HDR)
                 self._die("local disconnect")
             else:
                 self._to_error()
@@ -165,26 +191,73 @@ class SoftQP(QP):
             if self.sock is not None:
                 self._die("QP destroyed")
 
-    def _die(self, reason: object) -> None:
-        """The connection is gone (closed, reset, timed out, disconnected): QP to ERR, flush,
-        and a DISCONNECTED event on the CM id."""
+    def _die(self, reason: object, loud: bool = False) -> None:
+        """The connection is gone (closed, reset, timed out, disconnected, or cut for what the
+        peer did: ``loud``, logged): QP to ERR, flush, and a DISCONNECTED event on the CM
+        id."""
         if self._dead:
             return
+        self._sever(reason, loud)
+        self._to_error()
+        self.cmid.on_disconnected(reason)
+
+    def _sever(self, reason: object, loud: bool) -> None:
+        """Close the socket; nothing queued will be sent, nothing more is read."""
         self._dead = True
+        if loud:
+            peer = "%s:%s" % tuple(self.cmid.peer_address[:2])
+            log.warning("soft RDMA: connection with %s (qp %#x) closed: %s", peer,
+                        self.qp_num, reason)
         self.ctx.unregister(self, self._fd)
         try:
             self.sock.close()
         except OSError:
             pass
-        self._to_error()
-        self.cmid.on_disconnected(reason)
+        self._outq.clear()
+        self._abort_rx()
+
+    def fail(self, exc: BaseException) -> None:
+        """The engine caught ``exc`` while handling this connection: end it, and only it."""
+        with self._lock:
+            tb = exc.__traceback__
+            while tb is not None and tb.tb_next is not None:
+                tb = tb.tb_next
+            where = (f" at {tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}"
+                     if tb is not None else "")
+            self._die(f"internal error {type(exc).__name__}: {exc}{where}", loud=True)
+
+    def _unreference(self, why: str) -> None:
+        """Work requests are about to complete otherwise than by the peer's answer: if frames
+        still queued for the socket point into registered memory, cut the connection first,
+        so that no completed WR's memory is sent later (after its owner reused it)."""
+        if self._dead or not self._outq:
+            return
+        for buf in self._outq:
+            if type(buf) is memoryview and type(buf.obj) is not bytes:
+                self._sever(why, False)
+                self.cmid.on_disconnected(why)
+                return
+
+    def _abort_rx(self) -> None:
+        """Stop placing the payload being received (an error completes its WR): the rest
+        of it is read into scratch; a receive it was for completes flushed."""
+        if self._rkind == RX_DISCARD:
+            return
+        if self._rwc is not None:
+            wc, self._rwc = self._rwc, None
+            self.recv_cq.push(WC(wc.wr_id, WcStatus.WR_FLUSH_ERR, wc.opcode, 0, self.qp_num))
+        self._rentry = None
+        self._rviews = None
+        self._rkind = RX_DISCARD
 
     def _to_error(self) -> None:
         if self._state == QPState.ERR:
             return
+        self._unreference("queue pair in error with frames unsent")
         self._state = QPState.ERR
         self._hold = False
         self.ctx.rnr_waiters.discard(self)
+        self._abort_rx()
         sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
         while sq:
             e = sq.popleft()
@@ -242,6 +315,7 @@ class SoftQP(QP):
                 self._last_progress = _now()
             go = not (self._hold or self._stall)
             bufs: list = []
+            end = self._tx_queued
             for wr in wrs:
                 e = self._build(wr, cap)
                 sq.append(e)
@@ -250,8 +324,10 @@ class SoftQP(QP):
                 elif go:
                     bufs.extend(e.frame)
                     e.sent = True
+                    end += e.size
+                    e.end = end
             if bufs:
-                self._xmit(bufs)
+                self._xmit(bufs, end - self._tx_queued)
             self._retire()
 
     def _build(self, wr: SendWR, cap: QPCap) -> _Entry:
@@ -279,6 +355,7 @@ class SoftQP(QP):
             views = [b"".join(views)] if views else []   # inline: the WR carries a copy
         psn = e.psn = self._next_psn
         self._next_psn = (psn + 1) & M
+        e.size = HDR if op == WrOpcode.RDMA_READ else HDR + total
         if op == WrOpcode.RDMA_READ:
             e.frame = [_pack(Frame.READ_REQ, psn, total, wr.rkey, 0, wr.remote_addr)]
         elif op == WrOpcode.RDMA_WRITE:
@@ -319,10 +396,12 @@ class SoftQP(QP):
                 rq.append((wr.wr_id, views, total, status))
 
     # ------------------------------------------------------------------ transmit
-    def _xmit(self, bufs: list) -> None:
-        """Send now from the caller's thread; queue what the socket does not take."""
+    def _xmit(self, bufs: list, size: int) -> None:
+        """Send now from the caller's thread (``size``: the bytes of ``bufs``); queue what the
+        socket does not take, up to ``max_unsent``."""
         if self._dead:
             return
+        self._tx_queued += size
         q = self._outq
         if not q and len(bufs) <= IOV_BATCH:
             try:
@@ -332,6 +411,7 @@ class SoftQP(QP):
             except OSError as exc:
                 self._die(exc)
                 return
+            self._tx_sent += n
             for b in bufs:
                 if n >= len(b):
                     n -= len(b)
@@ -342,7 +422,16 @@ class SoftQP(QP):
                 return
         else:
             q.extend(bufs)
-        self._flush()
+            if self._blocked:   # the socket is full: the engine flushes when it is writable
+                bufs = None
+        if bufs is not None:
+            self._flush()
+        if q:
+            unsent = self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q)
+            limit = self.max_unsent or DEFAULT_MAX_UNSENT
+            if unsent > limit and not self._dead:
+                self._die(f"the peer does not read: {unsent} bytes of frames unsent, more "
+                          f"than {limit}", loud=True)
 
     def _flush(self) -> None:
         q = self._outq
@@ -355,6 +444,7 @@ class SoftQP(QP):
             except OSError as exc:
                 self._die(exc)
                 return
+            self._tx_sent += n
             while q:
                 size = len(q[0])
                 if n < size:
@@ -397,12 +487,21 @@ class SoftQP(QP):
                         return
             except BlockingIOError:
                 pass
-            except (OSError, wire.WireError) as exc:
+            except OSError as exc:
                 self._die(exc)
+                return
+            except wire.WireError as exc:
+                self._die(f"protocol violation: {exc}", loud=True)
                 return
             if self._ack_due:
                 self._ack_due = False
-                self._xmit([_pack(Frame.ACK, self._done_psn)])
+                ack = _pack(Frame.ACK, self._done_psn)
+                q = self._outq
+                if q and q[-1] is self._last_ack:
+                    q[-1] = ack         # ACKs are cumulative: the newer one says it all
+                else:
+                    self._xmit([ack], HDR)
+                self._last_ack = ack
 
     def _recv_payload(self, sock: socket.socket) -> None:
         views = self._rviews
@@ -429,32 +528,40 @@ class SoftQP(QP):
         self._expect(None, length, RX_DISCARD)
 
     def _on_header(self) -> None:
-        ftype, flags, psn, length, key, extra, addr = wire.unpack(self._hdr)
+        ftype, flags, psn, length, key, extra, addr = _decode(self._hdr)
         if ftype == Frame.SEND or ftype == Frame.WRITE or ftype == Frame.READ_REQ:
             if psn != self._exp_psn or self._state == QPState.ERR:
-                # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB)
+                # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB);
+                # otherwise requests come in order, and this one is not the next
+                if not (self._rnr_sent or self._state == QPState.ERR):
+                    raise wire.WireError(f"request PSN {psn}, expected {self._exp_psn}")
                 if ftype != Frame.READ_REQ:
                     self._discard(length)
                 return
+            self._rnr_sent = False
             if ftype == Frame.SEND:
                 self._rx_send(psn, flags, length, extra)
             elif ftype == Frame.WRITE:
                 self._rx_write(psn, flags, length, key, extra, addr)
             else:
                 self._rx_read_req(psn, length, key, addr)
+        elif ftype == Frame.READ_RESP:
+            self._rx_read_resp(psn, length)
+        elif self._state == QPState.ERR and Frame.ACK <= ftype <= Frame.RNR_NAK:
+            return              # answers to what was flushed
         elif ftype == Frame.ACK:
             self._ack_upto(psn)
             self._retire()
-        elif ftype == Frame.READ_RESP:
-            self._rx_read_resp(psn, length)
         elif ftype == Frame.NAK:
-            self._ack_upto((psn - 1) & M)
+            self._answered(psn, "NAK")
             self._fail_head(WcStatus(key))
         elif ftype == Frame.RNR_NAK:
             self._on_rnr(psn)
         elif ftype == Frame.DREQ:
             self._die("peer disconnected")
-        elif ftype != Frame.CONN_RTU:
+        elif ftype == Frame.CONN_RTU and self._rtu_due:
+            self._rtu_due = False
+        else:
             raise wire.WireError(f"unexpected frame type {ftype} on a connected QP")
 
     # responder ---------------------------------------------------------
@@ -462,7 +569,8 @@ class SoftQP(QP):
         """The next posted receive, or None after answering RNR / failing the QP."""
         rq = self._rq
         if not rq:
-            self._xmit([_pack(Frame.RNR_NAK, psn)])
+            self._xmit([_pack(Frame.RNR_NAK, psn)], HDR)
+            self._rnr_sent = True
             self._discard(length)
             return None
         return rq.popleft()
@@ -470,7 +578,7 @@ class SoftQP(QP):
     def _responder_error(self, psn: int, length: int, nak_status: WcStatus,
                          recv: tuple | None = None, local_status: WcStatus | None = None) -> None:
         """NAK the request, report the receive (if any) as failed, QP to ERR, drop payload."""
-        self._xmit([_pack(Frame.NAK, psn, 0, nak_status)])
+        self._xmit([_pack(Frame.NAK, psn, 0, nak_status)], HDR)
         if recv is not None:
             self.recv_cq.push(WC(recv[0], local_status, WcOpcode.RECV, 0, self.qp_num))
         self._to_error()
@@ -537,9 +645,9 @@ class SoftQP(QP):
         hdr = _pack(Frame.READ_RESP, psn, length)
         if length:
             off = addr - mr.addr
-            self._xmit([hdr, mr.buf[off:off + length]])
+            self._xmit([hdr, mr.buf[off:off + length]], HDR + length)
         else:
-            self._xmit([hdr])
+            self._xmit([hdr], HDR)
 
     def _end_payload(self) -> None:
         kind = self._rkind
@@ -553,6 +661,7 @@ class SoftQP(QP):
             e = self._rentry
             self._rentry = None
             self._sq.popleft()
+            self._acked = e.psn
             if e.signaled:
                 self.send_cq.push(WC(e.wr_id, WcStatus.SUCCESS, WcOpcode.RDMA_READ, e.byte_len,
                                      self.qp_num))
@@ -563,27 +672,45 @@ class SoftQP(QP):
         if self._state == QPState.ERR:
             self._discard(length)
             return
-        self._ack_upto((psn - 1) & M)
-        sq = self._sq
-        e = sq[0] if sq else None
-        if e is None or e.psn != psn or e.opcode != WcOpcode.RDMA_READ or length != e.byte_len:
-            raise wire.WireError(f"unexpected read response psn {psn} length {length}")
+        e = self._answered(psn, "read response")
+        if e.opcode != WcOpcode.RDMA_READ or length != e.byte_len or e.end > self._tx_sent:
+            raise wire.WireError(f"read response for PSN {psn} of {length} bytes, which is "
+                                 "no whole READ request of that length")
         self._rentry = e
         self._expect(list(e.views), length, RX_READ)
 
+    def _answered(self, psn: int, what: str) -> _Entry:
+        """The request a NAK, RNR NAK or READ_RESP for ``psn`` answers: everything before it
+        is acknowledged by it, and it must be at the head, its header sent."""
+        self._ack_upto((psn - 1) & M)
+        sq = self._sq
+        e = sq[0] if sq else None
+        if e is None or e.psn != psn or not e.sent or e.end - e.size + HDR > self._tx_sent:
+            raise wire.WireError(f"{what} for PSN {psn}, a request never sent")
+        return e
+
     def _ack_upto(self, psn: int) -> None:
-        """Complete every transmitted WR up to ``psn`` (READs complete with their data)."""
+        """Complete every WR up to ``psn`` (READs complete with their data).  Each must have
+        gone out whole: a peer acknowledging what it cannot have received, or past a READ
+        it has not answered, is lying, and the connection ends (WireError)."""
         self._last_progress = _now()
         sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
         le = wire.psn_le
+        sent = self._tx_sent
         while sq:
             e = sq[0]
-            if (e.psn is None or not e.sent or e.opcode == WcOpcode.RDMA_READ
-                    or not le(e.psn, psn)):
+            if e.psn is None or not le(e.psn, psn):
                 break
+            if not e.sent or e.end > sent or e.opcode == WcOpcode.RDMA_READ:
+                raise wire.WireError(f"acknowledgement of PSN {psn}: request {e.psn} was "
+                                     + ("never sent whole" if e.opcode != WcOpcode.RDMA_READ
+                                        else "a READ not answered"))
             sq.popleft()
+            self._acked = e.psn
             if e.signaled:
                 push(WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
+        if not le(psn, self._acked):
+            raise wire.WireError(f"acknowledgement of PSN {psn}, never sent")
 
     def _retire(self) -> None:
         """A WR that failed local checks completes with its error once it reaches the head."""
@@ -594,17 +721,17 @@ class SoftQP(QP):
             self._to_error()
 
     def _fail_head(self, status: WcStatus) -> None:
+        self._unreference("a request failed with frames unsent")
         if self._sq:
             e = self._sq.popleft()
             self.send_cq.push(WC(e.wr_id, status, e.opcode, 0, self.qp_num))
         self._to_error()
 
     def _on_rnr(self, psn: int) -> None:
-        self._ack_upto((psn - 1) & M)
-        sq = self._sq
-        if self._state == QPState.ERR or not sq or sq[0].psn != psn:
-            return
-        e = sq[0]
+        e = self._answered(psn, "RNR NAK")
+        if e.opcode == WcOpcode.RDMA_READ or (e.opcode == WcOpcode.RDMA_WRITE
+                                              and not e.frame[0][6] & _F_IMM):
+            raise wire.WireError(f"RNR NAK for PSN {psn}, which consumes no receive")
         e.rnr += 1
         if self.rnr_retry != 7 and e.rnr > self.rnr_retry:
             self._fail_head(WcStatus.RNR_RETRY_EXC_ERR)
@@ -622,13 +749,16 @@ class SoftQP(QP):
             self._hold = False
             self._last_progress = _now()
             bufs: list = []
+            end = self._tx_queued
             for e in self._sq:
                 if e.psn is None:
                     break
                 bufs.extend(e.frame)
                 e.sent = True
+                end += e.size
+                e.end = end
             if bufs:
-                self._xmit(bufs)
+                self._xmit(bufs, end - self._tx_queued)
 
     def check_timeout(self, now: float) -> None:
         """Transport timer: a peer that stops answering (its QP in ERR, say) fails the head

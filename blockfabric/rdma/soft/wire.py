@@ -1,7 +1,8 @@
 """The soft provider's wire: one fixed 32-byte frame header, declared once.
 
 Pure code (no I/O), so it can be tested and reused without sockets.  The layout and the
-meaning of each field per frame type are documented in :mod:`blockfabric.rdma.soft`.
+meaning of each field per frame type are documented in :mod:`blockfabric.rdma.soft`;
+:func:`decode` is the one place that says which values each frame type may carry.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ HEADER_SIZE = HEADER.size  # 32
 MAX_REQ_PRIVATE_DATA = 56      # IB CM REQ private data
 MAX_REP_PRIVATE_DATA = 196     # IB CM REP / REJ private data
 MAX_MESSAGE = 1 << 31          # ibv_port_attr.max_msg_sz of a typical HCA
+MAX_QP_NUM = 0xFFFFFF          # QP numbers are 24 bits
 
 
 class Frame(enum.IntEnum):
@@ -68,10 +70,63 @@ class WireError(ValueError):
 
 
 def unpack(buf) -> tuple[int, int, int, int, int, int, int]:
-    """(type, flags, psn, length, key, extra, addr) of a header; WireError if foreign."""
+    """(type, flags, psn, length, key, extra, addr) of a header; WireError if foreign.
+    Only magic and version are checked: a peer's own frames go through :func:`decode`."""
     magic, version, ftype, flags, psn, length, key, extra, addr = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
         raise WireError(f"unsupported soft-RDMA wire version {version}")
+    return ftype, flags, psn, length, key, extra, addr
+
+
+#: The statuses a NAK may carry: the remote errors a responder reports (REM_INV_REQ_ERR,
+#: REM_ACCESS_ERR, REM_OP_ERR, as ibv_wc_status numbers them).
+NAK_STATUSES = frozenset((9, 10, 11))
+
+# Per frame type: (flags it may set, largest length, fields that must be zero).  Fields:
+_PSN, _KEY, _EXTRA, _ADDR = 1, 2, 4, 8
+_F_IMM, _F_INV = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV)
+_RULES: dict[int, tuple[int, int, int]] = {
+    Frame.CONN_REQ: (0, MAX_REQ_PRIVATE_DATA, _PSN | _KEY | _ADDR),
+    Frame.CONN_REP: (0, MAX_REP_PRIVATE_DATA, _PSN | _KEY | _ADDR),
+    Frame.CONN_REJ: (0, MAX_REP_PRIVATE_DATA, _PSN | _KEY | _EXTRA | _ADDR),
+    Frame.CONN_RTU: (0, 0, _PSN | _KEY | _EXTRA | _ADDR),
+    Frame.DREQ: (0, 0, _PSN | _KEY | _EXTRA | _ADDR),
+    Frame.SEND: (_F_IMM | _F_INV, MAX_MESSAGE, _KEY | _EXTRA | _ADDR),
+    Frame.WRITE: (_F_IMM, MAX_MESSAGE, _EXTRA),
+    Frame.READ_REQ: (0, MAX_MESSAGE, _EXTRA),
+    Frame.READ_RESP: (0, MAX_MESSAGE, _KEY | _EXTRA | _ADDR),
+    Frame.ACK: (0, 0, _KEY | _EXTRA | _ADDR),
+    Frame.NAK: (0, 0, _EXTRA | _ADDR),
+    Frame.RNR_NAK: (0, 0, _KEY | _EXTRA | _ADDR),
+}
+_unpack_from = HEADER.unpack_from
+_BOTH = _F_IMM | _F_INV
+_NAK, _CONN_REP = int(Frame.NAK), int(Frame.CONN_REP)
+
+
+def decode(buf) -> tuple[int, int, int, int, int, int, int]:
+    """Like :func:`unpack`, and every field checked against what its frame type allows:
+    a known type, only its flags (and not immediate data and invalidate together), a length
+    within its bound (private data sizes, MAX_MESSAGE), zero in the fields it does not use
+    (``extra`` only with a flag that gives it a meaning), a 24-bit QP number in CONN_REQ and
+    CONN_REP, a remote error status in a NAK.  Anything else raises WireError."""
+    magic, version, ftype, flags, psn, length, key, extra, addr = _unpack_from(buf)
+    if magic != MAGIC or version != VERSION:
+        unpack(buf)                             # raises, saying which
+    rule = _RULES.get(ftype)
+    if rule is None:
+        raise WireError(f"unknown frame type {ftype}")
+    allowed, longest, zero = rule
+    if flags & ~allowed or flags == _BOTH or length > longest or (zero and (
+            (zero & _PSN and psn) or (zero & _KEY and key) or (zero & _ADDR and addr)
+            or (zero & _EXTRA and extra and not flags))):
+        raise WireError(f"frame type {ftype} with a field outside what it allows (flags "
+                        f"{flags:#x}, length {length}, key {key:#x}, extra {extra:#x}, "
+                        f"address {addr:#x})")
+    if ftype <= _CONN_REP and extra > MAX_QP_NUM:
+        raise WireError(f"QP number {extra:#x} is not 24 bits")
+    if ftype == _NAK and key not in NAK_STATUSES:
+        raise WireError(f"NAK with status {key}, not a remote error")
     return ftype, flags, psn, length, key, extra, addr

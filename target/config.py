@@ -528,6 +528,11 @@ class Subsystem(Model):
         return next((ns for ns in self.namespaces if ns.nsid == nsid), None)
 
 
+#: What one command may have queued besides its data: frame headers, the response capsule,
+#: an acknowledgement, and the provider's cost of each queued buffer.
+UNSENT_SLACK = 4 * KiB
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limits(Model):
     """Queue and transfer limits the controller advertises (defaults as the Linux target)."""
@@ -543,6 +548,22 @@ class Limits(Model):
     #: Seconds a queue may stay connected (rdma_cm) without completing a Fabrics Connect
     #: before it is disconnected, so that silent peers cannot keep connection slots.
     connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    #: Bytes of frames a queue may hold unsent because its peer does not read them (soft
+    #: provider; queued buffers count 128 B more each), past which the queue is cut.  0: the
+    #: queue's depth x (mdts + inline_data_size + 4 KiB), what a well-behaved host can
+    #: legitimately have in flight.
+    max_unsent_bytes: int = _field(Size(0, 64 * 1024 * MiB), 0)
+
+    def _finish(self, where: Where) -> Limits:
+        if 0 < self.max_unsent_bytes < MiB:
+            where.at("max_unsent_bytes").fail("0 (derived from the queue) or at least 1MiB",
+                                              format_size(self.max_unsent_bytes))
+        return self
+
+    def unsent_limit(self, depth: int, inline: int) -> int:
+        """``max_unsent_bytes`` for a queue of ``depth`` commands with ``inline`` bytes of
+        in-capsule data."""
+        return self.max_unsent_bytes or depth * (self.mdts + inline + UNSENT_SLACK)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -310,6 +310,7 @@ class Target:
         queue = TargetQueue(cmid, pd, qid=req.qid, depth=depth, inline_size=inline,
                             handler=session, name=f"{cmid.peer_address[0]} q{req.qid}")
         session.queue = queue
+        queue.qp.max_unsent = self.config.limits.unsent_limit(depth, inline)
         queue.on_cm_event = lambda: self._on_cm_event(session)
         queue.post_all_receives()
         queue.attach(self.reactor)

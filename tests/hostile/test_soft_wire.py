@@ -246,3 +246,46 @@ def test_early_acknowledgements_get_no_other_subsystems_data(target, bystander):
     probe.assert_bounded()
     assert_accepts_new_host(target.port)
 
+
+# ------------------------------------------------------------------- a socket nobody reads
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_never_reads_is_cut_off_at_the_unsent_bound(target, bystander):
+    """Zero-length RDMA READs (allowed under any key) each get a response; a peer that asks
+    for millions and never reads made the target queue them without limit.  Now the
+    connection ends when its unsent frames pass ``limits.max_unsent_bytes`` (the default,
+    derived from the queue depth), logged once; the target's memory stays bounded."""
+    probe = TargetProbe(target)
+    peer = RawPeer(("127.0.0.1", target.port), source="127.0.0.2")
+    try:
+        kind, _ = peer.connect_cm(QUEUE_REQ)
+        assert kind == Frame.CONN_REP
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        with bystander.attack("ask for responses, never read"):
+            batch = 1 << 15
+            head = struct.Struct("<4sBBHIIIIQ")
+            cut = False
+            t0 = time.monotonic()
+            for start in range(0, 1 << 21, batch):     # up to 2 M requests, 64 MiB
+                chunk = b"".join(head.pack(wire.MAGIC, wire.VERSION, Frame.READ_REQ, 0, psn,
+                                           0, 0, 0, 0) for psn in range(start, start + batch))
+                try:
+                    peer.sock.settimeout(10)
+                    peer.sock.sendall(chunk)
+                except OSError:
+                    cut = True
+                    break
+            assert cut or drained_to_eof(peer.sock, 10), "the target buffered on"
+            took = time.monotonic() - t0
+        # (limits.connect_timeout, 10 s, would end this connection too: the bound must first)
+        assert took < 8, f"the connection lasted {took:.1f} s"
+    finally:
+        peer.close()
+    assert target.wait_log("unsent", 2), target.log[-3000:]
+    cut_lines = [line for line in target.lines if "unsent" in line]
+    assert len(cut_lines) == 1, cut_lines
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive()
+    probe.assert_bounded()
+    assert_accepts_new_host(target.port)

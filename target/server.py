@@ -39,7 +39,8 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
                                           ConnectData,
                                           connect_invalid_param)
-from blockfabric.rdma import PD, SGE, CMEventType, CMId, Listener, get_provider
+from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, CMEventType, CMId, Listener,
+                              get_provider)
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
@@ -351,8 +352,10 @@ class Target:
             event = queue.cmid.get_event(0)
             if event is None:
                 return
-            if event.type in (CMEventType.DISCONNECTED, CMEventType.DEVICE_REMOVAL):
-                self.queue_broken(session, queue, "peer disconnected")
+            if event.type in CONNECTION_ENDED:
+                self.queue_broken(session, queue, "peer disconnected"
+                                  if event.type == CMEventType.DISCONNECTED
+                                  else f"connection ended ({event.type.name})")
                 return
 
     # -- resources ---------------------------------------------------------------------

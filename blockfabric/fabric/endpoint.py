@@ -6,7 +6,9 @@ way round).  A work request's ``wr_id`` carries what it was for (its *kind*) and
 or command it belongs to, so a completion finds its owner without a lookup table.
 
 The endpoint is driven from one reactor thread: :meth:`Endpoint.service` drains the CQ and
-hands every completion to :meth:`Endpoint.on_completion`, which each side overrides.
+hands every completion to :meth:`Endpoint.on_completion`, which each side overrides.  What
+goes wrong there (a CQ that fails to poll, a completion whose handling raises) breaks this
+queue, through :meth:`Endpoint.on_fault`, and nothing else.
 """
 
 from __future__ import annotations
@@ -98,26 +100,38 @@ class Endpoint:
         """Drain the CQ (re-arming it race-free) and dispatch each completion."""
         if self.closed:
             return 0
-        self.cq.ack_events()
         done = 0
-        while not self.closed:
-            wcs = self.cq.poll(budget)
-            if not wcs:
-                self.cq.req_notify()
+        try:
+            self.cq.ack_events()
+            while not self.closed:
                 wcs = self.cq.poll(budget)
                 if not wcs:
-                    break
-            for wc in wcs:
-                done += 1
-                try:
-                    self.on_completion(wc)
-                except Exception:
-                    # The other completions of this batch are already off the CQ: losing
-                    # them to one faulty callback would hang their commands for ever.
-                    log.exception("%s: completion %#x failed", self.name, wc.wr_id)
+                    self.cq.req_notify()
+                    wcs = self.cq.poll(budget)
+                    if not wcs:
+                        break
+                for wc in wcs:
+                    if self.closed:
+                        break
+                    done += 1
+                    try:
+                        self.on_completion(wc)
+                    except Exception as exc:
+                        # A bug, or a completion that makes no sense: this queue's state can
+                        # no longer be trusted, and only this queue's
+                        log.error("%s: completion %#x failed", self.name, wc.wr_id,
+                                  exc_info=True)
+                        self.on_fault(f"completion {wc.wr_id:#x} failed: "
+                                      f"{type(exc).__name__}: {exc}")
+        except Exception as exc:      # the CQ itself failed (ibv_poll_cq, the provider)
+            self.on_fault(f"completion queue failed: {type(exc).__name__}: {exc}")
         return done
 
     def on_completion(self, wc: WC) -> None:  # pragma: no cover - overridden by each side
+        raise NotImplementedError
+
+    def on_fault(self, reason: str) -> None:  # pragma: no cover - overridden by each side
+        """This queue cannot go on (see :meth:`service`): tear it down."""
         raise NotImplementedError
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:

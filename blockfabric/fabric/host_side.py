@@ -21,7 +21,8 @@ from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_
                                          Endpoint, wr_id)
 from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL, ProtocolError
 from blockfabric.protocol.status import StatusCode
-from blockfabric.rdma import PD, WC, CMEventType, CMId, SendFlags, SendWR, WcStatus, WrOpcode
+from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, SendFlags, SendWR, WcStatus,
+                              WrOpcode)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class HostQueue(Endpoint):
             event = self.cmid.get_event(0)
             if event is None:
                 return
-            if event.type in (CMEventType.DISCONNECTED, CMEventType.DEVICE_REMOVAL):
+            if event.type in CONNECTION_ENDED:
                 self.service()
                 self.fail("the target disconnected", expected=self.closed)
                 return
@@ -187,6 +188,9 @@ class HostQueue(Endpoint):
             if done:
                 self._complete(slot)
 
+    def on_fault(self, reason: str) -> None:
+        self.fail(reason, expected=self.closed)
+
     def _on_response(self, recv_index: int, length: int) -> None:
         view = self.recv_pool.views[recv_index]
         try:
@@ -225,7 +229,15 @@ class HostQueue(Endpoint):
                 stats.errors += 1
             self._free_slot(slot)
         if callback is not None:
-            callback(cqe, None)
+            self._call(callback, cqe, None)
+
+    def _call(self, callback: Callback, cqe: CQE | None, error: str | None) -> None:
+        """A command's callback is its submitter's code: one that raises costs neither the
+        other completions of its batch nor this queue."""
+        try:
+            callback(cqe, error)
+        except Exception:
+            log.exception("%s: completion callback %r failed", self.name, callback)
 
     def _free_slot(self, slot: Slot) -> None:
         """With the lock held."""
@@ -252,7 +264,7 @@ class HostQueue(Endpoint):
                 self.stats.inflight -= 1
                 self._free.append(slot.index)
             if callback is not None:
-                callback(None, reason)
+                self._call(callback, None, reason)
 
     @property
     def outstanding(self) -> int:

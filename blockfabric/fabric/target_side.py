@@ -119,6 +119,10 @@ class TargetQueue(Endpoint):
             if done is not None:
                 done(cmd)
 
+    def on_fault(self, reason: str) -> None:
+        if not self.closed:
+            self.handler.queue_broken(self, reason)
+
     def _fail(self, wc: WC, kind: int) -> None:
         if self.closed:
             return

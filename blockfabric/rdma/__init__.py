@@ -14,9 +14,9 @@ import logging
 
 from blockfabric.errors import ProviderUnavailable
 from blockfabric.rdma.base import (  # noqa: F401  (the public interface)
-    CQ, MR, PD, QP, SGE, WC, Access, CMEvent, CMEventType, CMId, Context, DeviceInfo,
-    Listener, Provider, QPCap, QPState, RecvWR, SendFlags, SendWR, WcFlags, WcOpcode,
-    WcStatus, WrOpcode)
+    CONNECTION_ENDED, CQ, MR, PD, QP, SGE, WC, Access, CMEvent, CMEventType, CMId, Context,
+    DeviceInfo, Listener, Provider, QPCap, QPState, RecvWR, SendFlags, SendWR, WcFlags,
+    WcOpcode, WcStatus, WrOpcode)
 
 log = logging.getLogger(__name__)
 

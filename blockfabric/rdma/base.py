@@ -134,6 +134,12 @@ class CMEventType(enum.IntEnum):
     TIMEWAIT_EXIT = 15
 
 
+#: Events after which a connection is over, whatever it was doing: its owner tears it down.
+CONNECTION_ENDED = frozenset((CMEventType.DISCONNECTED, CMEventType.DEVICE_REMOVAL,
+                              CMEventType.CONNECT_ERROR, CMEventType.UNREACHABLE,
+                              CMEventType.REJECTED))
+
+
 # --------------------------------------------------------------------------- plain data
 
 

@@ -15,6 +15,7 @@ side before it accepts, the active side on CONNECT_RESPONSE, followed by ``rdma_
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import select
 import threading
@@ -31,10 +32,13 @@ from blockfabric.rdma.verbs.resources import VerbsContext, VerbsCQ, VerbsPD, Ver
 if TYPE_CHECKING:
     from blockfabric.rdma.verbs import VerbsProvider
 
+log = logging.getLogger(__name__)
+
 # IB CM reject reason "consumer defined": the peer called rdma_reject (with private data)
 _REJ_CONSUMER = 28
 # events that only move the connection along and are consumed here, not handed to the user
 _INTERNAL = {CMEventType.ESTABLISHED, CMEventType.TIMEWAIT_EXIT}
+_KNOWN = frozenset(int(t) for t in CMEventType)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -97,7 +101,12 @@ class _Channel:
             raise rdma_error("rdma_create_id failed", exc) from exc
 
     def pump(self) -> None:
-        """Read every event the kernel has queued, without blocking, and hand each out."""
+        """Read every event the kernel has queued, without blocking, and hand each out.
+
+        Whoever pumps (any id or listener on this channel) must not get another
+        connection's trouble: an event whose handling fails ends only the connection it
+        belongs to (see :meth:`VerbsCMId._fail`), a connect request that cannot be set up
+        is dropped, both logged."""
         with self.lock:
             while True:
                 try:
@@ -106,6 +115,7 @@ class _Channel:
                     if _native.is_eagain(exc):
                         return
                     raise rdma_error("rdma_get_cm_event failed", exc) from exc
+                owner = None
                 try:
                     raw = _native.read_event(event)
                     if raw.type == CMEventType.CONNECT_REQUEST and self.listener is not None:
@@ -114,6 +124,11 @@ class _Channel:
                         owner = self.owners.get(raw.id_ptr, self.default)
                         if owner is not None:
                             owner._on_event(raw)
+                except Exception as exc:  # noqa: BLE001  (contained to its connection)
+                    if owner is not None:
+                        owner._fail(exc)
+                    else:
+                        log.warning("rdma_cm: event dropped: %s: %s", type(exc).__name__, exc)
                 finally:
                     # acked at once: rdma_destroy_id waits for every reported event's ack
                     event.close()
@@ -179,6 +194,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         self._request = request
         self._closed = False
         self._disconnected = False
+        self._failed = False            # ended by _fail
         self._retry = (7, 7)            # retry_cnt, rnr_retry of our own QP
         self._ptr = id_ptr
         if id_ptr is not None:
@@ -196,6 +212,11 @@ class VerbsCMId(_Endpoint, base.CMId):
         self.local_address, self.peer_address = _native.id_addresses(self._ptr)
 
     def _on_event(self, raw: RawEvent) -> None:
+        if raw.type not in _KNOWN:
+            # ADDR_CHANGE, multicast events, future ones: this connection is no longer what
+            # it was set up as; end it, as nvmet-rdma does on ADDR_CHANGE
+            self._fail(RdmaError(f"unexpected rdma_cm event {raw.type} (status {raw.status})"))
+            return
         if raw.type == CMEventType.DISCONNECTED:
             if self._disconnected:
                 return                    # already reported when we disconnected ourselves
@@ -203,6 +224,28 @@ class VerbsCMId(_Endpoint, base.CMId):
         if raw.type in _INTERNAL and self._request is not None:
             return
         self._queue(raw)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Handling an event of this id failed: the connection is over (QP to ERR, a
+        DISCONNECTED event for its owner), and only this one."""
+        if self._failed:
+            return
+        self._failed = True
+        log.warning("rdma_cm: connection %s ended: %s: %s", self.peer_address,
+                    type(exc).__name__, exc)
+        self._disconnected = True
+        try:
+            self._cm.disconnect()
+        except Exception:  # noqa: BLE001  (already gone, most likely)
+            pass
+        try:
+            if self.qp is not None:
+                self.qp.to_error()
+        except Exception:  # noqa: BLE001
+            pass
+        self._queue(RawEvent(type=CMEventType.DISCONNECTED, status=0, id_ptr=self._ptr or 0,
+                             listen_ptr=0, private_data=b"", responder_resources=0,
+                             initiator_depth=0))
 
     def _disconnect_now(self) -> None:
         self._disconnected = True
@@ -426,7 +469,7 @@ class VerbsListener(_Endpoint, base.Listener):
                          private_data=raw.private_data, request=raw)
         try:
             cmid._set_device()
-        except RdmaError:
+        except Exception:
             cmid.close()
             raise
         self._queue(cmid)

@@ -39,7 +39,7 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
                                           ConnectData,
                                           connect_invalid_param)
-from blockfabric.rdma import PD, SGE, CMEventType, CMId, Listener, get_provider
+from blockfabric.rdma import PD, SGE, Access, CMEventType, CMId, Listener, get_provider
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
@@ -174,6 +174,8 @@ class Target:
         self._next_cntlid = 1
         self._pds: dict[int, PD] = {}
         self._control: dict[int, BufferPool] = {}
+        self._zeros: dict[int, BufferPool] = {}
+        self._old_zeros: list[BufferPool] = []      # outgrown by a larger mdts (reload)
         self._bounce: dict[int, BufferPool] = {}
         self._bounce_waiters: dict[int, list[Callable[[], None]]] = {}
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
@@ -377,6 +379,19 @@ class Target:
         # Large or many: a one-off registration (the admin path is not the hot path).
         pool = BufferPool(pd, 1, max(length, 1))
         return pool.views[0], pool.sge(0, length), lambda _cmd: pool.close()
+
+    def zeros(self, queue: TargetQueue, length: int) -> SGE:
+        """``length`` (at most limits.mdts) bytes of zeros in registered memory, one region
+        per protection domain that is never written: answers padded to a length the host
+        chose cost no memory of that length."""
+        pd = queue.pd
+        pool = self._zeros.get(id(pd))
+        if pool is None or pool.size < length:
+            if pool is not None:
+                self._old_zeros.append(pool)    # may still be read by a posted WRITE
+            size = max(length, self.config.limits.mdts)
+            pool = self._zeros[id(pd)] = BufferPool(pd, 1, size, Access(0))
+        return pool.sge(0, length)
 
     def with_bounce(self, cmd: Command, length: int,
                     use: Callable[[memoryview, SGE, Callable[[Command], None]], None]) -> None:
@@ -891,9 +906,12 @@ class Target:
         for ns in self._closing:
             _close_namespace(ns)
         self._closing.clear()
-        for pool in list(self._control.values()) + list(self._bounce.values()):
+        for pool in [*self._control.values(), *self._bounce.values(), *self._zeros.values(),
+                     *self._old_zeros]:
             pool.close()
         self._control.clear()
+        self._zeros.clear()
+        self._old_zeros.clear()
         self._bounce.clear()
         for pd in self._pds.values():
             pd.close()

@@ -171,17 +171,18 @@ class TargetQueue(Endpoint):
     # -- data movement ---------------------------------------------------------------
     def fetch(self, cmd: Command, view: memoryview, sge: SGE,
               done: Callable[[Command], None]) -> None:
-        """RDMA READ the host's keyed buffer into ``sge`` (or copy in-capsule data into
-        ``view``), then call ``done(cmd)`` on the reactor thread."""
+        """RDMA READ the first ``sge.length`` bytes (at most the SGL's) of the host's keyed
+        buffer into ``sge`` (or copy in-capsule data into ``view``), then call ``done(cmd)``
+        on the reactor thread."""
         sgl = cmd.sgl
         if isinstance(sgl, OffsetSGL):
-            view[:sgl.length] = cmd.inline[sgl.offset:sgl.offset + sgl.length]
+            n = min(sgl.length, sge.length)
+            view[:n] = cmd.inline[sgl.offset:sgl.offset + n]
             done(cmd)
             return
         cmd.on_fetched = done
         self.post_send(SendWR(wr_id(KIND_READ, cmd.index), WrOpcode.RDMA_READ,
-                              [SGE(sge.addr, sgl.length, sge.lkey)], SendFlags.SIGNALED,
-                              remote_addr=sgl.addr, rkey=sgl.key))
+                              [sge], SendFlags.SIGNALED, remote_addr=sgl.addr, rkey=sgl.key))
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
                 result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:

@@ -1,0 +1,100 @@
+"""Every allocation a peer can drive is bounded before it is made: half-sent connection
+requests (a count cap, a timeout, and shedding instead of spinning when the target is out
+of file descriptors), queues before their Fabrics Connect (one receive slot each, and a
+cap across all addresses), and lengths in commands (checked against the SGL and MDTS
+before anything of that size exists).  Each attack runs beside a bystander host doing
+verified I/O."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from blockfabric.initiator.host import connect
+from blockfabric.protocol import CMConnectRequest, CMReject, CMRejectStatus, KeyedSGL, StatusCode
+from blockfabric.protocol.admin import GetLogPage
+from blockfabric.protocol.io import DatasetManagement, DSMRange
+from blockfabric.protocol.opcodes import LogPageId
+from blockfabric.rdma.soft import wire
+from blockfabric.rdma.soft.wire import Frame
+
+from .conftest import (HOSTNQN, NQN, TargetProbe, assert_accepts_new_host,
+                       assert_undisturbed)
+from .rawpeer import RawPeer
+
+MiB = 1 << 20
+MDTS = MiB              # the target's default limits.mdts
+#: the first bytes of a connect request, never the rest
+HALF_REQUEST = wire.pack(Frame.CONN_REQ, length=32)[:wire.HEADER_SIZE // 2]
+
+
+def vm(pid: int, key: str) -> int:
+    """A size from /proc/PID/status (VmHWM: peak resident, VmSize: virtual), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+# -- (b) lengths in commands -----------------------------------------------------------------
+
+def log_page(ctrl, lid: int, length: int, sgl_length: int) -> bytes:
+    mr = ctrl.arena.mr
+    return GetLogPage(lid=lid, numd=length // 4 - 1).to_sqe(
+        sgl=KeyedSGL(mr.addr, sgl_length, mr.rkey)).pack()
+
+
+def dsm(ctrl, sgl_length: int) -> bytes:
+    mr = ctrl.arena.mr
+    return DatasetManagement(nsid=1, nr=0, ad=True).to_sqe(
+        sgl=KeyedSGL(mr.addr, sgl_length, mr.rkey)).pack()
+
+
+#: (name, queue, capsule builder, expected status): lengths a host chose
+LENGTH_ATTACKS = [
+    ("log page NUMD 256 MiB, SGL 4 KiB", "admin",
+     lambda c: log_page(c, LogPageId.SMART, 256 * MiB, 4096),
+     StatusCode.SGL_DATA_LENGTH_INVALID),
+    ("log page NUMD = SGL = 16 MiB - 4", "admin",
+     lambda c: log_page(c, LogPageId.SMART, 16 * MiB - 4, 16 * MiB - 4),
+     StatusCode.INVALID_FIELD),
+    ("DSM one range, SGL 16 MiB - 1", "io", lambda c: dsm(c, 16 * MiB - 1),
+     StatusCode.INVALID_FIELD),
+]
+
+
+@pytest.mark.timeout(60)
+def test_lengths_are_checked_before_allocation(target, bystander):
+    """Get Log Page NUMD and DSM SGL lengths far beyond the data buffer or MDTS get their
+    status without the target allocating anything of that size (its peak resident memory
+    stays put); a log page read up to MDTS is the page and then zeros, and a DSM with a long
+    SGL reads only its ranges."""
+    probe = TargetProbe(target)
+    peak = vm(target.proc.pid, "VmHWM")
+    with bystander.attack("lengths beyond SGL and MDTS"), \
+            connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=HOSTNQN,
+                    nr_io_queues=1) as attacker:
+        queues = {"admin": attacker.admin, "io": attacker.io_queues[0]}
+        for _ in range(5):
+            for name, queue, build, status in LENGTH_ATTACKS:
+                cqe = attacker.raw(queues[queue], build(attacker))
+                assert (cqe.status, cqe.dnr) == (status, True), (name, cqe)
+        # A whole MDTS of SMART log page: 512 bytes of page, then zeros
+        arena = attacker.arena.mr.buf
+        arena[:MDTS] = b"\xee" * MDTS
+        cqe = attacker.raw(attacker.admin, log_page(attacker, LogPageId.SMART, MDTS, MDTS))
+        assert cqe.status == StatusCode.SUCCESS, cqe
+        assert bytes(arena[512:MDTS]) == bytes(MDTS - 512)
+        # DSM with 64 KiB of SGL and one range: only the range is read
+        arena[:16] = DSMRange(cattr=0, nlb=8, slba=4096).pack()
+        cqe = attacker.raw(queues["io"], dsm(attacker, 64 * 1024))
+        assert cqe.status == StatusCode.SUCCESS, cqe
+    assert_undisturbed(bystander.finish(), bystander)
+    grew = vm(target.proc.pid, "VmHWM") - peak
+    assert grew < 64 * MiB, f"the target's peak resident memory grew by {grew >> 20} MiB"
+    assert "Traceback" not in target.log
+    probe.assert_bounded()
+    assert_accepts_new_host(target.port)

@@ -543,6 +543,9 @@ class Limits(Model):
     #: Seconds a queue may stay connected (rdma_cm) without completing a Fabrics Connect
     #: before it is disconnected, so that silent peers cannot keep connection slots.
     connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    #: Queues accepted (rdma_cm) whose Fabrics Connect has not completed, across all peer
+    #: addresses; past it a new connection gets CM reject NO_RESOURCES.
+    max_unconnected_queues: int = _field(Int(1, 65535), 128)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -130,6 +130,9 @@ class QueueSession:
             self.connect_timer = None
         self.handler = ctrl.queue_handler(self.qid)
         self.queue.sq_flow = not connect.sq_flow_control_disabled
+        # The rest of the queue's receive slots, before the answer: a host sends nothing
+        # else on this queue until it has the Connect response.
+        self.queue.post_more_receives()
         # ATR: authenticate this queue before anything else (nvmet_connect_result)
         cmd.respond(result=ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0))
 
@@ -144,6 +147,30 @@ def auth_policy(subsystem: cfg.Subsystem, hostnqn: str) -> AuthPolicy | None:
         return None
     return AuthPolicy(entry.dhchap_secret, entry.dhchap_ctrl_secret, entry.hash_id,
                       entry.dhgroup_id)
+
+
+class _Episode:
+    """A warning that a peer can make happen at will, logged when it starts and then at
+    most once per ``interval`` seconds with how many were left out, so that a flood of
+    refusals cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval: float = 10.0) -> None:
+        self.log = logger
+        self.what = what
+        self.interval = interval
+        self.quiet_until = 0.0
+        self.left_out = 0
+
+    def note(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self.quiet_until:
+            self.left_out += 1
+            return
+        if self.left_out:
+            msg += f" (and {self.left_out} more {self.what} refused since the last such line)"
+        self.log.warning(msg, *args)
+        self.left_out = 0
+        self.quiet_until = now + self.interval
 
 
 def _peer(queue: TargetQueue | None) -> str:
@@ -178,6 +205,7 @@ class Target:
         self._old_zeros: list[BufferPool] = []      # outgrown by a larger mdts (reload)
         self._bounce: dict[int, BufferPool] = {}
         self._bounce_waiters: dict[int, list[Callable[[], None]]] = {}
+        self._shed_log = _Episode(log, "connection requests")
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
         self.genctr = 0
@@ -301,7 +329,7 @@ class Target:
             cmid.reject(CMReject(sts=sts).pack())
             cmid.close()
             return
-        if self._over_host_limit(cmid):
+        if self._over_host_limit(cmid) or self._over_unconnected_limit(cmid):
             cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
             cmid.close()
             return
@@ -309,8 +337,12 @@ class Target:
         depth = req.hsqsize + 1
         pd = self.pd_for(cmid)
         inline = self.config.limits.inline_data_size if req.qid else 0
+        # One receive slot until the Fabrics Connect succeeds (QueueSession._connect posts
+        # the rest before answering it): a peer that never proves to be a host costs one
+        # capsule buffer, not a queue's worth.
         queue = TargetQueue(cmid, pd, qid=req.qid, depth=depth, inline_size=inline,
-                            handler=session, name=f"{cmid.peer_address[0]} q{req.qid}")
+                            handler=session, name=f"{cmid.peer_address[0]} q{req.qid}",
+                            recv_now=1)
         session.queue = queue
         queue.on_cm_event = lambda: self._on_cm_event(session)
         queue.post_all_receives()
@@ -332,8 +364,22 @@ class Target:
                     if s.queue is not None and s.queue.cmid.peer_address[0] == peer)
         if count < limit:
             return False
-        log.warning("rejecting connection from %s: NO_RESOURCES (%d connections from that "
-                    "address, limits.max_connections_per_host is %d)", peer, count, limit)
+        self._shed_log.note("rejecting connection from %s: NO_RESOURCES (%d connections from "
+                            "that address, limits.max_connections_per_host is %d)", peer,
+                            count, limit)
+        return True
+
+    def _over_unconnected_limit(self, cmid: CMId) -> bool:
+        """limits.max_unconnected_queues, across all addresses: queues accepted whose
+        Fabrics Connect has not completed yet (each holds a socket, a QP and a receive slot
+        until limits.connect_timeout)."""
+        limit = self.config.limits.max_unconnected_queues
+        count = sum(1 for s in self.sessions if s.controller is None)
+        if count < limit:
+            return False
+        self._shed_log.note("rejecting connection from %s: NO_RESOURCES (%d queues without a "
+                            "Fabrics Connect, limits.max_unconnected_queues is %d)",
+                            cmid.peer_address[0], count, limit)
         return True
 
     def _connect_timed_out(self, session: QueueSession, timeout: int) -> None:

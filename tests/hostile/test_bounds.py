@@ -30,6 +30,11 @@ MDTS = MiB              # the target's default limits.mdts
 HALF_REQUEST = wire.pack(Frame.CONN_REQ, length=32)[:wire.HEADER_SIZE // 2]
 
 
+def sources(count: int, subnet: int = 1) -> list[str]:
+    """``count`` distinct loopback addresses, none of them the bystander's 127.0.0.1."""
+    return [f"127.{subnet}.{i // 250}.{i % 250 + 2}" for i in range(count)]
+
+
 def vm(pid: int, key: str) -> int:
     """A size from /proc/PID/status (VmHWM: peak resident, VmSize: virtual), in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -37,6 +42,46 @@ def vm(pid: int, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+# -- (c) queues before Fabrics Connect ---------------------------------------------------
+
+UNCONNECTED = 16
+IO_QUEUE_REQ = CMConnectRequest(recfmt=0, qid=1, hrqsize=128, hsqsize=127, cntlid=1).pack()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", [{"max_unconnected_queues": UNCONNECTED,
+                                     "connect_timeout": 30}], indirect=True)
+def test_unconnected_queues_are_capped_across_addresses_and_cost_little(target, bystander):
+    """Bare CM connects of full-depth I/O queues, one per source address (so the per-host
+    limit never applies): ``limits.max_unconnected_queues`` are accepted, each costing
+    one receive slot rather than a queue's worth, the rest get NO_RESOURCES (logged once,
+    not once each); the bystander's connected queues are untouched."""
+    probe = TargetProbe(target)
+    size_before = vm(target.proc.pid, "VmSize")
+    peers, outcomes = [], []
+    with bystander.attack("unconnected queues from many addresses"):
+        try:
+            for addr in sources(3 * UNCONNECTED, subnet=2):
+                peer = RawPeer(("127.0.0.1", target.port), source=addr)
+                peers.append(peer)
+                kind, private = peer.connect_cm(IO_QUEUE_REQ)
+                outcomes.append(kind if kind == Frame.CONN_REP
+                                else CMReject.unpack_from(private).sts)
+            grew = vm(target.proc.pid, "VmSize") - size_before
+        finally:
+            for peer in peers:
+                peer.close()
+    assert outcomes == [Frame.CONN_REP] * UNCONNECTED \
+        + [CMRejectStatus.NO_RESOURCES] * (2 * UNCONNECTED), outcomes
+    # 128 receive slots of 4 KiB + 64 would be 520 KiB a queue; one slot is 8 KiB mapped
+    assert grew < UNCONNECTED * 128 * 1024, f"{grew >> 10} KiB for {UNCONNECTED} queues"
+    refusals = [x for x in target.lines if "max_unconnected_queues is" in x]
+    assert len(refusals) == 1, refusals
+    assert_undisturbed(bystander.finish(), bystander)
+    assert_accepts_new_host(target.port)
+    probe.assert_bounded()
 
 
 # -- (b) lengths in commands -----------------------------------------------------------------

@@ -546,6 +546,11 @@ class Limits(Model):
     #: Queues accepted (rdma_cm) whose Fabrics Connect has not completed, across all peer
     #: addresses; past it a new connection gets CM reject NO_RESOURCES.
     max_unconnected_queues: int = _field(Int(1, 65535), 128)
+    #: Connection requests each listener holds before they are whole (the soft provider
+    #: reads them itself): past it the oldest is dropped for the newest.
+    max_pending_requests: int = _field(Int(1, 65535), 128)
+    #: Seconds a connection request may take to arrive whole before it is dropped.
+    request_timeout: int = _field(Int(1, 60, unit="seconds"), 5)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -205,6 +205,8 @@ class Target:
         self._old_zeros: list[BufferPool] = []      # outgrown by a larger mdts (reload)
         self._bounce: dict[int, BufferPool] = {}
         self._bounce_waiters: dict[int, list[Callable[[], None]]] = {}
+        #: id(listener) -> the timer that calls it back at its deadline() (see _on_requests)
+        self._listener_timers: dict[int, Timer] = {}
         self._shed_log = _Episode(log, "connection requests")
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
@@ -247,7 +249,10 @@ class Target:
 
     def _open_listener(self, lconf: cfg.Listener) -> tuple[cfg.Listener, str, Listener]:
         provider = get_provider(lconf.provider, lconf.address)
-        return lconf, provider.name, provider.listen(lconf.address, lconf.port)
+        limits = self.config.limits
+        return lconf, provider.name, provider.listen(
+            lconf.address, lconf.port, max_pending=limits.max_pending_requests,
+            request_timeout=limits.request_timeout)
 
     def _add_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
         lconf, provider, listener = entry
@@ -257,6 +262,9 @@ class Target:
         log.info("listening on %s (%s provider)", lconf.endpoint, provider)
 
     def _close_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
+        timer = self._listener_timers.pop(id(entry[2]), None)
+        if timer is not None:
+            timer.cancel()
         self.listeners.remove(entry)
         self.reactor.remove_reader(entry[2].fileno())
         entry[2].close()
@@ -304,19 +312,41 @@ class Target:
         self.reactor.call_soon_threadsafe(lambda: self.reload_from(load))
 
     def _on_requests(self, lconf: cfg.Listener, provider: str, listener: Listener) -> None:
-        while True:
-            cmid = listener.get_request(0)
-            if cmid is None:
-                return
-            try:
-                self._accept(lconf, provider, cmid)
-            except Exception:
-                log.exception("connection set-up from %s failed", cmid.peer_address)
+        try:
+            while True:
+                cmid = listener.get_request(0)
+                if cmid is None:
+                    return
                 try:
-                    cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
+                    self._accept(lconf, provider, cmid)
                 except Exception:
-                    pass
-                cmid.close()
+                    log.exception("connection set-up from %s failed", cmid.peer_address)
+                    try:
+                        cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
+                    except Exception:
+                        pass
+                    cmid.close()
+        finally:
+            self._wake_listener_at_deadline(lconf, provider, listener)
+
+    def _wake_listener_at_deadline(self, lconf: cfg.Listener, provider: str,
+                                   listener: Listener) -> None:
+        """A listener has timed work (half-received requests to expire, a pause after
+        running out of descriptors to end) that no readable fd announces: one timer per
+        listener calls it back then."""
+        when = listener.deadline()
+        key = id(listener)
+        timer = self._listener_timers.get(key)
+        if when is None or (timer is not None and not timer.cancelled and timer.when <= when):
+            return
+        if timer is not None:
+            timer.cancel()
+
+        def wake() -> None:
+            self._listener_timers.pop(key, None)
+            if any(entry[2] is listener for entry in self.listeners):
+                self._on_requests(lconf, provider, listener)
+        self._listener_timers[key] = self.reactor.call_later(when - time.monotonic(), wake)
 
     def _accept(self, lconf: cfg.Listener, provider: str, cmid: CMId) -> None:
         try:

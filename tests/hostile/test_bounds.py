@@ -35,6 +35,33 @@ def sources(count: int, subnet: int = 1) -> list[str]:
     return [f"127.{subnet}.{i // 250}.{i % 250 + 2}" for i in range(count)]
 
 
+def half_requests(port: int, addrs: list[str]) -> list[socket.socket]:
+    """One TCP connection per address, each sending half a connect request header."""
+    socks = []
+    for addr in addrs:
+        s = socket.socket()
+        s.settimeout(2)
+        s.bind((addr, 0))
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(HALF_REQUEST)
+        except OSError:
+            pass                # refused or reset: the target shed it, which is allowed
+        socks.append(s)
+    return socks
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """True once the other end has closed (EOF or reset), without waiting."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def vm(pid: int, key: str) -> int:
     """A size from /proc/PID/status (VmHWM: peak resident, VmSize: virtual), in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -42,6 +69,72 @@ def vm(pid: int, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+# -- (a) pending connection requests ---------------------------------------------------------
+
+NOFILE = 160
+
+
+@pytest.mark.timeout(60)
+# descriptors, not the pending cap, run out first
+@pytest.mark.parametrize("target", [{"nofile": NOFILE, "max_pending_requests": 4096,
+                                     "request_timeout": 60}], indirect=True)
+def test_fd_exhaustion_by_half_sent_requests_is_shed_not_spun(target, bystander):
+    """Half-sent connect requests from 2.5 x RLIMIT_NOFILE source addresses: the target runs
+    out of descriptors, sheds (logged once an episode) instead of spinning on EMFILE,
+    keeps serving the bystander, and accepts a new host once the attacker has gone."""
+    probe = TargetProbe(target)
+    with bystander.attack("half-sent requests past RLIMIT_NOFILE"):
+        socks = half_requests(target.port, sources(int(NOFILE * 2.5)))
+        assert target.wait_log("out of file descriptors", 5), target.log[-2000:]
+        time.sleep(2)                       # the attacker holds them; the target must not spin
+        during = len(target.log)
+        time.sleep(1)
+        assert len(target.log) - during < 1024, target.log[-2000:]
+        for s in socks:
+            s.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert_accepts_new_host(target.port)
+    assert target.wait_log("accepting again after shedding", 5), target.log[-2000:]
+    # logged when an episode begins and ends, not per connection (there were 400)
+    shedding = [x for x in target.lines if "out of file descriptors (" in x]
+    assert 1 <= len(shedding) <= 3, "".join(target.lines[-30:])
+    assert "Traceback" not in target.log
+    probe.assert_bounded()
+
+
+PENDING = 8
+REQUEST_TIMEOUT = 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", [{"max_pending_requests": PENDING,
+                                     "request_timeout": REQUEST_TIMEOUT}], indirect=True)
+def test_half_sent_requests_are_capped_and_time_out(target, bystander):
+    """More half-sent requests than ``limits.max_pending_requests``: the oldest are dropped
+    for the newest at once, the rest after ``limits.request_timeout``; a whole request
+    still gets through during and after."""
+    probe = TargetProbe(target)
+    with bystander.attack("half-sent requests past max_pending_requests"):
+        socks = half_requests(target.port, sources(3 * PENDING))
+        time.sleep(0.3)
+        dropped = [closed_by_peer(s) for s in socks]
+        assert dropped == [True] * (2 * PENDING) + [False] * PENDING, dropped
+        peer = RawPeer(("127.0.0.1", target.port), source="127.0.0.3")
+        try:
+            kind, _ = peer.connect_cm(CMConnectRequest(recfmt=0, qid=0, hrqsize=32,
+                                                       hsqsize=31, cntlid=0).pack())
+            assert kind == Frame.CONN_REP
+        finally:
+            peer.close()
+        time.sleep(REQUEST_TIMEOUT + 0.5)
+        assert all(closed_by_peer(s) for s in socks[2 * PENDING:]), "not timed out"
+        for s in socks:
+            s.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert_accepts_new_host(target.port)
+    probe.assert_bounded()
 
 
 # -- (c) queues before Fabrics Connect ---------------------------------------------------

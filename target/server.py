@@ -14,6 +14,7 @@ the reload runs there, between commands, like everything else).
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import threading
@@ -58,6 +59,8 @@ MAX_CNTLID = 0xFFEF
 DRAIN_TIMEOUT = 20.0
 IDLE_TIMEOUT = 10.0
 IDLE_POLL = 0.005
+#: errno values that mean "out of resources" (descriptors, memory) rather than a bug
+NO_RESOURCES_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
 
 
 def abort_command(cmd: Command) -> None:
@@ -319,15 +322,25 @@ class Target:
                     return
                 try:
                     self._accept(lconf, provider, cmid)
-                except Exception:
-                    log.exception("connection set-up from %s failed", cmid.peer_address)
-                    try:
-                        cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
-                    except Exception:
-                        pass
-                    cmid.close()
+                except Exception as exc:
+                    if getattr(exc, "errno", None) in NO_RESOURCES_ERRNOS:
+                        # Out of descriptors or memory: refused like any other shortage,
+                        # and logged as one (not a traceback per connection).
+                        self._shed_log.note("rejecting connection from %s: NO_RESOURCES (%s)",
+                                            cmid.peer_address[0], exc)
+                    else:
+                        log.exception("connection set-up from %s failed", cmid.peer_address)
+                    self._reject_and_close(cmid)
         finally:
             self._wake_listener_at_deadline(lconf, provider, listener)
+
+    @staticmethod
+    def _reject_and_close(cmid: CMId) -> None:
+        try:
+            cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
+        except Exception:
+            pass                # already accepted or closed: closing is all that is left
+        cmid.close()
 
     def _wake_listener_at_deadline(self, lconf: cfg.Listener, provider: str,
                                    listener: Listener) -> None:
@@ -375,8 +388,12 @@ class Target:
                             recv_now=1)
         session.queue = queue
         queue.on_cm_event = lambda: self._on_cm_event(session)
-        queue.post_all_receives()
-        queue.attach(self.reactor)
+        try:
+            queue.post_all_receives()
+            queue.attach(self.reactor)
+        except BaseException:
+            queue.close()       # its CQ, buffers and QP; the caller refuses the request
+            raise
         self.sessions.add(session)
         timeout = self.config.limits.connect_timeout
         session.connect_timer = self.reactor.call_later(

@@ -51,15 +51,23 @@ class Endpoint:
         self.recv_count = recv_count
         self.recv_size = recv_size
         self.cq: CQ = cmid.context.create_cq(max_send_wr + recv_count + 16)
-        first = BufferPool(pd, recv_count if recv_now is None else recv_now, recv_size,
-                           Access.LOCAL_WRITE)
+        made: list = [self.cq]      # released again should a later step fail (no fd leaks)
+        try:
+            first = BufferPool(pd, recv_count if recv_now is None else recv_now, recv_size,
+                               Access.LOCAL_WRITE)
+            made.append(first)
+            self.send_pool = BufferPool(pd, send_count, send_size, Access.LOCAL_WRITE)
+            made.append(self.send_pool)
+            self.qp: QP = cmid.create_qp(pd, self.cq, self.cq,
+                                         QPCap(max_send_wr=max_send_wr, max_recv_wr=recv_count,
+                                               max_send_sge=max_send_sge, max_recv_sge=1))
+        except BaseException:
+            for thing in reversed(made):
+                thing.close()
+            raise
         self.recv_pools = [first]
         #: the receive slots' buffers, by slot index (across every pool)
         self.recv_views: list[memoryview] = list(first.views)
-        self.send_pool = BufferPool(pd, send_count, send_size, Access.LOCAL_WRITE)
-        self.qp: QP = cmid.create_qp(pd, self.cq, self.cq,
-                                     QPCap(max_send_wr=max_send_wr, max_recv_wr=recv_count,
-                                           max_send_sge=max_send_sge, max_recv_sge=1))
         self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [first.sge(i)])
                           for i in range(first.count)]
         self.reactor: Reactor | None = None

@@ -24,6 +24,7 @@ from .conftest import (HOSTNQN, NQN, TargetProbe, assert_accepts_new_host,
                        assert_undisturbed)
 from .rawpeer import RawPeer
 
+ADMIN_QUEUE_REQ = CMConnectRequest(recfmt=0, qid=0, hrqsize=32, hsqsize=31, cntlid=0).pack()
 MiB = 1 << 20
 MDTS = MiB              # the target's default limits.mdts
 #: the first bytes of a connect request, never the rest
@@ -62,6 +63,24 @@ def closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
+def try_connect(port: int, source: str, private: bytes) -> str:
+    """A whole CM exchange from ``source``: 'rep', 'rej', or 'dropped' (closed, reset or no
+    answer in 2 s); never raises."""
+    try:
+        peer = RawPeer(("127.0.0.1", port), source=source, timeout=2)
+    except OSError:
+        return "dropped"
+    try:
+        peer.send(Frame.CONN_REQ, private, extra=1)
+        frame = peer.recv_frame()
+    except OSError:
+        frame = None
+    finally:
+        peer.close()
+    kind = frame[0] if frame else None
+    return {Frame.CONN_REP: "rep", Frame.CONN_REJ: "rej"}.get(kind, "dropped")
+
+
 def vm(pid: int, key: str) -> int:
     """A size from /proc/PID/status (VmHWM: peak resident, VmSize: virtual), in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -88,6 +107,10 @@ def test_fd_exhaustion_by_half_sent_requests_is_shed_not_spun(target, bystander)
     with bystander.attack("half-sent requests past RLIMIT_NOFILE"):
         socks = half_requests(target.port, sources(int(NOFILE * 2.5)))
         assert target.wait_log("out of file descriptors", 5), target.log[-2000:]
+        # whole requests meanwhile: each accepted, refused or dropped, never a traceback
+        outcomes = [try_connect(target.port, addr, ADMIN_QUEUE_REQ)
+                    for addr in sources(20, subnet=3)]
+        assert set(outcomes) <= {"rep", "rej", "dropped"}, outcomes
         time.sleep(2)                       # the attacker holds them; the target must not spin
         during = len(target.log)
         time.sleep(1)
@@ -123,8 +146,7 @@ def test_half_sent_requests_are_capped_and_time_out(target, bystander):
         assert dropped == [True] * (2 * PENDING) + [False] * PENDING, dropped
         peer = RawPeer(("127.0.0.1", target.port), source="127.0.0.3")
         try:
-            kind, _ = peer.connect_cm(CMConnectRequest(recfmt=0, qid=0, hrqsize=32,
-                                                       hsqsize=31, cntlid=0).pack())
+            kind, _ = peer.connect_cm(ADMIN_QUEUE_REQ)
             assert kind == Frame.CONN_REP
         finally:
             peer.close()

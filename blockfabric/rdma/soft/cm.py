@@ -340,7 +340,6 @@ class SoftListener(Listener):
                 return
             except OSError as exc:
                 if exc.errno in _NO_FDS:
-                    self._short_at = time.monotonic()
                     if not self._out_of_fds(exc):
                         return
                     continue
@@ -367,11 +366,7 @@ class SoftListener(Listener):
         """Shed one waiting connection: the oldest half-read request gives its descriptor
         back, else the reserved one does, so the connection can be accepted and closed.
         False (and the socket paused) when that is not possible."""
-        if self._shed_since is None:
-            self._shed_since = time.monotonic()
-            log.warning("listener %s:%s: out of file descriptors (%s): shedding connection "
-                        "requests until there are some again", *self.local_address[:2],
-                        _errno.errorcode.get(exc.errno, exc.errno))
+        self._short(exc)
         if self._pending:
             self._drop(next(iter(self._pending))).close()
             self._shed += 1
@@ -394,6 +389,15 @@ class SoftListener(Listener):
         self._ep.unregister(self._lsock.fileno())
         self._paused_until = time.monotonic() + SHED_PAUSE
         return False
+
+    def _short(self, exc: OSError) -> None:
+        """A descriptor was wanted and there was none: an episode begins (logged once)."""
+        self._short_at = time.monotonic()
+        if self._shed_since is None:
+            self._shed_since = self._short_at
+            log.warning("listener %s:%s: out of file descriptors (%s): shedding connection "
+                        "requests until there are some again", *self.local_address[:2],
+                        _errno.errorcode.get(exc.errno, exc.errno))
 
     def _drop(self, fd: int) -> socket.socket:
         self._ep.unregister(fd)
@@ -422,7 +426,16 @@ class SoftListener(Listener):
             return
         self._drop(fd)
         sock.setblocking(True)
-        self._ready.append(SoftCMId(self.provider, sock, bytes(buf[wire.HEADER_SIZE:])))
+        try:
+            cmid = SoftCMId(self.provider, sock, bytes(buf[wire.HEADER_SIZE:]))
+        except OSError as exc:          # no descriptor for its event fd: shed it
+            sock.close()
+            if exc.errno not in _NO_FDS:
+                raise
+            self._short(exc)
+            self._shed += 1
+            return
+        self._ready.append(cmid)
 
     def fileno(self) -> int:
         return self._ep.fileno()

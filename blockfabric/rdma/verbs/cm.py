@@ -410,6 +410,7 @@ class VerbsListener(_Endpoint, base.Listener):
         self._provider = provider
         self.max_pending = max(1, max_pending)
         self._refused = 0               # requests refused in this episode (logged once)
+        self._refused_at = 0.0          # the last of them
         channel = _Channel()
         self._attach(channel)
         channel.listener = self
@@ -452,7 +453,8 @@ class VerbsListener(_Endpoint, base.Listener):
                     cmid.close()
                     child = None
         if why is None:
-            if self._refused:
+            # the episode ends with a request taken a second after the last refusal
+            if self._refused and time.monotonic() - self._refused_at >= 1.0:
                 log.warning("listener %s: taking connection requests again after refusing "
                             "%d", self.local_address, self._refused)
                 self._refused = 0
@@ -462,6 +464,7 @@ class VerbsListener(_Endpoint, base.Listener):
             log.warning("listener %s: refusing connection requests: %s", self.local_address,
                         why)
         self._refused += 1
+        self._refused_at = time.monotonic()
         if child is not None:
             try:
                 child.reject(b"")

@@ -200,6 +200,7 @@ def test_unconnected_queues_are_capped_across_addresses_and_cost_little(target, 
                 outcomes.append(kind if kind == Frame.CONN_REP
                                 else CMReject.unpack_from(private).sts)
             grew = vm(target.proc.pid, "VmSize") - size_before
+            time.sleep(1)                   # held: the bystander goes on meanwhile
         finally:
             for peer in peers:
                 peer.close()

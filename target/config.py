@@ -548,6 +548,14 @@ class Limits(Model):
     #: Seconds a queue may stay connected (rdma_cm) without completing a Fabrics Connect
     #: before it is disconnected, so that silent peers cannot keep connection slots.
     connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    #: Queues accepted (rdma_cm) whose Fabrics Connect has not completed, across all peer
+    #: addresses; past it a new connection gets CM reject NO_RESOURCES.
+    max_unconnected_queues: int = _field(Int(1, 65535), 128)
+    #: Connection requests each listener holds before they are whole (the soft provider
+    #: reads them itself): past it the oldest is dropped for the newest.
+    max_pending_requests: int = _field(Int(1, 65535), 128)
+    #: Seconds a connection request may take to arrive whole before it is dropped.
+    request_timeout: int = _field(Int(1, 60, unit="seconds"), 5)
     #: Bytes of frames a queue may hold unsent because its peer does not read them (soft
     #: provider; queued buffers count 128 B more each), past which the queue is cut.  0: the
     #: queue's depth x (mdts + inline_data_size + 4 KiB), what a well-behaved host can

@@ -419,6 +419,9 @@ class Controller:
     # Log pages ----------------------------------------------------------------------------
     def _get_log_page(self, cmd: Command, glp: GetLogPage) -> None:
         lid = glp.lid
+        # NUMD asks for up to 16 GiB: checked against the SGL and MDTS before anything is
+        # built, and whatever lies past the page is zeros that cost no memory (send_data).
+        self._check_length(cmd, glp.length)
         if lid == LogPageId.DISCOVERY:
             if not self.is_discovery:
                 raise ProtocolError("discovery log page on an NVM controller",
@@ -446,10 +449,7 @@ class Controller:
         if glp.lpo > len(page):
             raise ProtocolError(f"log page offset {glp.lpo} beyond {len(page)} bytes",
                                 StatusCode.INVALID_FIELD)
-        data = page[glp.lpo:glp.lpo + glp.length]
-        if len(data) < glp.length:
-            data = data + bytes(glp.length - len(data))
-        self.send_data(cmd, data)
+        self.send_data(cmd, page[glp.lpo:glp.lpo + glp.length], glp.length)
 
     # Features -----------------------------------------------------------------------------
     def _set_features(self, cmd: Command, sf: SetFeatures) -> None:
@@ -517,15 +517,33 @@ class Controller:
             self.aers.pop(0).respond(result=self.pending_events.pop(0))
 
     # -- data out for admin commands -----------------------------------------------------
-    def send_data(self, cmd: Command, data: bytes) -> None:
-        """Respond with ``data`` RDMA-written into the host's buffer (an admin command)."""
-        if cmd.data_length != len(data):
-            raise ProtocolError(f"SGL length {cmd.data_length}, the data is {len(data)} bytes",
-                                StatusCode.SGL_DATA_LENGTH_INVALID)
+    def _check_length(self, cmd: Command, length: int) -> None:
+        """A transfer length the host put in the command: it must be what the SGL describes
+        and at most MDTS, checked before anything of that size exists."""
+        if cmd.data_length != length:
+            raise ProtocolError(f"SGL length {cmd.data_length}, the command asks for "
+                                f"{length} bytes", StatusCode.SGL_DATA_LENGTH_INVALID)
+        self._check_mdts(length)
+
+    def _check_mdts(self, length: int) -> None:
+        if length > self.mdts_bytes:
+            raise ProtocolError(f"{length} bytes exceeds MDTS {self.mdts_bytes}",
+                                StatusCode.INVALID_FIELD)
+
+    def send_data(self, cmd: Command, data: bytes, length: int | None = None) -> None:
+        """Respond with ``data`` RDMA-written into the host's buffer (an admin command),
+        followed by zeros up to ``length`` (checked by :meth:`_check_length`) from the
+        target's shared zero region."""
+        if length is None:
+            length = len(data)
+            self._check_length(cmd, length)
         view, sge, release = self.target.control_buffer(cmd.queue, len(data))
         view[:len(data)] = data
         cmd.on_released = release
-        cmd.respond(data=(sge,))
+        sges = (sge,) if data else ()
+        if length > len(data):
+            sges += (self.target.zeros(cmd.queue, length - len(data)),)
+        cmd.respond(data=sges)
 
     # -- I/O ---------------------------------------------------------------------------
     def _io(self, cmd: Command) -> None:
@@ -667,13 +685,15 @@ class Controller:
         if cmd.data_length < dsm.data_length:
             raise ProtocolError(f"SGL length {cmd.data_length} for {nranges} DSM ranges",
                                 StatusCode.SGL_DATA_LENGTH_INVALID)
+        self._check_mdts(cmd.data_length)
         if not dsm.ad:
             cmd.respond()
             return
         if ns.read_only:
             raise ProtocolError(f"namespace {ns.nsid} is read-only",
                                 StatusCode.NS_WRITE_PROTECTED)
-        view, sge, release = self.target.control_buffer(cmd.queue, cmd.data_length)
+        # Only the ranges are read (at most 256 x 16 bytes), however long the SGL is.
+        view, sge, release = self.target.control_buffer(cmd.queue, dsm.data_length)
         cmd.on_released = release
         started = self._begin([ns])
         cmd.user = lambda: self._unpin([ns])

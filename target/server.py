@@ -14,6 +14,7 @@ the reload runs there, between commands, like everything else).
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import threading
@@ -39,8 +40,8 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
                                           ConnectData,
                                           connect_invalid_param)
-from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, CMEventType, CMId, Listener,
-                              get_provider)
+from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, Access, CMEventType, CMId,
+                              Listener, get_provider)
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
@@ -59,6 +60,8 @@ MAX_CNTLID = 0xFFEF
 DRAIN_TIMEOUT = 20.0
 IDLE_TIMEOUT = 10.0
 IDLE_POLL = 0.005
+#: errno values that mean "out of resources" (descriptors, memory) rather than a bug
+NO_RESOURCES_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
 
 
 def abort_command(cmd: Command) -> None:
@@ -131,6 +134,9 @@ class QueueSession:
             self.connect_timer = None
         self.handler = ctrl.queue_handler(self.qid)
         self.queue.sq_flow = not connect.sq_flow_control_disabled
+        # The rest of the queue's receive slots, before the answer: a host sends nothing
+        # else on this queue until it has the Connect response.
+        self.queue.post_more_receives()
         # ATR: authenticate this queue before anything else (nvmet_connect_result)
         cmd.respond(result=ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0))
 
@@ -145,6 +151,30 @@ def auth_policy(subsystem: cfg.Subsystem, hostnqn: str) -> AuthPolicy | None:
         return None
     return AuthPolicy(entry.dhchap_secret, entry.dhchap_ctrl_secret, entry.hash_id,
                       entry.dhgroup_id)
+
+
+class _Episode:
+    """A warning that a peer can make happen at will, logged when it starts and then at
+    most once per ``interval`` seconds with how many were left out, so that a flood of
+    refusals cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, what: str, interval: float = 10.0) -> None:
+        self.log = logger
+        self.what = what
+        self.interval = interval
+        self.quiet_until = 0.0
+        self.left_out = 0
+
+    def note(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self.quiet_until:
+            self.left_out += 1
+            return
+        if self.left_out:
+            msg += f" (and {self.left_out} more {self.what} refused since the last such line)"
+        self.log.warning(msg, *args)
+        self.left_out = 0
+        self.quiet_until = now + self.interval
 
 
 def _peer(queue: TargetQueue | None) -> str:
@@ -175,8 +205,13 @@ class Target:
         self._next_cntlid = 1
         self._pds: dict[int, PD] = {}
         self._control: dict[int, BufferPool] = {}
+        self._zeros: dict[int, BufferPool] = {}
+        self._old_zeros: list[BufferPool] = []      # outgrown by a larger mdts (reload)
         self._bounce: dict[int, BufferPool] = {}
         self._bounce_waiters: dict[int, list[Callable[[], None]]] = {}
+        #: id(listener) -> the timer that calls it back at its deadline() (see _on_requests)
+        self._listener_timers: dict[int, Timer] = {}
+        self._shed_log = _Episode(log, "connection requests")
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
         self.genctr = 0
@@ -218,7 +253,10 @@ class Target:
 
     def _open_listener(self, lconf: cfg.Listener) -> tuple[cfg.Listener, str, Listener]:
         provider = get_provider(lconf.provider, lconf.address)
-        return lconf, provider.name, provider.listen(lconf.address, lconf.port)
+        limits = self.config.limits
+        return lconf, provider.name, provider.listen(
+            lconf.address, lconf.port, max_pending=limits.max_pending_requests,
+            request_timeout=limits.request_timeout)
 
     def _add_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
         lconf, provider, listener = entry
@@ -228,6 +266,9 @@ class Target:
         log.info("listening on %s (%s provider)", lconf.endpoint, provider)
 
     def _close_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
+        timer = self._listener_timers.pop(id(entry[2]), None)
+        if timer is not None:
+            timer.cancel()
         self.listeners.remove(entry)
         self.reactor.remove_reader(entry[2].fileno())
         entry[2].close()
@@ -275,19 +316,51 @@ class Target:
         self.reactor.call_soon_threadsafe(lambda: self.reload_from(load))
 
     def _on_requests(self, lconf: cfg.Listener, provider: str, listener: Listener) -> None:
-        while True:
-            cmid = listener.get_request(0)
-            if cmid is None:
-                return
-            try:
-                self._accept(lconf, provider, cmid)
-            except Exception:
-                log.exception("connection set-up from %s failed", cmid.peer_address)
+        try:
+            while True:
+                cmid = listener.get_request(0)
+                if cmid is None:
+                    return
                 try:
-                    cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
-                except Exception:
-                    pass
-                cmid.close()
+                    self._accept(lconf, provider, cmid)
+                except Exception as exc:
+                    if getattr(exc, "errno", None) in NO_RESOURCES_ERRNOS:
+                        # Out of descriptors or memory: refused like any other shortage,
+                        # and logged as one (not a traceback per connection).
+                        self._shed_log.note("rejecting connection from %s: NO_RESOURCES (%s)",
+                                            cmid.peer_address[0], exc)
+                    else:
+                        log.exception("connection set-up from %s failed", cmid.peer_address)
+                    self._reject_and_close(cmid)
+        finally:
+            self._wake_listener_at_deadline(lconf, provider, listener)
+
+    @staticmethod
+    def _reject_and_close(cmid: CMId) -> None:
+        try:
+            cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
+        except Exception:
+            pass                # already accepted or closed: closing is all that is left
+        cmid.close()
+
+    def _wake_listener_at_deadline(self, lconf: cfg.Listener, provider: str,
+                                   listener: Listener) -> None:
+        """A listener has timed work (half-received requests to expire, a pause after
+        running out of descriptors to end) that no readable fd announces: one timer per
+        listener calls it back then."""
+        when = listener.deadline()
+        key = id(listener)
+        timer = self._listener_timers.get(key)
+        if when is None or (timer is not None and not timer.cancelled and timer.when <= when):
+            return
+        if timer is not None:
+            timer.cancel()
+
+        def wake() -> None:
+            self._listener_timers.pop(key, None)
+            if any(entry[2] is listener for entry in self.listeners):
+                self._on_requests(lconf, provider, listener)
+        self._listener_timers[key] = self.reactor.call_later(when - time.monotonic(), wake)
 
     def _accept(self, lconf: cfg.Listener, provider: str, cmid: CMId) -> None:
         try:
@@ -300,7 +373,7 @@ class Target:
             cmid.reject(CMReject(sts=sts).pack())
             cmid.close()
             return
-        if self._over_host_limit(cmid):
+        if self._over_host_limit(cmid) or self._over_unconnected_limit(cmid):
             cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
             cmid.close()
             return
@@ -308,13 +381,21 @@ class Target:
         depth = req.hsqsize + 1
         pd = self.pd_for(cmid)
         inline = self.config.limits.inline_data_size if req.qid else 0
+        # One receive slot until the Fabrics Connect succeeds (QueueSession._connect posts
+        # the rest before answering it): a peer that never proves to be a host costs one
+        # capsule buffer, not a queue's worth.
         queue = TargetQueue(cmid, pd, qid=req.qid, depth=depth, inline_size=inline,
-                            handler=session, name=f"{cmid.peer_address[0]} q{req.qid}")
+                            handler=session, name=f"{cmid.peer_address[0]} q{req.qid}",
+                            recv_now=1)
         session.queue = queue
         queue.qp.max_unsent = self.config.limits.unsent_limit(depth, inline)
         queue.on_cm_event = lambda: self._on_cm_event(session)
-        queue.post_all_receives()
-        queue.attach(self.reactor)
+        try:
+            queue.post_all_receives()
+            queue.attach(self.reactor)
+        except BaseException:
+            queue.close()       # its CQ, buffers and QP; the caller refuses the request
+            raise
         self.sessions.add(session)
         timeout = self.config.limits.connect_timeout
         session.connect_timer = self.reactor.call_later(
@@ -332,8 +413,22 @@ class Target:
                     if s.queue is not None and s.queue.cmid.peer_address[0] == peer)
         if count < limit:
             return False
-        log.warning("rejecting connection from %s: NO_RESOURCES (%d connections from that "
-                    "address, limits.max_connections_per_host is %d)", peer, count, limit)
+        self._shed_log.note("rejecting connection from %s: NO_RESOURCES (%d connections from "
+                            "that address, limits.max_connections_per_host is %d)", peer,
+                            count, limit)
+        return True
+
+    def _over_unconnected_limit(self, cmid: CMId) -> bool:
+        """limits.max_unconnected_queues, across all addresses: queues accepted whose
+        Fabrics Connect has not completed yet (each holds a socket, a QP and a receive slot
+        until limits.connect_timeout)."""
+        limit = self.config.limits.max_unconnected_queues
+        count = sum(1 for s in self.sessions if s.controller is None)
+        if count < limit:
+            return False
+        self._shed_log.note("rejecting connection from %s: NO_RESOURCES (%d queues without a "
+                            "Fabrics Connect, limits.max_unconnected_queues is %d)",
+                            cmid.peer_address[0], count, limit)
         return True
 
     def _connect_timed_out(self, session: QueueSession, timeout: int) -> None:
@@ -381,6 +476,19 @@ class Target:
         # Large or many: a one-off registration (the admin path is not the hot path).
         pool = BufferPool(pd, 1, max(length, 1))
         return pool.views[0], pool.sge(0, length), lambda _cmd: pool.close()
+
+    def zeros(self, queue: TargetQueue, length: int) -> SGE:
+        """``length`` (at most limits.mdts) bytes of zeros in registered memory, one region
+        per protection domain that is never written: answers padded to a length the host
+        chose cost no memory of that length."""
+        pd = queue.pd
+        pool = self._zeros.get(id(pd))
+        if pool is None or pool.size < length:
+            if pool is not None:
+                self._old_zeros.append(pool)    # may still be read by a posted WRITE
+            size = max(length, self.config.limits.mdts)
+            pool = self._zeros[id(pd)] = BufferPool(pd, 1, size, Access(0))
+        return pool.sge(0, length)
 
     def with_bounce(self, cmd: Command, length: int,
                     use: Callable[[memoryview, SGE, Callable[[Command], None]], None]) -> None:
@@ -895,9 +1003,12 @@ class Target:
         for ns in self._closing:
             _close_namespace(ns)
         self._closing.clear()
-        for pool in list(self._control.values()) + list(self._bounce.values()):
+        for pool in [*self._control.values(), *self._bounce.values(), *self._zeros.values(),
+                     *self._old_zeros]:
             pool.close()
         self._control.clear()
+        self._zeros.clear()
+        self._old_zeros.clear()
         self._bounce.clear()
         for pd in self._pds.values():
             pd.close()

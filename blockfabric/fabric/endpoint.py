@@ -36,30 +36,63 @@ def wr_id(kind: int, index: int) -> int:
 
 
 class Endpoint:
-    """QP + CQ + receive slots + send slots of one queue."""
+    """QP + CQ + receive slots + send slots of one queue.
+
+    ``recv_now``: how many of the ``recv_count`` receive slots to register at once (all by
+    default); :meth:`post_more_receives` adds the rest.  The target keeps a queue cheap
+    until its peer has proved to be a host (a Fabrics Connect that succeeded)."""
 
     def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
                  send_count: int, send_size: int, max_send_wr: int,
-                 max_send_sge: int = 4, name: str = "queue") -> None:
+                 max_send_sge: int = 4, name: str = "queue", recv_now: int | None = None
+                 ) -> None:
         self.cmid = cmid
         self.name = name
         self.pd = pd
         self.closed = False
+        self.recv_count = recv_count
+        self.recv_size = recv_size
         self.cq: CQ = cmid.context.create_cq(max_send_wr + recv_count + 16)
-        self.recv_pool = BufferPool(pd, recv_count, recv_size, Access.LOCAL_WRITE)
-        self.send_pool = BufferPool(pd, send_count, send_size, Access.LOCAL_WRITE)
-        self.qp: QP = cmid.create_qp(pd, self.cq, self.cq,
-                                     QPCap(max_send_wr=max_send_wr, max_recv_wr=recv_count,
-                                           max_send_sge=max_send_sge, max_recv_sge=1))
-        self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [self.recv_pool.sge(i)])
-                          for i in range(recv_count)]
+        made: list = [self.cq]      # released again should a later step fail (no fd leaks)
+        try:
+            first = BufferPool(pd, recv_count if recv_now is None else recv_now, recv_size,
+                               Access.LOCAL_WRITE)
+            made.append(first)
+            self.send_pool = BufferPool(pd, send_count, send_size, Access.LOCAL_WRITE)
+            made.append(self.send_pool)
+            self.qp: QP = cmid.create_qp(pd, self.cq, self.cq,
+                                         QPCap(max_send_wr=max_send_wr, max_recv_wr=recv_count,
+                                               max_send_sge=max_send_sge, max_recv_sge=1))
+        except BaseException:
+            for thing in reversed(made):
+                thing.close()
+            raise
+        self.recv_pools = [first]
+        #: the receive slots' buffers, by slot index (across every pool)
+        self.recv_views: list[memoryview] = list(first.views)
+        self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [first.sge(i)])
+                          for i in range(first.count)]
         self.reactor: Reactor | None = None
         self.on_cm_event: Callable[[], None] | None = None
 
     # -- receive slots ---------------------------------------------------------------
     def post_all_receives(self) -> None:
-        """Post every receive slot (before accepting or connecting, so no SEND meets RNR)."""
+        """Post every receive slot registered so far (before accepting or connecting, so
+        no SEND meets RNR)."""
         self.qp.post_recv(self._recv_wrs)
+
+    def post_more_receives(self) -> None:
+        """Register and post the receive slots ``recv_now`` held back (once)."""
+        more = self.recv_count - len(self._recv_wrs)
+        if more <= 0 or self.closed:
+            return
+        pool = BufferPool(self.pd, more, self.recv_size, Access.LOCAL_WRITE)
+        self.recv_pools.append(pool)
+        base = len(self._recv_wrs)
+        wrs = [RecvWR(wr_id(KIND_RECV, base + i), [pool.sge(i)]) for i in range(more)]
+        self.recv_views.extend(pool.views)
+        self._recv_wrs.extend(wrs)
+        self.qp.post_recv(wrs)
 
     def repost(self, index: int) -> None:
         if not self.closed:
@@ -148,7 +181,7 @@ class Endpoint:
         self._detach()      # before any fd closes: a reused fd number must not be shadowed
         self.closed = True
         for step in (self.cmid.disconnect, self.cmid.close, self.cq.close,
-                     self.recv_pool.close, self.send_pool.close):
+                     *(pool.close for pool in self.recv_pools), self.send_pool.close):
             try:
                 step()
             except Exception as exc:  # teardown goes on; a half-dead peer is normal here

@@ -192,7 +192,7 @@ class HostQueue(Endpoint):
         self.fail(reason, expected=self.closed)
 
     def _on_response(self, recv_index: int, length: int) -> None:
-        view = self.recv_pool.views[recv_index]
+        view = self.recv_views[recv_index]
         try:
             cqe = CQE.unpack_from(view[:length])
         except ProtocolError as exc:

@@ -88,7 +88,8 @@ class TargetQueue(Endpoint):
     """The RDMA side of one target queue: ``depth`` receive slots and command contexts."""
 
     def __init__(self, cmid: CMId, pd: PD, *, qid: int, depth: int, inline_size: int,
-                 handler: Handler, max_send_sge: int = 4, name: str | None = None) -> None:
+                 handler: Handler, max_send_sge: int = 4, name: str | None = None,
+                 recv_now: int | None = None) -> None:
         self.qid = qid
         self.depth = depth
         self.inline_size = inline_size
@@ -97,7 +98,8 @@ class TargetQueue(Endpoint):
         self.sq_flow = True
         super().__init__(cmid, pd, recv_count=depth, recv_size=SQE_SIZE + inline_size,
                          send_count=depth, send_size=CQE_SIZE, max_send_wr=depth * 4,
-                         max_send_sge=max_send_sge, name=name or f"q{qid}")
+                         max_send_sge=max_send_sge, name=name or f"q{qid}",
+                         recv_now=recv_now)
         self.commands = [Command(self, i) for i in range(depth)]
         self._free = list(range(depth - 1, -1, -1))
         self._cqe_views = self.send_pool.views
@@ -148,7 +150,7 @@ class TargetQueue(Endpoint):
         cmd.user = None
         cmd.sqe = None
         self.sqhd = (self.sqhd + 1) % self.depth
-        capsule = self.recv_pool.views[recv_index][:length]
+        capsule = self.recv_views[recv_index][:length]
         try:
             cmd.sqe = SQE.unpack_from(capsule)
             cmd.sgl = cmd.sqe.sgl
@@ -175,17 +177,18 @@ class TargetQueue(Endpoint):
     # -- data movement ---------------------------------------------------------------
     def fetch(self, cmd: Command, view: memoryview, sge: SGE,
               done: Callable[[Command], None]) -> None:
-        """RDMA READ the host's keyed buffer into ``sge`` (or copy in-capsule data into
-        ``view``), then call ``done(cmd)`` on the reactor thread."""
+        """RDMA READ the first ``sge.length`` bytes (at most the SGL's) of the host's keyed
+        buffer into ``sge`` (or copy in-capsule data into ``view``), then call ``done(cmd)``
+        on the reactor thread."""
         sgl = cmd.sgl
         if isinstance(sgl, OffsetSGL):
-            view[:sgl.length] = cmd.inline[sgl.offset:sgl.offset + sgl.length]
+            n = min(sgl.length, sge.length)
+            view[:n] = cmd.inline[sgl.offset:sgl.offset + n]
             done(cmd)
             return
         cmd.on_fetched = done
         self.post_send(SendWR(wr_id(KIND_READ, cmd.index), WrOpcode.RDMA_READ,
-                              [SGE(sge.addr, sgl.length, sge.lkey)], SendFlags.SIGNALED,
-                              remote_addr=sgl.addr, rkey=sgl.key))
+                              [sge], SendFlags.SIGNALED, remote_addr=sgl.addr, rkey=sgl.key))
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
                 result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:

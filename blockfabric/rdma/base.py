@@ -401,6 +401,18 @@ class Listener(_Closable):
     def fileno(self) -> int:
         ...
 
+    def deadline(self) -> float | None:
+        """When (``time.monotonic()``) :meth:`get_request` has timed work to do even if
+        :meth:`fileno` stays quiet (expiring half-received requests, ending a pause); None:
+        none.  The owner calls ``get_request(0)`` then."""
+        return None
+
+
+#: Connection requests a listener holds before its owner takes them, at most, and for how
+#: long (seconds) one may stay half-received.
+MAX_PENDING_REQUESTS = 128
+REQUEST_TIMEOUT = 5.0
+
 
 class Provider(abc.ABC):
     """One RDMA implementation (``soft`` or ``verbs``)."""
@@ -416,8 +428,11 @@ class Provider(abc.ABC):
         """True when this provider can serve ``address`` (``auto`` selection uses it)."""
 
     @abc.abstractmethod
-    def listen(self, address: str, port: int, backlog: int = 128) -> Listener:
-        ...
+    def listen(self, address: str, port: int, backlog: int = 128, *,
+               max_pending: int = MAX_PENDING_REQUESTS,
+               request_timeout: float = REQUEST_TIMEOUT) -> Listener:
+        """A listener; ``max_pending`` and ``request_timeout`` bound what peers can make it
+        hold before its owner sees their requests."""
 
     @abc.abstractmethod
     def create_id(self) -> CMId:

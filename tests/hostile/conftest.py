@@ -12,8 +12,8 @@ import pytest
 
 from blockfabric.initiator.host import connect
 
-from e2e.conftest import (HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config,  # noqa: F401
-                          start_target)
+from e2e.conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port,  # noqa: F401
+                          ram_config, start_target)
 from faults.verifyload import verify_load
 
 MAX_CONN = 6
@@ -21,11 +21,16 @@ MAX_CONN = 6
 
 @pytest.fixture
 def target(start_target, request):
-    """Parametrize indirectly with a mapping to set further ``limits`` keys."""
+    """Parametrize indirectly with a mapping to set further ``limits`` keys (and
+    ``nofile``: run the target with that RLIMIT_NOFILE)."""
     port = free_port()
     config = ram_config(port)
-    config["limits"] = {"max_connections_per_host": MAX_CONN, **getattr(request, "param", {})}
-    proc = start_target(config)
+    limits = dict(getattr(request, "param", {}))
+    nofile = limits.pop("nofile", None)
+    config["limits"] = {"max_connections_per_host": MAX_CONN, **limits}
+    command = None if nofile is None else ["prlimit", f"--nofile={nofile}",
+                                           str(BIN / "blockfabric-target")]
+    proc = start_target(config, command=command)
     proc.port = port
     return proc
 

@@ -8,6 +8,7 @@ consumed); once established the socket belongs to the device's progress engine.
 from __future__ import annotations
 
 import errno as _errno
+import logging
 import os
 import select
 import socket
@@ -15,8 +16,8 @@ import time
 from collections import deque
 
 from blockfabric.errors import ConnectionRejected, RdmaError, RdmaTimeout
-from blockfabric.rdma.base import (CMEvent, CMEventType, CMId, DeviceInfo, Listener, Provider,
-                                   QPCap)
+from blockfabric.rdma.base import (MAX_PENDING_REQUESTS, REQUEST_TIMEOUT, CMEvent, CMEventType,
+                                   CMId, DeviceInfo, Listener, Provider, QPCap)
 from blockfabric.rdma.soft import wire
 from blockfabric.rdma.soft.device import SoftContext
 from blockfabric.rdma.soft.memory import SoftPD
@@ -25,6 +26,22 @@ from blockfabric.rdma.soft.qp import DEFAULT_ACK_TIMEOUT, SoftQP
 from blockfabric.rdma.soft.wire import Frame
 
 PROGRESS_ENV = "BLOCKFABRIC_SOFT_PROGRESS"
+#: How long a listener that cannot even shed (no descriptor at all) stops polling.
+SHED_PAUSE = 0.1
+#: An out-of-descriptors episode ends with the first accept this long after the last shortage.
+SHED_QUIET = 1.0
+_NO_FDS = (_errno.EMFILE, _errno.ENFILE, _errno.ENOBUFS, _errno.ENOMEM)
+
+log = logging.getLogger(__name__)
+
+
+def _reserve_fd() -> int | None:
+    """A descriptor kept open so that, out of descriptors, one can be freed to accept and
+    close a waiting connection (None if even this one cannot be had)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _check_private_data(data: bytes, limit: int, what: str) -> bytes:
@@ -230,10 +247,22 @@ class SoftCMId(CMId):
 
 class SoftListener(Listener):
     """A TCP listener; connect requests are read here (in the caller's thread) without
-    blocking on a slow client: half-read requests wait in this listener's own epoll."""
+    blocking on a slow client: half-read requests wait in this listener's own epoll.
 
-    def __init__(self, provider: "SoftProvider", address: str, port: int, backlog: int) -> None:
+    Everything a peer can make it hold is bounded: at most ``max_pending`` half-read
+    requests (a new one pushes out the oldest), each for at most ``request_timeout``
+    seconds.  When the process is out of file descriptors (EMFILE, ENFILE) the listener
+    sheds instead of spinning: it frees a reserved descriptor, accepts and closes the
+    waiting connection, and if even that fails stops polling the socket for a moment
+    (:meth:`deadline` says when the owner should call :meth:`get_request` again).  Each
+    such episode is logged once when it starts and once, with the count, when it ends."""
+
+    def __init__(self, provider: "SoftProvider", address: str, port: int, backlog: int,
+                 max_pending: int = MAX_PENDING_REQUESTS,
+                 request_timeout: float = REQUEST_TIMEOUT) -> None:
         self.provider = provider
+        self.max_pending = max(1, max_pending)
+        self.request_timeout = request_timeout
         try:
             infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
@@ -253,22 +282,53 @@ class SoftListener(Listener):
         self.local_address = self._lsock.getsockname()[:2]
         self._ep = select.epoll()
         self._ep.register(self._lsock.fileno(), select.EPOLLIN)
-        self._pending: dict[int, list] = {}     # fd -> [sock, buffer, bytes wanted]
+        #: fd -> [sock, buffer, bytes wanted, deadline]; insertion order is age order
+        self._pending: dict[int, list] = {}
         self._ready: deque[SoftCMId] = deque()
+        self._reserve: int | None = _reserve_fd()
+        self._paused_until: float | None = None     # listening socket out of the epoll
+        self._shed = 0                              # connections shed this episode
+        self._shed_since: float | None = None       # when the episode began
+        self._short_at = 0.0                        # the last accept without a descriptor
         self.closed = False
 
     def get_request(self, timeout: float | None = 0) -> SoftCMId | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._ready:
-            left = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+            self._expire()
+            left = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            wake = self.deadline()
+            if wake is not None:
+                until = max(0.0, wake - time.monotonic())
+                left = until if left < 0 else min(left, until)
             for fd, _ev in self._ep.poll(left):
                 if fd == self._lsock.fileno():
                     self._accept_all()
-                else:
+                elif fd in self._pending:
                     self._read_request(fd)
             if deadline is not None and time.monotonic() >= deadline and not self._ready:
+                self._expire()
                 return None
         return self._ready.popleft()
+
+    def deadline(self) -> float | None:
+        """The oldest half-read request expires, or a pause after file descriptor
+        exhaustion ends (see :meth:`Listener.deadline`)."""
+        times = [t for t in (self._paused_until,) if t is not None]
+        if self._pending:
+            times.append(next(iter(self._pending.values()))[3])
+        return min(times) if times else None
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            fd, entry = next(iter(self._pending.items()))
+            if entry[3] > now:
+                break
+            self._drop(fd).close()
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            self._ep.register(self._lsock.fileno(), select.EPOLLIN)
 
     def _accept_all(self) -> None:
         while True:
@@ -276,17 +336,74 @@ class SoftListener(Listener):
                 sock, _peer = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:
+                if exc.errno in _NO_FDS:
+                    if not self._out_of_fds(exc):
+                        return
+                    continue
+                if exc.errno in (_errno.ECONNABORTED, _errno.EPROTO, _errno.EPERM):
+                    continue                    # that one connection is gone; the next
+                raise
+            if self._shed_since is not None \
+                    and time.monotonic() - self._short_at >= SHED_QUIET:
+                log.warning("listener %s:%s: accepting again after shedding %d connection "
+                            "requests in %.1f s (out of file descriptors)",
+                            *self.local_address[:2], self._shed,
+                            time.monotonic() - self._shed_since)
+                self._shed, self._shed_since = 0, None
+            if self._reserve is None:
+                self._reserve = _reserve_fd()
+            if len(self._pending) >= self.max_pending:
+                self._drop(next(iter(self._pending))).close()   # the oldest makes room
             sock.setblocking(False)
-            self._pending[sock.fileno()] = [sock, bytearray(), wire.HEADER_SIZE]
+            self._pending[sock.fileno()] = [sock, bytearray(), wire.HEADER_SIZE,
+                                            time.monotonic() + self.request_timeout]
             self._ep.register(sock.fileno(), select.EPOLLIN)
 
-    def _drop(self, fd: int) -> None:
+    def _out_of_fds(self, exc: OSError) -> bool:
+        """Shed one waiting connection: the oldest half-read request gives its descriptor
+        back, else the reserved one does, so the connection can be accepted and closed.
+        False (and the socket paused) when that is not possible."""
+        self._short(exc)
+        if self._pending:
+            self._drop(next(iter(self._pending))).close()
+            self._shed += 1
+            return True
+        if self._reserve is not None:
+            os.close(self._reserve)
+            self._reserve = None
+            try:
+                self._lsock.accept()[0].close()
+            except (BlockingIOError, InterruptedError):
+                self._reserve = _reserve_fd()
+                return False    # nothing waits any more
+            except OSError:
+                pass            # the freed descriptor went elsewhere: pause below
+            else:
+                self._shed += 1
+                self._reserve = _reserve_fd()
+                return True
+            self._reserve = _reserve_fd()
+        self._ep.unregister(self._lsock.fileno())
+        self._paused_until = time.monotonic() + SHED_PAUSE
+        return False
+
+    def _short(self, exc: OSError) -> None:
+        """A descriptor was wanted and there was none: an episode begins (logged once)."""
+        self._short_at = time.monotonic()
+        if self._shed_since is None:
+            self._shed_since = self._short_at
+            log.warning("listener %s:%s: out of file descriptors (%s): shedding connection "
+                        "requests until there are some again", *self.local_address[:2],
+                        _errno.errorcode.get(exc.errno, exc.errno))
+
+    def _drop(self, fd: int) -> socket.socket:
         self._ep.unregister(fd)
         return self._pending.pop(fd)[0]
 
     def _read_request(self, fd: int) -> None:
         entry = self._pending[fd]
-        sock, buf, want = entry
+        sock, buf, want, _deadline = entry
         try:
             chunk = sock.recv(want - len(buf))
             if not chunk:
@@ -307,7 +424,16 @@ class SoftListener(Listener):
             return
         self._drop(fd)
         sock.setblocking(True)
-        self._ready.append(SoftCMId(self.provider, sock, bytes(buf[wire.HEADER_SIZE:])))
+        try:
+            cmid = SoftCMId(self.provider, sock, bytes(buf[wire.HEADER_SIZE:]))
+        except OSError as exc:          # no descriptor for its event fd: shed it
+            sock.close()
+            if exc.errno not in _NO_FDS:
+                raise
+            self._short(exc)
+            self._shed += 1
+            return
+        self._ready.append(cmid)
 
     def fileno(self) -> int:
         return self._ep.fileno()
@@ -320,6 +446,9 @@ class SoftListener(Listener):
             self._drop(fd).close()
         for cmid in self._ready:
             cmid.close()
+        if self._reserve is not None:
+            os.close(self._reserve)
+            self._reserve = None
         self._ep.close()
         self._lsock.close()
 
@@ -364,8 +493,10 @@ class SoftProvider(Provider):
                 return False
         return True
 
-    def listen(self, address: str, port: int, backlog: int = 128) -> SoftListener:
-        return SoftListener(self, address, port, backlog)
+    def listen(self, address: str, port: int, backlog: int = 128, *,
+               max_pending: int = MAX_PENDING_REQUESTS,
+               request_timeout: float = REQUEST_TIMEOUT) -> SoftListener:
+        return SoftListener(self, address, port, backlog, max_pending, request_timeout)
 
     def create_id(self) -> SoftCMId:
         return SoftCMId(self)

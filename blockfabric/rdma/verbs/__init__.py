@@ -93,8 +93,12 @@ class VerbsProvider(base.Provider):
         listener.close()
         return True
 
-    def listen(self, address: str, port: int, backlog: int = 128) -> VerbsListener:
-        return VerbsListener(self, address, port, backlog)
+    def listen(self, address: str, port: int, backlog: int = 128, *,
+               max_pending: int = base.MAX_PENDING_REQUESTS,
+               request_timeout: float = base.REQUEST_TIMEOUT) -> VerbsListener:
+        """``request_timeout`` does not apply: the kernel's CM receives a request whole and
+        times out its own half-done exchanges."""
+        return VerbsListener(self, address, port, backlog, max_pending)
 
     def create_id(self) -> VerbsCMId:
         channel = _Channel()

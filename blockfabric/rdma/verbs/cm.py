@@ -29,6 +29,8 @@ from blockfabric.rdma.verbs import _native
 from blockfabric.rdma.verbs._native import RawEvent, rdma_error
 from blockfabric.rdma.verbs.resources import VerbsContext, VerbsCQ, VerbsPD, VerbsQP
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from blockfabric.rdma.verbs import VerbsProvider
 
@@ -444,9 +446,13 @@ class VerbsCMId(_Endpoint, base.CMId):
 class VerbsListener(_Endpoint, base.Listener):
     """A listening rdma_cm id; connect requests become child :class:`VerbsCMId` objects."""
 
-    def __init__(self, provider: "VerbsProvider", address: str, port: int, backlog: int):
+    def __init__(self, provider: "VerbsProvider", address: str, port: int, backlog: int,
+                 max_pending: int = base.MAX_PENDING_REQUESTS):
         pv = self._pv = _native.load()
         self._provider = provider
+        self.max_pending = max(1, max_pending)
+        self._refused = 0               # requests refused in this episode (logged once)
+        self._refused_at = 0.0          # the last of them
         channel = _Channel()
         self._attach(channel)
         channel.listener = self
@@ -464,15 +470,49 @@ class VerbsListener(_Endpoint, base.Listener):
         self.local_address = _native.id_addresses(ptr)[0]
 
     def _on_request(self, event, raw: RawEvent) -> None:
+        """A connect request: queued for :meth:`get_request`, unless ``max_pending`` wait
+        already or its resources (descriptors, a device context) cannot be had; then it is
+        rejected at once, never left half-made, and the episode is logged once."""
         child = self._pv.cmid.CMID(creator=event, listen_id=self._cm)
-        cmid = VerbsCMId(self._provider, self._channel, child, id_ptr=raw.id_ptr,
-                         private_data=raw.private_data, request=raw)
-        try:
-            cmid._set_device()
-        except Exception:
-            cmid.close()
-            raise
-        self._queue(cmid)
+        why = None
+        if len(self._events) >= self.max_pending:
+            why = f"{len(self._events)} requests wait already"
+        else:
+            try:
+                cmid = VerbsCMId(self._provider, self._channel, child, id_ptr=raw.id_ptr,
+                                 private_data=raw.private_data, request=raw)
+            except (OSError, RdmaError) as exc:
+                why = str(exc)
+            else:
+                try:
+                    cmid._set_device()
+                except (OSError, RdmaError) as exc:
+                    why = str(exc)
+                    try:
+                        cmid.reject()
+                    except RdmaError:
+                        pass
+                    cmid.close()
+                    child = None
+        if why is None:
+            # the episode ends with a request taken a second after the last refusal
+            if self._refused and time.monotonic() - self._refused_at >= 1.0:
+                log.warning("listener %s: taking connection requests again after refusing "
+                            "%d", self.local_address, self._refused)
+                self._refused = 0
+            self._queue(cmid)
+            return
+        if not self._refused:
+            log.warning("listener %s: refusing connection requests: %s", self.local_address,
+                        why)
+        self._refused += 1
+        self._refused_at = time.monotonic()
+        if child is not None:
+            try:
+                child.reject(b"")
+            except self._pv.PyverbsError:
+                pass
+            child.close()
 
     def get_request(self, timeout: float | None = 0) -> VerbsCMId | None:
         return self._next(timeout)

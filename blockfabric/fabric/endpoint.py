@@ -36,6 +36,9 @@ def wr_id(kind: int, index: int) -> int:
 class Endpoint:
     """QP + CQ + receive slots + send slots of one queue."""
 
+    #: Completions one :meth:`service` call takes at most (0: drain the CQ).
+    pass_limit = 0
+
     def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
                  send_count: int, send_size: int, max_send_wr: int,
                  max_send_sge: int = 4, name: str = "queue") -> None:
@@ -53,6 +56,7 @@ class Endpoint:
                           for i in range(recv_count)]
         self.reactor: Reactor | None = None
         self.on_cm_event: Callable[[], None] | None = None
+        self._again = False
 
     # -- receive slots ---------------------------------------------------------------
     def post_all_receives(self) -> None:
@@ -95,12 +99,23 @@ class Endpoint:
         self.cq.req_notify()
 
     def service(self, budget: int = 64) -> int:
-        """Drain the CQ (re-arming it race-free) and dispatch each completion."""
+        """Drain the CQ (re-arming it race-free) and dispatch each completion; with a
+        ``pass_limit``, take at most that many and come back in the reactor's next pass."""
         if self.closed:
             return 0
         self.cq.ack_events()
         done = 0
+        limit = self.pass_limit
         while not self.closed:
+            if limit:
+                if done >= limit:
+                    # The other queues of this reactor get their turn first (a host that
+                    # keeps this CQ full cannot hold the loop); the CQ stays unarmed until.
+                    if self.reactor is not None and not self._again:
+                        self._again = True
+                        self.reactor.call_soon(self._service_again)
+                    break
+                budget = min(budget, limit - done)
             wcs = self.cq.poll(budget)
             if not wcs:
                 self.cq.req_notify()
@@ -116,6 +131,10 @@ class Endpoint:
                     # them to one faulty callback would hang their commands for ever.
                     log.exception("%s: completion %#x failed", self.name, wc.wr_id)
         return done
+
+    def _service_again(self) -> None:
+        self._again = False
+        self.service()
 
     def on_completion(self, wc: WC) -> None:  # pragma: no cover - overridden by each side
         raise NotImplementedError

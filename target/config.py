@@ -543,6 +543,11 @@ class Limits(Model):
     #: Seconds a queue may stay connected (rdma_cm) without completing a Fabrics Connect
     #: before it is disconnected, so that silent peers cannot keep connection slots.
     connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    #: Seconds a command may keep a shared bounce buffer waiting on its host (an RDMA READ
+    #: of the host's data not answered, an answer not acknowledged) before the target
+    #: disconnects that queue and tears its controller down, so that no host can hoard the
+    #: buffers the other hosts' file-backed I/O needs.  Far above any real transfer.
+    buffer_hold_timeout: int = _field(Int(1, 3600, unit="seconds"), 30)
 
 
 @dataclass(frozen=True, kw_only=True)

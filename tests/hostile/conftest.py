@@ -20,13 +20,25 @@ MAX_CONN = 6
 
 
 @pytest.fixture
-def target(start_target, request):
-    """Parametrize indirectly with a mapping to set further ``limits`` keys."""
+def target(start_target, request, tmp_path):
+    """Parametrize indirectly with a mapping to set further ``limits`` keys; with
+    ``backend: file`` in it, the namespace is a file in ``tmp_path`` instead of a ramdisk
+    (I/O through the shared bounce buffers and backend threads), and the target serves
+    metrics (``proc.metrics``, a port) and ``status`` (``proc.socket``)."""
     port = free_port()
+    limits = dict(getattr(request, "param", {}))
+    backend = limits.pop("backend", "ramdisk")
     config = ram_config(port)
-    config["limits"] = {"max_connections_per_host": MAX_CONN, **getattr(request, "param", {})}
+    if backend == "file":
+        config["subsystems"][0]["namespaces"] = [
+            {"nsid": 1, "backend": "file", "path": str(tmp_path / "volume"), "size": "64MiB"}]
+        config["metrics"] = {"port": free_port()}
+        config["control_socket"] = str(tmp_path / "control.sock")
+    config["limits"] = {"max_connections_per_host": MAX_CONN, **limits}
     proc = start_target(config)
     proc.port = port
+    if backend == "file":
+        proc.metrics, proc.socket = config["metrics"]["port"], config["control_socket"]
     return proc
 
 

@@ -51,6 +51,10 @@ class HostShare:
 class FairShare:
     """``size`` units shared round-robin by hosts; subclasses say what granting one means."""
 
+    #: Whether units nobody under its share waits for are lent to hosts over their share
+    #: (only where a unit always comes back soon by itself: not for buffers a host holds).
+    LEND = False
+
     def __init__(self, size: int, floor: int) -> None:
         self.size = size
         self.floor = max(1, min(floor, size))
@@ -84,7 +88,8 @@ class FairShare:
             h = self.hosts[key] = HostShare(key)
         now = monotonic()
         h.last = now
-        if not h.waiting and self.used < self.size and h.held < self.share(now):
+        if not h.waiting and self.used < self.size and (
+                h.held < self.share(now) or (self.LEND and not self.ring)):
             self.used += 1
             h.held += 1
             self._grant(h, item)
@@ -102,12 +107,14 @@ class FairShare:
             self._dispatch()
 
     def _dispatch(self) -> None:
-        """Round-robin over the hosts that wait, each under its share, while units are free."""
+        """Round-robin over the hosts that wait, each under its share, while units are free
+        (then, with LEND, over the others too)."""
         self._dispatching = True
         try:
             ring = self.ring
+            lending = False
             while ring and self.used < self.size:
-                cap = self.share(monotonic())
+                cap = self.size if lending else self.share(monotonic())
                 served = False
                 for _ in range(len(ring)):
                     if self.used >= self.size:
@@ -125,7 +132,9 @@ class FairShare:
                     else:
                         h.in_ring = False
                 if not served:
-                    break
+                    if lending or not self.LEND:
+                        break
+                    lending = True
         finally:
             self._dispatching = False
 
@@ -227,7 +236,11 @@ class BouncePool(FairShare):
 class FairExecutor(FairShare):
     """The backend I/O threads, shared fairly by hosts: a host's blocking calls (file reads
     and writes, flushes, write zeroes, discards) wait in its own FIFO, so one host's burst
-    of slow calls cannot queue every other host's behind it."""
+    of slow calls cannot queue every other host's behind it.  Idle threads are lent to a
+    host over its share: a call ends by itself, and a host that wants its share back gets
+    the next thread that frees."""
+
+    LEND = True
 
     def __init__(self, reactor: Reactor, workers: int, floor: int = 1) -> None:
         super().__init__(workers, floor)

@@ -429,8 +429,7 @@ class Target:
         self._close_queue(session)
         if ctrl is not None:
             ctrl.queues.pop(queue.qid, None)
-            self.destroy_controller(ctrl, "a queue held a bounce buffer past "
-                                    "limits.buffer_hold_timeout")
+            self.destroy_controller(ctrl, f"qid {queue.qid} over limits.buffer_hold_timeout")
 
     def run_blocking(self, work: Callable[[], object],
                      finish: Callable[[BaseException | None], None], host: str) -> None:

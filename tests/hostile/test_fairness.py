@@ -156,7 +156,7 @@ def test_bounce_buffer_hoarder_gets_its_share_then_is_disconnected(target, bysta
             assert HOLD * 0.9 <= waited < HOLD + 3, waited
     finally:
         hoarder.close()
-    assert target.wait_log("limits.buffer_hold_timeout", 2), target.log
+    assert target.wait_log("over limits.buffer_hold_timeout)", 2), target.log
     lines = [x for x in target.lines if "held a bounce buffer" in x]
     assert len(lines) == 1, lines                               # logged once
     assert f"hostnqn='{HOARDER}'" in lines[0] and "peer='127.0.0.2:" in lines[0], lines

@@ -21,6 +21,7 @@ from blockfabric.protocol.admin import NumberOfQueues, SetFeatures
 from blockfabric.protocol.fabrics import CC, ConnectCommand, ConnectData, PropertySet
 from blockfabric.protocol.opcodes import FeatureId
 from blockfabric.rdma.soft.wire import Frame
+from blockfabric.target import control
 
 from e2e.conftest import BIN
 from .conftest import (HOSTNQN, NQN, TargetProbe, assert_accepts_new_host,
@@ -115,6 +116,21 @@ class Hoarder:
             peer.close()
 
 
+def closed_within(peer: RawPeer, timeout: float) -> tuple[bool, int]:
+    """(whether the target tore the connection down within ``timeout``, how many non-zero
+    bytes its RDMA WRITEs brought).  The hoarder reads only blocks nobody writes, so every
+    non-zero byte would be another host's data out of a reused bounce buffer."""
+    peer.sock.settimeout(timeout)
+    foreign = 0
+    try:
+        while (frame := peer.recv_frame()) is not None:
+            if frame[0] == Frame.WRITE:
+                foreign += len(frame[2]) - frame[2].count(0)
+    except (TimeoutError, OSError) as exc:
+        return not isinstance(exc, TimeoutError), foreign
+    return True, foreign
+
+
 def status(target) -> dict:
     out = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket", target.socket,
                           "--output-format", "json"], capture_output=True, text=True,
@@ -145,13 +161,15 @@ def test_bounce_buffer_hoarder_gets_its_share_then_is_disconnected(target, bysta
             # It holds what it may, never more than half while the bystander is active.
             held = []
             while time.monotonic() < started + HOLD * 0.8:
-                held.append(status(target)["resources"]["bounce_buffers_by_host"]
-                            .get(HOARDER, 0))
-                time.sleep(0.1)
+                held.append(control.request(target.socket, "status")["resources"]
+                            ["bounce_buffers_by_host"].get(HOARDER, 0))
+                time.sleep(0.05)
             assert max(held) == SHARE, held
             # The whole controller goes: every queue of it, the admin queue too.
             for i, peer in enumerate([*hoarder.io, hoarder.admin]):
-                assert peer.closed_within(HOLD + 5), f"hoarder queue {i} still connected"
+                closed, foreign = closed_within(peer, HOLD + 5)
+                assert closed, f"hoarder queue {i} still connected"
+                assert foreign == 0, f"{foreign} foreign bytes reached the hoarder"
             waited = time.monotonic() - started
             assert HOLD * 0.9 <= waited < HOLD + 3, waited
     finally:

@@ -407,12 +407,14 @@ class Target:
         self._hold_timer = None
         bound = self.config.limits.buffer_hold_timeout
         now = time.monotonic()
-        for pool in list(self._bounce.values()):
-            for lease in pool.overdue(now, bound):
-                cmd = lease.cmd
-                if cmd is not None and not cmd.queue.closed:    # not gone with an earlier one
-                    self._hoarding(cmd.queue, now - lease.since, bound)
-        self._watch_holds()
+        try:
+            for pool in list(self._bounce.values()):
+                for lease in pool.overdue(now, bound):
+                    cmd = lease.cmd
+                    if cmd is not None and not cmd.queue.closed:  # not gone with an earlier one
+                        self._hoarding(cmd.queue, now - lease.since, bound)
+        finally:
+            self._watch_holds()
 
     def _hoarding(self, queue: TargetQueue, held: float, bound: float) -> None:
         """A queue's host kept a bounce buffer waiting on it (an RDMA READ it does not

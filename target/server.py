@@ -998,5 +998,5 @@ def render_metrics(st: dict[str, Any]) -> str:
         queues.samples.append((labels, len(c["queues"])))
         for q in c["queues"]:
             depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
-    return mx.render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues, depth]
-                     + sub_fams.families() + ns_fams.families() + ctrl_fams.families())
+    return mx.render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues,
+                      depth] + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

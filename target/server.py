@@ -55,6 +55,10 @@ BOUNCE_SLOTS = 64
 #: A host's share of the bounce buffers never drops below this, however many hosts want them.
 BOUNCE_FLOOR = 4
 BACKEND_THREADS = 4
+#: Completions all the queues of one host take in one reactor pass (split evenly between
+#: them, at least PASS_FLOOR each), so that a host with many queues cannot fill the pass.
+HOST_PASS = 128
+PASS_FLOOR = 16
 MAX_CNTLID = 0xFFEF
 #: How long a drain waits for commands in flight, and a resize or removal for a namespace's
 #: I/O to finish.  Below the unit's TimeoutStopSec (30 s), so a stop ends in exit 0.
@@ -478,6 +482,7 @@ class Target:
             ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
             self.controllers[ctrl.cntlid] = ctrl
+            self._share_passes(hostnqn)
             ctrl.start_keep_alive()
             log.info("%s: created (kato %d ms, via %s %s, peer %s)", ctrl.name, ctrl.kato_ms,
                      session.provider, session.listener.endpoint, ctrl.peer)
@@ -491,6 +496,7 @@ class Target:
             raise ProtocolError("I/O queue Connect before CC.EN", StatusCode.CMD_SEQ_ERROR)
         ctrl.state = ctrl.state.io_connect(connect, data)
         ctrl.queues[session.qid] = session.queue
+        self._share_passes(hostnqn)
         log.debug("%s qid=%d: connected (depth %d)", ctrl.name, session.qid,
                   session.queue.depth)
         return ctrl
@@ -522,6 +528,16 @@ class Target:
             ctrl.state = ctrl.state.disconnect(queue.qid)
             if queue.qid == 0:
                 self.destroy_controller(ctrl, f"admin queue lost: {reason}")
+            else:
+                self._share_passes(ctrl.hostnqn)
+
+    def _share_passes(self, hostnqn: str) -> None:
+        """Split HOST_PASS between the queues of ``hostnqn`` (on a Connect or a loss; the
+        per-completion path only reads the result)."""
+        queues = [q for c in self.controllers.values() if c.hostnqn == hostnqn
+                  for q in c.queues.values()]
+        for q in queues:
+            q.pass_limit = max(PASS_FLOOR, HOST_PASS // len(queues))
 
     def _close_queue(self, session: QueueSession) -> None:
         """Close a session's queue and let go of everything its commands still hold."""
@@ -559,6 +575,7 @@ class Target:
         for session in [s for s in self.sessions if s.controller is ctrl]:
             self._close_queue(session)
         ctrl.queues.clear()
+        self._share_passes(ctrl.hostnqn)
         log.info("%s: destroyed (%s)", ctrl.name, reason)
 
     # -- discovery -------------------------------------------------------------------

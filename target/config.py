@@ -572,6 +572,11 @@ class Limits(Model):
         """``max_unsent_bytes`` for a queue of ``depth`` commands with ``inline`` bytes of
         in-capsule data."""
         return self.max_unsent_bytes or depth * (self.mdts + inline + UNSENT_SLACK)
+    #: Seconds a command may keep a shared bounce buffer waiting on its host (an RDMA READ
+    #: of the host's data not answered, an answer not acknowledged) before the target
+    #: disconnects that queue and tears its controller down, so that no host can hoard the
+    #: buffers the other hosts' file-backed I/O needs.  Far above any real transfer.
+    buffer_hold_timeout: int = _field(Int(1, 3600, unit="seconds"), 30)
 
 
 @dataclass(frozen=True, kw_only=True)

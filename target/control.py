@@ -150,7 +150,9 @@ def format_status(st: dict[str, Any]) -> str:
              f"({st['uptime_s']:.0f} s)  state {st['state']}",
              f"config {st['config']}  reloads {st['reloads']}  discovery genctr {st['genctr']}"
              + (f"  authentication failures {st['auth_failures']}"
-                if st.get("auth_failures") else "")]
+                if st.get("auth_failures") else "")
+             + (f"  buffer hold disconnects {st['buffer_hold_disconnects']}"
+                if st.get("buffer_hold_disconnects") else "")]
     if st.get("last_reload_error"):
         lines.append(f"last reload FAILED: {st['last_reload_error']}")
     lines.append("")

@@ -32,6 +32,7 @@ from blockfabric.rdma import SGE
 from blockfabric.target.metrics import READ, WRITE, IoStats
 
 if TYPE_CHECKING:
+    from blockfabric.target.fairshare import Lease
     from blockfabric.target.server import Target
     from blockfabric.target.namespace import Namespace, Subsystem
 
@@ -659,24 +660,23 @@ class Controller:
                 self._end(cmd, nss, started, data=(sge,), rw=direction, nbytes=length,
                           pinned=True)
             return
-        self.target.with_bounce(cmd, length, lambda view, sge, release:
+        self.target.with_bounce(cmd, self.hostnqn, length, lambda view, sge, lease:
                                 self._bounce_rw(cmd, ns, offset, length, write, view, sge,
-                                                release, started))
+                                                lease, started))
 
     def _bounce_rw(self, cmd: Command, ns: Namespace, offset: int, length: int, write: bool,
-                   view: memoryview, sge: SGE, release: Callable[[Command], None],
-                   started: int) -> None:
-        cmd.on_released = release
+                   view: memoryview, sge: SGE, lease: Lease, started: int) -> None:
+        cmd.on_released = lease.release
         part = view[:length]
         direction = WRITE if write else READ
         if write:
             cmd.fetch(part, sge, lambda c: self._backend_call(
                 c, [ns], lambda: ns.backend.write(offset, part), True, blocking=True,
-                started=started, rw=direction, nbytes=length))
+                started=started, rw=direction, nbytes=length, lease=lease))
         else:
             self._backend_call(cmd, [ns], lambda: ns.backend.readinto(offset, part), False,
-                               blocking=True, data=(SGE(sge.addr, length, sge.lkey),),
-                               started=started, rw=direction, nbytes=length)
+                               blocking=True, data=(sge,), started=started, rw=direction,
+                               nbytes=length, lease=lease)
 
     def _dsm(self, cmd: Command, ns: Namespace, dsm: nio.DatasetManagement) -> None:
         nranges = dsm.ranges
@@ -716,12 +716,15 @@ class Controller:
     def _backend_call(self, cmd: Command, nss: list[Namespace], work: Callable[[], object],
                       writing: bool, *, blocking: bool, data: tuple[SGE, ...] = (),
                       started: int | None = None, rw: int | None = None,
-                      nbytes: int = 0) -> None:
-        """Run ``work`` (inline, or on the I/O pool when it may block) and respond."""
+                      nbytes: int = 0, lease: Lease | None = None) -> None:
+        """Run ``work`` (inline, or on the I/O pool when it may block) and respond;
+        ``lease``: the bounce buffer, whose wait on the host starts again with the answer."""
         if started is None:
             started = self._begin(nss)
 
         def finish(exc: BaseException | None) -> None:
+            if lease is not None:
+                lease.on_wire()
             if exc is None:
                 self._end(cmd, nss, started, data=data, rw=rw, nbytes=nbytes)
             elif isinstance(exc, OSError):
@@ -742,4 +745,4 @@ class Controller:
             else:
                 finish(None)
             return
-        self.target.run_blocking(work, finish)
+        self.target.run_blocking(work, finish, self.hostnqn)

@@ -13,7 +13,6 @@ the reload runs there, between commands, like everything else).
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import logging
 import os
@@ -47,6 +46,7 @@ from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
 from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
+from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
 from blockfabric.target.namespace import Namespace, Subsystem
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,13 @@ log = logging.getLogger(__name__)
 ADMIN_MAX_DEPTH = 32
 CONTROL_SLOT = 4096
 BOUNCE_SLOTS = 64
+#: A host's share of the bounce buffers never drops below this, however many hosts want them.
+BOUNCE_FLOOR = 4
+BACKEND_THREADS = 4
+#: Completions all the queues of one host take in one reactor pass (split evenly between
+#: them, at least PASS_FLOOR each), so that a host with many queues cannot fill the pass.
+HOST_PASS = 128
+PASS_FLOOR = 16
 MAX_CNTLID = 0xFFEF
 #: How long a drain waits for commands in flight, and a resize or removal for a namespace's
 #: I/O to finish.  Below the unit's TimeoutStopSec (30 s), so a stop ends in exit 0.
@@ -207,15 +214,16 @@ class Target:
         self._control: dict[int, BufferPool] = {}
         self._zeros: dict[int, BufferPool] = {}
         self._old_zeros: list[BufferPool] = []      # outgrown by a larger mdts (reload)
-        self._bounce: dict[int, BufferPool] = {}
-        self._bounce_waiters: dict[int, list[Callable[[], None]]] = {}
+        self._bounce: dict[int, BouncePool] = {}
+        self._hold_timer: Timer | None = None
         #: id(listener) -> the timer that calls it back at its deadline() (see _on_requests)
         self._listener_timers: dict[int, Timer] = {}
         self._shed_log = _Episode(log, "connection requests")
-        self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
+        self.executor = FairExecutor(self.reactor, BACKEND_THREADS)
         self._started = threading.Event()
         self.genctr = 0
         self.auth_failures = 0                  # controllers ended by failed authentication
+        self.hold_disconnects = 0               # ... by holding a bounce buffer too long
         self.draining = False
         self.started = time.time()
         self.reloads = 0
@@ -490,42 +498,62 @@ class Target:
             pool = self._zeros[id(pd)] = BufferPool(pd, 1, size, Access(0))
         return pool.sge(0, length)
 
-    def with_bounce(self, cmd: Command, length: int,
-                    use: Callable[[memoryview, SGE, Callable[[Command], None]], None]) -> None:
-        """Run ``use(view, sge, release)`` with a registered bounce buffer, waiting for one
-        to be free if need be (file backends)."""
+    def with_bounce(self, cmd: Command, host: str, length: int,
+                    use: Callable[[memoryview, SGE, Lease], None]) -> None:
+        """Run ``use(view, sge, lease)`` with a registered bounce buffer (file backends),
+        when ``host``'s fair share allows (see fairshare.py); the command gives it back
+        through ``lease.release`` as its ``on_released``."""
         pd = cmd.queue.pd
-        if cmd.queue.closed:    # its host went away while it waited: pass the buffer on
-            abort_command(cmd)
-            waiters = self._bounce_waiters.get(id(pd))
-            if waiters:
-                waiters.pop(0)()
-            return
         pool = self._bounce.get(id(pd))
         if pool is None:
-            pool = self._bounce[id(pd)] = BufferPool(pd, BOUNCE_SLOTS,
-                                                     self.config.limits.mdts)
-        index = pool.get()
-        if index is None:
-            self._bounce_waiters.setdefault(id(pd), []).append(
-                lambda: self.with_bounce(cmd, length, use))
-            return
+            pool = self._bounce[id(pd)] = BouncePool(
+                BufferPool(pd, BOUNCE_SLOTS, self.config.limits.mdts), BOUNCE_FLOOR,
+                abort_command)
+            self._watch_holds()
+        pool.request(host, (cmd, length, use))
 
-        def release(_cmd: Command) -> None:
-            pool.put(index)
-            waiters = self._bounce_waiters.get(id(pd))
-            if waiters:
-                waiters.pop(0)()
+    def _watch_holds(self) -> None:
+        """Check the bounce buffers against limits.buffer_hold_timeout, a few times per
+        bound (at most once a second)."""
+        if self._hold_timer is None:
+            period = min(1.0, self.config.limits.buffer_hold_timeout / 4)
+            self._hold_timer = self.reactor.call_later(period, self._check_holds)
 
-        use(pool.views[index], pool.sge(index, length), release)
+    def _check_holds(self) -> None:
+        self._hold_timer = None
+        bound = self.config.limits.buffer_hold_timeout
+        now = time.monotonic()
+        try:
+            for pool in list(self._bounce.values()):
+                for lease in pool.overdue(now, bound):
+                    cmd = lease.cmd
+                    if cmd is not None and not cmd.queue.closed:  # not gone with an earlier one
+                        self._hoarding(cmd.queue, now - lease.since, bound)
+        finally:
+            self._watch_holds()
+
+    def _hoarding(self, queue: TargetQueue, held: float, bound: float) -> None:
+        """A queue's host kept a bounce buffer waiting on it (an RDMA READ it does not
+        answer, an answer it does not acknowledge) past the bound: disconnect it and tear
+        its controller down.  The buffers come back as the queue closes, after its QP is
+        destroyed, never while a work request may still reference them."""
+        session = queue.handler
+        ctrl = session.controller
+        self.hold_disconnects += 1
+        log.warning("ctrl %s hostnqn=%r qid=%d peer=%r: held a bounce buffer for %.1f s "
+                    "(limits.buffer_hold_timeout is %g s): disconnecting it",
+                    ctrl.cntlid if ctrl else "-", ctrl.hostnqn if ctrl else None, queue.qid,
+                    _peer(queue), held, bound)
+        self._close_queue(session)
+        if ctrl is not None:
+            ctrl.queues.pop(queue.qid, None)
+            self.destroy_controller(ctrl, f"qid {queue.qid} over limits.buffer_hold_timeout")
 
     def run_blocking(self, work: Callable[[], object],
-                     finish: Callable[[BaseException | None], None]) -> None:
-        """Run ``work`` on the I/O pool; ``finish(exc)`` runs back on the reactor."""
-        def done(fut: concurrent.futures.Future) -> None:
-            exc = fut.exception()
-            self.reactor.call_soon_threadsafe(lambda: finish(exc))
-        self.executor.submit(work).add_done_callback(done)
+                     finish: Callable[[BaseException | None], None], host: str) -> None:
+        """Run ``work`` on the backend threads, in ``host``'s fair turn; ``finish(exc)``
+        runs back on the reactor."""
+        self.executor.submit(host, work, finish)
 
     def flush_subsystem(self, subsystem: Subsystem | None) -> None:
         if subsystem is None:
@@ -566,6 +594,7 @@ class Target:
             ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
             self.controllers[ctrl.cntlid] = ctrl
+            self._share_passes(hostnqn)
             ctrl.start_keep_alive()
             log.info("%s: created (kato %d ms, via %s %s, peer %s)", ctrl.name, ctrl.kato_ms,
                      session.provider, session.listener.endpoint, ctrl.peer)
@@ -579,6 +608,7 @@ class Target:
             raise ProtocolError("I/O queue Connect before CC.EN", StatusCode.CMD_SEQ_ERROR)
         ctrl.state = ctrl.state.io_connect(connect, data)
         ctrl.queues[session.qid] = session.queue
+        self._share_passes(hostnqn)
         log.debug("%s qid=%d: connected (depth %d)", ctrl.name, session.qid,
                   session.queue.depth)
         return ctrl
@@ -610,6 +640,16 @@ class Target:
             ctrl.state = ctrl.state.disconnect(queue.qid)
             if queue.qid == 0:
                 self.destroy_controller(ctrl, f"admin queue lost: {reason}")
+            else:
+                self._share_passes(ctrl.hostnqn)
+
+    def _share_passes(self, hostnqn: str) -> None:
+        """Split HOST_PASS between the queues of ``hostnqn`` (on a Connect or a loss; the
+        per-completion path only reads the result)."""
+        queues = [q for c in self.controllers.values() if c.hostnqn == hostnqn
+                  for q in c.queues.values()]
+        for q in queues:
+            q.pass_limit = max(PASS_FLOOR, HOST_PASS // len(queues))
 
     def _close_queue(self, session: QueueSession) -> None:
         """Close a session's queue and let go of everything its commands still hold."""
@@ -632,6 +672,10 @@ class Target:
                 if cmd.on_fetched is not None:
                     cmd.on_fetched = None
                     abort_command(cmd)
+            # Commands still waiting for a bounce buffer will never need it.
+            for pool in self._bounce.values():
+                if pool.ring:
+                    pool.drop_unwanted()
 
     def destroy_controller(self, ctrl: Controller, reason: str) -> None:
         if ctrl.dead:
@@ -643,6 +687,7 @@ class Target:
         for session in [s for s in self.sessions if s.controller is ctrl]:
             self._close_queue(session)
         ctrl.queues.clear()
+        self._share_passes(ctrl.hostnqn)
         log.info("%s: destroyed (%s)", ctrl.name, reason)
 
     # -- discovery -------------------------------------------------------------------
@@ -965,6 +1010,7 @@ class Target:
             "state": "draining" if self.draining else "serving",
             "reloads": self.reloads, "last_reload_error": self.last_reload_error,
             "genctr": self.genctr, "auth_failures": self.auth_failures,
+            "buffer_hold_disconnects": self.hold_disconnects,
             "listeners": [{"endpoint": lc.endpoint, "name": lc.name, "address": lc.address,
                            "port": lc.port, "provider": p,
                            "controllers": per_listener.get(rl.listener_key(lc), 0)}
@@ -974,9 +1020,13 @@ class Target:
             "resources": {
                 "connections": len(self.sessions),
                 "commands_in_flight": self.inflight(),
-                "bounce_buffers_in_use": sum(p.count - p.available
-                                             for p in self._bounce.values()),
-                "bounce_waiters": sum(len(w) for w in self._bounce_waiters.values()),
+                "bounce_buffers_in_use": sum(p.used for p in self._bounce.values()),
+                "bounce_waiters": sum(p.waiting for p in self._bounce.values()),
+                # per host (its fair share is what fairshare.py says)
+                "bounce_buffers_by_host": _by_host(self._bounce.values()),
+                "backend_threads": {"busy": self.executor.used,
+                                    "waiting": self.executor.waiting,
+                                    "by_host": _by_host([self.executor])},
             },
         }
 
@@ -995,7 +1045,10 @@ class Target:
             if server is not None:
                 server.close()
         self.control_server = self.metrics_server = None
-        self.executor.shutdown(wait=True)
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        self.executor.shutdown()
         for sub in self.subsystems.values():
             self.flush_subsystem(sub)
             sub.close()
@@ -1015,6 +1068,16 @@ class Target:
         self._pds.clear()
         self.reactor.close()
 
+
+
+def _by_host(pools: Any) -> dict[str, int]:
+    """Units held per host NQN, summed over ``pools``."""
+    out: dict[str, int] = {}
+    for pool in pools:
+        for h in pool.hosts.values():
+            if h.held:
+                out[h.key] = out.get(h.key, 0) + h.held
+    return out
 
 
 def _close_namespace(ns: Namespace) -> None:
@@ -1037,6 +1100,9 @@ def render_metrics(st: dict[str, Any]) -> str:
     auth_failed = mx.Family("blockfabric_auth_failures_total", "counter",
                             "Controllers torn down because DH-HMAC-CHAP authentication failed.",
                             [({}, st.get("auth_failures", 0))])
+    hold = mx.Family("blockfabric_buffer_hold_disconnects_total", "counter",
+                     "Controllers torn down because a queue held a bounce buffer past "
+                     "limits.buffer_hold_timeout.", [({}, st.get("buffer_hold_disconnects", 0))])
     listeners = mx.Family("blockfabric_listener_controllers", "gauge",
                           "Controllers connected through each listener.",
                           [({"listener": x["endpoint"], "provider": x["provider"]},
@@ -1064,5 +1130,5 @@ def render_metrics(st: dict[str, Any]) -> str:
         queues.samples.append((labels, len(c["queues"])))
         for q in c["queues"]:
             depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
-    return mx.render([up, reloads, reload_ok, auth_failed, listeners, conns, size, queues, depth]
-                     + sub_fams.families() + ns_fams.families() + ctrl_fams.families())
+    return mx.render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues,
+                      depth] + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

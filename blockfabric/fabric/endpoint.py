@@ -42,6 +42,9 @@ class Endpoint:
     default); :meth:`post_more_receives` adds the rest.  The target keeps a queue cheap
     until its peer has proved to be a host (a Fabrics Connect that succeeded)."""
 
+    #: Completions one :meth:`service` call takes at most (0: drain the CQ).
+    pass_limit = 0
+
     def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
                  send_count: int, send_size: int, max_send_wr: int,
                  max_send_sge: int = 4, name: str = "queue", recv_now: int | None = None
@@ -74,6 +77,7 @@ class Endpoint:
                           for i in range(first.count)]
         self.reactor: Reactor | None = None
         self.on_cm_event: Callable[[], None] | None = None
+        self._again = False
 
     # -- receive slots ---------------------------------------------------------------
     def post_all_receives(self) -> None:
@@ -130,13 +134,25 @@ class Endpoint:
         self.cq.req_notify()
 
     def service(self, budget: int = 64) -> int:
-        """Drain the CQ (re-arming it race-free) and dispatch each completion."""
+        """Drain the CQ (re-arming it race-free) and dispatch each completion; with a
+        ``pass_limit``, take at most that many and come back in the reactor's next pass."""
         if self.closed:
             return 0
         done = 0
+        limit = self.pass_limit
         try:
             self.cq.ack_events()
             while not self.closed:
+                if limit:
+                    if done >= limit:
+                        # The other queues of this reactor get their turn first (a host that
+                        # keeps this CQ full cannot hold the loop); the CQ stays unarmed
+                        # until then.
+                        if self.reactor is not None and not self._again:
+                            self._again = True
+                            self.reactor.call_soon(self._service_again)
+                        break
+                    budget = min(budget, limit - done)
                 wcs = self.cq.poll(budget)
                 if not wcs:
                     self.cq.req_notify()
@@ -159,6 +175,10 @@ class Endpoint:
         except Exception as exc:      # the CQ itself failed (ibv_poll_cq, the provider)
             self.on_fault(f"completion queue failed: {type(exc).__name__}: {exc}")
         return done
+
+    def _service_again(self) -> None:
+        self._again = False
+        self.service()
 
     def on_completion(self, wc: WC) -> None:  # pragma: no cover - overridden by each side
         raise NotImplementedError

@@ -83,6 +83,11 @@ class Reactor:
         heapq.heappush(self._timers, (timer.when, next(self._seq), timer))
         return timer
 
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """From the loop thread only: run ``callback`` in the next pass (after the ready
+        file descriptors of that pass have been served)."""
+        self._calls.append(callback)
+
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
         self._calls.append(callback)
         try:
@@ -143,8 +148,11 @@ class Reactor:
             _, _, timer = heapq.heappop(self._timers)
             if not timer.cancelled:
                 self._run(timer.callback)
-        while self._calls:
-            self._run(self._calls.popleft())
+        # Only the calls queued so far: one that queues itself again (a queue with more
+        # completions than its share of a pass) runs in the next pass, not in a loop here.
+        calls = self._calls
+        for _ in range(len(calls)):
+            self._run(calls.popleft())
 
     def _run(self, callback: Callable[[], None]) -> None:
         try:

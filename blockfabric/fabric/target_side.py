@@ -87,6 +87,9 @@ def data_direction(sqe: SQE) -> int:
 class TargetQueue(Endpoint):
     """The RDMA side of one target queue: ``depth`` receive slots and command contexts."""
 
+    #: One queue's share of a reactor pass: every queue gets its turn in each pass.
+    pass_limit = 64
+
     def __init__(self, cmid: CMId, pd: PD, *, qid: int, depth: int, inline_size: int,
                  handler: Handler, max_send_sge: int = 4, name: str | None = None,
                  recv_now: int | None = None) -> None:

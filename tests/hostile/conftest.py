@@ -20,18 +20,29 @@ MAX_CONN = 6
 
 
 @pytest.fixture
-def target(start_target, request):
+def target(start_target, request, tmp_path):
     """Parametrize indirectly with a mapping to set further ``limits`` keys (and
-    ``nofile``: run the target with that RLIMIT_NOFILE)."""
+    ``nofile``: run the target with that RLIMIT_NOFILE); with ``backend: file`` in it, the
+    namespace is a file in ``tmp_path`` instead of a ramdisk (I/O through the shared bounce
+    buffers and backend threads), and the target serves metrics (``proc.metrics``, a port)
+    and ``status`` (``proc.socket``)."""
     port = free_port()
-    config = ram_config(port)
     limits = dict(getattr(request, "param", {}))
+    backend = limits.pop("backend", "ramdisk")
+    config = ram_config(port)
     nofile = limits.pop("nofile", None)
+    if backend == "file":
+        config["subsystems"][0]["namespaces"] = [
+            {"nsid": 1, "backend": "file", "path": str(tmp_path / "volume"), "size": "64MiB"}]
+        config["metrics"] = {"port": free_port()}
+        config["control_socket"] = str(tmp_path / "control.sock")
     config["limits"] = {"max_connections_per_host": MAX_CONN, **limits}
     command = None if nofile is None else ["prlimit", f"--nofile={nofile}",
                                            str(BIN / "blockfabric-target")]
     proc = start_target(config, command=command)
     proc.port = port
+    if backend == "file":
+        proc.metrics, proc.socket = config["metrics"]["port"], config["control_socket"]
     return proc
 
 

@@ -56,6 +56,7 @@ import yaml
 
 from blockfabric.errors import ConfigError
 from blockfabric.protocol.auth import DHGROUP_NAMES, HASH_NAMES, SUPPORTED_DHGROUPS, Secret
+from blockfabric.protocol.fabrics import MAX_NQN_BYTES, NQN_PATTERN, nqn_problem
 from blockfabric.fileutil import atomic_write
 from blockfabric.sizes import KiB, MiB, SizeError, format_size, parse_size
 
@@ -63,7 +64,6 @@ DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 NVME_RDMA_PORT = 4420
 DISCOVERY_PORT = 8009
 MAX_NSID = 1024          # nvmet's default NN; also the length of the active namespace list
-MAX_NQN_BYTES = 223      # NVMe base spec: an NQN is at most 223 bytes of UTF-8
 BACKENDS = ("ramdisk", "file", "null")
 PROVIDERS = ("auto", "soft", "verbs")
 DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
@@ -74,8 +74,6 @@ DEFAULT_CONFIG_RESOURCE = "default.yaml"
 # Stable derived identifiers: uuid5 under a fixed namespace of our own.
 _ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_DNS, "blockfabric.io")
 
-_NQN_RE = re.compile(r"nqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
-                     r"(:[^\s\x00-\x1f\x7f]+)?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NGUID_RE = re.compile(r"[0-9a-fA-F]{32}")
 _UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
@@ -331,8 +329,19 @@ class Model:
 
 # --- the configuration ---------------------------------------------------------------------
 
-NQN = Text(f"an NQN (nqn.yyyy-mm.reverse.domain[:name], at most {MAX_NQN_BYTES} bytes)",
-           _NQN_RE, MAX_NQN_BYTES)
+class Nqn(Text):
+    """An NQN, checked as a Fabrics Connect checks one (``fabrics.nqn_problem``), so that the
+    configuration never allows a host NQN that could not connect."""
+
+    def load(self, value: Any, where: Where) -> str:
+        value = super().load(value, where)
+        if nqn_problem(value):
+            where.fail(self.expected, value)
+        return value
+
+
+NQN = Nqn(f"an NQN (nqn.yyyy-mm.reverse.domain[:name], at most {MAX_NQN_BYTES} bytes)",
+          NQN_PATTERN, MAX_NQN_BYTES)
 NAME = Text("a name of 1 to 64 letters, digits, '_', '.' or '-'", _NAME_RE)
 
 

@@ -15,6 +15,7 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Callable
 
 from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.logutil import printable
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import identify as idn
 from blockfabric.protocol import io as nio
@@ -108,6 +109,9 @@ class Controller:
         self.auth: dict[int, au.TargetAuth] = {}
         self.auth_failures = 0
         self.peer = ""
+        # The log context of every line about this controller (key=value, greppable); the
+        # host NQN was checked at Connect, and is escaped all the same: it is the peer's.
+        self._name = f"ctrl {self.cntlid} hostnqn={printable(hostnqn)} subnqn={self.subnqn}"
         # counters (host-visible through SMART, operator-visible through status/metrics)
         self.io = IoStats()
         self.admin_errors = 0
@@ -120,7 +124,7 @@ class Controller:
     @property
     def name(self) -> str:
         """The log context of every line about this controller (key=value, greppable)."""
-        return f"ctrl {self.cntlid} hostnqn={self.hostnqn} subnqn={self.subnqn}"
+        return self._name
 
     @property
     def queue_depth_in_use(self) -> int:

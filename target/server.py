@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
+from blockfabric.logutil import printable
 from blockfabric.sdnotify import sd_notify
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor, Timer
@@ -38,7 +39,7 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           IPO_DATA_CNTLID, IPO_DATA_HOSTNQN, IPO_DATA_SUBNQN,
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
                                           ConnectData,
-                                          connect_invalid_param)
+                                          connect_invalid_param, nqn_problem)
 from blockfabric.rdma import PD, SGE, CMEventType, CMId, Listener, get_provider
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
@@ -154,8 +155,9 @@ def _peer(queue: TargetQueue | None) -> str:
 
 
 def _safe_nqn(view: memoryview, at: int) -> str:
+    """An NQN field of Connect data as it may be logged (whatever the peer put there)."""
     raw = bytes(view[at:at + 256]).split(b"\0", 1)[0]
-    return raw.decode("utf-8", "replace")
+    return printable(raw.decode("utf-8", "surrogateescape"))
 
 
 class Target:
@@ -429,19 +431,25 @@ class Target:
                 data: ConnectData) -> Controller:
         """Bind a queue to a controller (new on the admin queue); raises the Connect status."""
         subnqn, hostnqn = data.subnqn, data.hostnqn
+        # Both NQNs as the spec has them (base 4.7) before either is used or logged.
+        for what, nqn, offset in (("subsystem", subnqn, IPO_DATA_SUBNQN),
+                                  ("host", hostnqn, IPO_DATA_HOSTNQN)):
+            problem = nqn_problem(nqn)
+            if problem is not None:
+                raise connect_invalid_param(f"{what} NQN {problem}", IATTR.DATA, offset)
         subsystem = None
-        if subnqn != DISCOVERY_NQN:
+        if subnqn == DISCOVERY_NQN:
+            if session.qid:     # a discovery controller has an admin queue only (as nvmet)
+                raise connect_invalid_param("I/O queue Connect to the discovery controller",
+                                            IATTR.SQE, IPO_SQE_QID)
+        else:
             subsystem = self.subsystems.get(subnqn)
             if subsystem is None or not self._exposed(subsystem, session.listener):
-                raise connect_invalid_param(f"unknown subsystem {subnqn!r}", IATTR.DATA,
-                                            IPO_DATA_SUBNQN)
+                raise connect_invalid_param("unknown subsystem", IATTR.DATA, IPO_DATA_SUBNQN)
             if not subsystem.allows(hostnqn):
                 log.warning("access denied: hostnqn=%s subnqn=%s qid=%d peer=%s: host not "
                             "allowed", hostnqn, subnqn, session.qid, _peer(session.queue))
-                raise ProtocolError(f"host {hostnqn!r} not allowed",
-                                    StatusCode.CONNECT_INVALID_HOST)
-        if not hostnqn:
-            raise connect_invalid_param("empty host NQN", IATTR.DATA, IPO_DATA_HOSTNQN)
+                raise ProtocolError("host not allowed", StatusCode.CONNECT_INVALID_HOST)
         limits = self.config.limits
         if session.qid == 0:
             state = ControllerState.admin_connect(

@@ -27,9 +27,17 @@ Semantics that are not obvious from the schema:
 - ``limits.connect_timeout`` (seconds) bounds how long an accepted queue may go without a
   completed Fabrics Connect; then it is disconnected and its slot in
   ``limits.max_connections_per_host`` freed.
+- ``limits.auth_timeout`` (seconds) bounds how long a queue that must authenticate may go
+  unauthenticated after its Connect (and a failed exchange may wait for its Failure1 to be
+  fetched); then its controller ends, counted as a failed authentication.
+  ``limits.auth_max_failures`` failed authentications from one peer address within
+  ``limits.auth_failure_window`` seconds make the target answer that address's Connects
+  that would authenticate with Controller Busy for ``limits.auth_backoff`` seconds.
 - ``keep_alive.kas_ms`` is the keep-alive granularity the controller reports (Identify KAS, in
   units of 100 ms); ``keep_alive.max_timeout_ms`` caps the keep-alive timeout a host may ask
-  for in Connect (a larger request is lowered to it).
+  for in Connect or Set Features (a larger request is lowered to it), and is also how long a
+  controller whose host asked for none (KATO 0) may go without any command before it is
+  ended (a discovery controller: 120 s, as nvmet, or this cap if lower).
 - ``metrics`` is off unless given; ``metrics.address`` defaults to loopback.
 - File backends need an absolute ``path``; two namespaces may not share one.
 - ``subsystems[].hosts`` entries are host NQNs, or mappings with the ``nqn`` and the host's
@@ -552,6 +560,15 @@ class Limits(Model):
     #: Seconds a queue may stay connected (rdma_cm) without completing a Fabrics Connect
     #: before it is disconnected, so that silent peers cannot keep connection slots.
     connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    #: Seconds a queue that must authenticate (DH-HMAC-CHAP) may take from its Connect to a
+    #: finished exchange, and a failed exchange to be answered, before its controller ends.
+    auth_timeout: int = _field(Int(1, 600, unit="seconds"), 10)
+    #: Failed authentications from one peer address within auth_failure_window seconds
+    #: that make the target refuse that address's authenticating Connects (Controller
+    #: Busy) for auth_backoff seconds.
+    auth_max_failures: int = _field(Int(1, 1000), 5)
+    auth_failure_window: int = _field(Int(1, 86400, unit="seconds"), 60)
+    auth_backoff: int = _field(Int(1, 86400, unit="seconds"), 60)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,6 +44,7 @@ from blockfabric.rdma import PD, SGE, CMEventType, CMId, Listener, get_provider
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
+from blockfabric.target.backoff import PeerBackoff
 from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.namespace import Namespace, Subsystem
@@ -154,6 +155,13 @@ def _peer(queue: TargetQueue | None) -> str:
         return "?"
 
 
+def _peer_ip(queue: TargetQueue | None) -> str:
+    try:
+        return str(queue.cmid.peer_address[0])
+    except Exception:
+        return "?"
+
+
 def _safe_nqn(view: memoryview, at: int) -> str:
     """An NQN field of Connect data as it may be logged (whatever the peer put there)."""
     raw = bytes(view[at:at + 256]).split(b"\0", 1)[0]
@@ -182,6 +190,8 @@ class Target:
         self._started = threading.Event()
         self.genctr = 0
         self.auth_failures = 0                  # controllers ended by failed authentication
+        #: Peer addresses whose authentications keep failing (limits.auth_max_failures).
+        self.auth_backoff = PeerBackoff()
         self.draining = False
         self.started = time.time()
         self.reloads = 0
@@ -452,14 +462,17 @@ class Target:
                 raise ProtocolError("host not allowed", StatusCode.CONNECT_INVALID_HOST)
         limits = self.config.limits
         if session.qid == 0:
+            policy = auth_policy(subsystem.conf, hostnqn) if subsystem is not None else None
+            if policy is not None:
+                self._check_auth_backoff(session)
             state = ControllerState.admin_connect(
                 connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
                 cap=Controller.capabilities(limits.queue_size), aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
-            if subsystem is not None:
-                ctrl.auth_policy = auth_policy(subsystem.conf, hostnqn)
+            ctrl.auth_policy = policy
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
+            ctrl.peer_ip = _peer_ip(session.queue)
             ctrl.queues[0] = session.queue
             self.controllers[ctrl.cntlid] = ctrl
             ctrl.start_keep_alive()
@@ -473,11 +486,38 @@ class Target:
                                         IATTR.DATA, IPO_DATA_CNTLID)
         if not ctrl.ready:
             raise ProtocolError("I/O queue Connect before CC.EN", StatusCode.CMD_SEQ_ERROR)
+        if ctrl.auth_policy is not None:
+            self._check_auth_backoff(session)
         ctrl.state = ctrl.state.io_connect(connect, data)
         ctrl.queues[session.qid] = session.queue
         log.debug("%s qid=%d: connected (depth %d)", ctrl.name, session.qid,
                   session.queue.depth)
         return ctrl
+
+    def _check_auth_backoff(self, session: QueueSession) -> None:
+        """A Connect that would start an authentication, from an address whose
+        authentications keep failing: refused (Controller Busy, may be retried) until its
+        back-off is over, so nobody can guess secrets at the speed of connection set-up, nor
+        make the target compute DH exchanges for them."""
+        left = self.auth_backoff.blocked(_peer_ip(session.queue), time.monotonic())
+        if left > 0:
+            raise ProtocolError(f"too many failed authentications from this address: refused "
+                                f"for {left:.0f} s more (limits.auth_backoff)",
+                                StatusCode.CONNECT_CTRL_BUSY, dnr=False)
+
+    def auth_failed(self, peer_ip: str) -> None:
+        """A controller's authentication failed (wrong answer, abandoned or timed out
+        exchange): count it, and past limits.auth_max_failures within
+        limits.auth_failure_window from one address, start that address's back-off."""
+        self.auth_failures += 1
+        limits = self.config.limits
+        if self.auth_backoff.failed(peer_ip, time.monotonic(), limits.auth_max_failures,
+                                    limits.auth_failure_window, limits.auth_backoff):
+            log.warning("peer %s: %d failed authentications within %d s: refusing its Connects "
+                        "that need authentication for %d s (limits.auth_max_failures, "
+                        "auth_failure_window, auth_backoff)", peer_ip,
+                        limits.auth_max_failures, limits.auth_failure_window,
+                        limits.auth_backoff)
 
     def _exposed(self, subsystem: Subsystem, listener: cfg.Listener) -> bool:
         key = rl.listener_key(listener)

@@ -106,12 +106,12 @@ class Controller:
         #: authenticates (Connect answers ATR) before it runs anything but Fabrics commands.
         self.auth_policy: au.AuthPolicy | None = None
         self.auth: dict[int, au.TargetAuth] = {}
-        #: Per queue: ends the controller if the queue is not authenticated in time
-        #: (limits.auth_timeout).
+        #: Per queue: ends the queue (the admin queue: the controller) if it is not
+        #: authenticated in time (limits.auth_timeout).
         self.auth_timers: dict[int, Timer] = {}
+        self._auth_reported: set[au.TargetAuth] = set()
         self.auth_failures = 0
         self.peer = ""
-        self.peer_ip = ""
         # The log context of every line about this controller (key=value, greppable); the
         # host NQN was checked at Connect, and is escaped all the same: it is the peer's.
         self._name = f"ctrl {self.cntlid} hostnqn={printable(hostnqn)} subnqn={self.subnqn}"
@@ -210,46 +210,56 @@ class Controller:
             return self.handle
         state = au.TargetAuth(self.auth_policy, self.hostnqn, self.subnqn)
         self.auth[qid] = state
-        self._arm_auth_timer(qid, state)
+        self._arm_auth_timer(self.queues[qid], state)
         return lambda cmd: self._gate(cmd, state)
 
-    def _arm_auth_timer(self, qid: int, auth: au.TargetAuth) -> None:
+    def _arm_auth_timer(self, queue: TargetQueue, auth: au.TargetAuth) -> None:
         """Within limits.auth_timeout the queue is authenticated (its Connect just now), or
-        its failed exchange answered (a failure): else the controller ends.  nvmet resets
-        an abandoned transaction after KATO (120 s without); here an unauthenticated queue
-        holds a connection slot and may keep its controller alive with Fabrics commands,
-        so it ends."""
+        its failed exchange answered (a failure): else the queue ends (the admin queue: the
+        controller).  nvmet resets an abandoned transaction after KATO (120 s without);
+        here an unauthenticated queue holds a connection slot and may keep its controller
+        alive with Fabrics commands, so it ends."""
         timeout = self.target.config.limits.auth_timeout
-        old = self.auth_timers.pop(qid, None)
+        old = self.auth_timers.pop(queue.qid, None)
         if old is not None:
             old.cancel()
-        self.auth_timers[qid] = self.target.reactor.call_later(
-            timeout, lambda: self._auth_expired(qid, auth, timeout))
+        self.auth_timers[queue.qid] = self.target.reactor.call_later(
+            timeout, lambda: self._auth_expired(queue, auth, timeout))
 
-    def _auth_expired(self, qid: int, auth: au.TargetAuth, timeout: int) -> None:
+    def _auth_expired(self, queue: TargetQueue, auth: au.TargetAuth, timeout: int) -> None:
+        qid = queue.qid
+        if self.auth.get(qid) is not auth:      # the queue is gone, or connected again
+            return
         self.auth_timers.pop(qid, None)
-        if self.dead or auth.authenticated or self.auth.get(qid) is not auth:
+        if self.dead or queue.closed or auth.authenticated:
             return
         if not auth.failed:
             auth.reason = (f"not authenticated within {timeout} s of the Connect "
                            "(limits.auth_timeout)")
             auth.explanation = au.Explanation.FAILED
-        self._auth_failed(qid, auth)
-        self.target.destroy_controller(self, f"authentication timed out on qid {qid}")
+        self._auth_failed(queue, auth)
+        self._end_auth(queue, f"authentication timed out on qid {qid}")
 
-    def _auth_failed(self, qid: int, auth: au.TargetAuth) -> None:
-        """A queue's exchange failed: logged (peer and host NQN) and counted once per
-        controller, the moment it is known; the controller ends once the host has had the
-        answer (Failure1), or after limits.auth_timeout if it never asks for it."""
-        if self.auth_failures:
+    def _auth_failed(self, queue: TargetQueue, auth: au.TargetAuth) -> None:
+        """A queue's exchange failed: logged (its peer, the host NQN) and counted once per
+        exchange, the moment it is known; the queue ends once the host has had the answer
+        (Failure1), or after limits.auth_timeout if it never asks for it."""
+        if auth in self._auth_reported:
             return
+        self._auth_reported.add(auth)
         self.auth_failures += 1
-        self.target.auth_failed(self.peer_ip)
-        log.warning("%s qid=%d peer=%s: authentication failed: %s (explanation %#x): tearing "
-                    "the controller down", self.name, qid, self.peer, auth.reason,
-                    auth.explanation)
+        self.target.auth_failed(self, queue, auth)
         if not auth.fatal:
-            self._arm_auth_timer(qid, auth)
+            self._arm_auth_timer(queue, auth)
+
+    def _end_auth(self, queue: TargetQueue, reason: str) -> None:
+        """After a failed exchange: the admin queue takes the controller with it (as
+        nvmet); an I/O queue goes alone, so that whoever joins a controller with a queue it
+        cannot authenticate does not take down the host that owns it."""
+        if queue.qid == 0:
+            self.target.destroy_controller(self, reason)
+        else:
+            self.target.end_queue(queue, reason)
 
     def _gate(self, cmd: Command, auth: au.TargetAuth) -> None:
         """Authentication Send/Receive go to the queue's transaction; before it succeeded,
@@ -306,7 +316,7 @@ class Controller:
         except au.AuthError as exc:
             raise ProtocolError(str(exc), StatusCode.INVALID_FIELD) from exc
         if auth.failed:
-            self._auth_failed(cmd.queue.qid, auth)
+            self._auth_failed(cmd.queue, auth)
         view, sge, release = self.target.control_buffer(cmd.queue, len(message))
         view[:len(message)] = message
         cmd.on_released = self._auth_release(cmd, auth, release)
@@ -316,7 +326,7 @@ class Controller:
         was = auth.authenticated
         auth.send(message)
         if auth.failed:
-            self._auth_failed(cmd.queue.qid, auth)
+            self._auth_failed(cmd.queue, auth)
         elif auth.authenticated and not was:
             timer = self.auth_timers.pop(cmd.queue.qid, None)
             if timer is not None:
@@ -332,18 +342,19 @@ class Controller:
     def _auth_release(self, cmd: Command, auth: au.TargetAuth,
                       release: Callable[[Command], None] | None
                       ) -> Callable[[Command], None] | None:
-        """What runs once the answer has been sent: after a failure, the end of the
-        controller (nvmet_ctrl_fatal_error after Failure1 or a message out of sequence).
-        Set before the answer is posted: a provider may complete the send at once."""
+        """What runs once the answer has been sent: after a failure, the end of the queue
+        (:meth:`_end_auth`; nvmet_ctrl_fatal_error after Failure1 or a message out of
+        sequence).  Set before the answer is posted: a provider may complete the send at
+        once."""
         if not auth.fatal or self.dead:
             return release
-        reason = f"authentication failed on qid {cmd.queue.qid}"
+        queue = cmd.queue
+        reason = f"authentication failed on qid {queue.qid}"
 
         def released(c: Command) -> None:
             if release is not None:
                 release(c)
-            self.target.reactor.call_later(0, lambda: self.target.destroy_controller(
-                self, reason))
+            self.target.reactor.call_later(0, lambda: self._end_auth(queue, reason))
 
         return released
 

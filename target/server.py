@@ -30,7 +30,7 @@ from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol.admin import AsyncNotice
-from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy
+from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy, TargetAuth
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
@@ -189,7 +189,7 @@ class Target:
         self.executor = concurrent.futures.ThreadPoolExecutor(4, "backend-io")
         self._started = threading.Event()
         self.genctr = 0
-        self.auth_failures = 0                  # controllers ended by failed authentication
+        self.auth_failures = 0                  # failed DH-HMAC-CHAP exchanges
         #: Peer addresses whose authentications keep failing (limits.auth_max_failures).
         self.auth_backoff = PeerBackoff()
         self.draining = False
@@ -472,7 +472,6 @@ class Target:
             ctrl.auth_policy = policy
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
-            ctrl.peer_ip = _peer_ip(session.queue)
             ctrl.queues[0] = session.queue
             self.controllers[ctrl.cntlid] = ctrl
             ctrl.start_keep_alive()
@@ -505,11 +504,16 @@ class Target:
                                 f"for {left:.0f} s more (limits.auth_backoff)",
                                 StatusCode.CONNECT_CTRL_BUSY, dnr=False)
 
-    def auth_failed(self, peer_ip: str) -> None:
-        """A controller's authentication failed (wrong answer, abandoned or timed out
-        exchange): count it, and past limits.auth_max_failures within
-        limits.auth_failure_window from one address, start that address's back-off."""
+    def auth_failed(self, ctrl: Controller, queue: TargetQueue, auth: TargetAuth) -> None:
+        """An exchange on ``queue`` failed (wrong answer, a message out of sequence, timed
+        out): log it with the queue's peer, count it, and past limits.auth_max_failures
+        within limits.auth_failure_window from one address, start that address's
+        back-off."""
+        log.warning("%s qid=%d peer=%s: authentication failed: %s (explanation %#x): tearing "
+                    "the %s down", ctrl.name, queue.qid, _peer(queue), auth.reason,
+                    auth.explanation, "queue" if queue.qid else "controller")
         self.auth_failures += 1
+        peer_ip = _peer_ip(queue)
         limits = self.config.limits
         if self.auth_backoff.failed(peer_ip, time.monotonic(), limits.auth_max_failures,
                                     limits.auth_failure_window, limits.auth_backoff):
@@ -518,6 +522,13 @@ class Target:
                         "auth_failure_window, auth_backoff)", peer_ip,
                         limits.auth_max_failures, limits.auth_failure_window,
                         limits.auth_backoff)
+
+    def end_queue(self, queue: TargetQueue, reason: str) -> None:
+        """Disconnect one queue of a controller (as if its host had gone)."""
+        for session in self.sessions:
+            if session.queue is queue:
+                self.queue_broken(session, queue, reason)
+                return
 
     def _exposed(self, subsystem: Subsystem, listener: cfg.Listener) -> bool:
         key = rl.listener_key(listener)
@@ -543,6 +554,7 @@ class Target:
         self._close_queue(session)
         if ctrl is not None:
             ctrl.queues.pop(queue.qid, None)
+            ctrl.auth.pop(queue.qid, None)
             ctrl.state = ctrl.state.disconnect(queue.qid)
             if queue.qid == 0:
                 self.destroy_controller(ctrl, f"admin queue lost: {reason}")
@@ -575,6 +587,8 @@ class Target:
         ctrl.dead = True
         if ctrl.kato_timer is not None:
             ctrl.kato_timer.cancel()
+        for timer in ctrl.auth_timers.values():
+            timer.cancel()
         self.controllers.pop(ctrl.cntlid, None)
         for session in [s for s in self.sessions if s.controller is ctrl]:
             self._close_queue(session)
@@ -968,7 +982,8 @@ def render_metrics(st: dict[str, Any]) -> str:
                           "0 when the last reload was rejected.",
                           [({}, 0 if st["last_reload_error"] else 1)])
     auth_failed = mx.Family("blockfabric_auth_failures_total", "counter",
-                            "Controllers torn down because DH-HMAC-CHAP authentication failed.",
+                            "DH-HMAC-CHAP exchanges that failed (a wrong answer, a message "
+                            "out of sequence, not finished in time); each ended its queue.",
                             [({}, st.get("auth_failures", 0))])
     listeners = mx.Family("blockfabric_listener_controllers", "gauge",
                           "Controllers connected through each listener.",

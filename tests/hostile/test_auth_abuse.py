@@ -19,7 +19,8 @@ import urllib.request
 import pytest
 
 from blockfabric.initiator.host import AuthenticationFailed, NvmeError, connect
-from blockfabric.protocol import ConnectData, FeatureId, GetFeatures, Property, StatusCode
+from blockfabric.protocol import (ConnectData, FeatureId, GetFeatures, Property, SetFeatures,
+                                  StatusCode)
 from blockfabric.protocol import auth as au
 
 from e2e.conftest import BIN
@@ -130,6 +131,50 @@ def test_repeated_wrong_answers_on_one_connection_end_it(target, bystander):
     assert_undisturbed(bystander.finish(), bystander)
     probe.assert_bounded()
     assert_accepts_new_host(target.port, KEEPER)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_io_queue_costs_only_that_queue(target, bystander):
+    """An I/O queue that fails its exchange (someone joining a controller with a queue it
+    cannot authenticate) ends alone: the authenticated admin queue and controller stay,
+    and a new I/O queue may still authenticate and do I/O."""
+    probe = TargetProbe(target)
+    ctrl = attacker(target.port, NQN, HOSTNQN, dhchap_secret=str(SECRET))
+    try:
+        with bystander.attack("wrong answer on an I/O queue"):
+            queue, result = admin_connect(ctrl)
+            ctrl.cntlid = result & 0xFFFF
+            ctrl._authenticate(queue, 0, result)
+            ctrl._enable()
+            ctrl.wait(queue, SetFeatures(fid=FeatureId.NUM_QUEUES, value=1 << 16 | 1).to_sqe(),
+                      "Set Features (number of queues)")
+            ctrl.inline_size = 0
+            bad = ctrl.open_queue(1, 16)
+            ctrl.fabrics_connect(bad, 1, 15, 0, authenticate=False)
+            ctrl.auth_send(bad, au.Negotiate.offer(5, (1,), (0,)).pack())
+            ctrl.auth_receive(bad, 4096)
+            ctrl.auth_send(bad, au.Reply(5, bytes(32)).pack())        # wrong
+            with pytest.raises((NvmeError, ConnectionError, TimeoutError, au.AuthError)):
+                ctrl.auth_send(bad, au.Negotiate.offer(6, (1,), (0,)).pack())
+                ctrl.auth_receive(bad, 4096)
+                ctrl.auth_receive(bad, 4096)
+            assert ctrl.property_get(Property.CSTS, 4) & 1          # the controller lives
+            good = ctrl.open_queue(2, 16)
+            ctrl.io_queues.append(good)
+            ctrl.fabrics_connect(good, 2, 15, 0)                    # authenticates
+            ctrl.rescan()
+            ns = ctrl.namespaces[1]                     # (away from the bystander's blocks)
+            ns.write(4096 * 1002, b"\xa5" * 4096)
+            assert ns.read(4096 * 1002, 4096) == b"\xa5" * 4096
+    finally:
+        ctrl.close()
+    (line,) = wait_lines(target, "authentication failed:", 1)
+    assert "qid=1" in line and line.endswith("tearing the queue down\n"), line
+    assert "destroyed (authentication" not in target.log          # only the queue went
+    assert wait_lines(target, "qid=1: authentication failed on qid 1", 1)
+    assert failures(target) == (1, 1)
+    assert_undisturbed(bystander.finish(), bystander)
+    probe.assert_bounded()
 
 
 @pytest.mark.timeout(60)

@@ -27,9 +27,17 @@ Semantics that are not obvious from the schema:
 - ``limits.connect_timeout`` (seconds) bounds how long an accepted queue may go without a
   completed Fabrics Connect; then it is disconnected and its slot in
   ``limits.max_connections_per_host`` freed.
+- ``limits.auth_timeout`` (seconds) bounds how long a queue that must authenticate may go
+  unauthenticated after its Connect (and a failed exchange may wait for its Failure1 to be
+  fetched); then its controller ends, counted as a failed authentication.
+  ``limits.auth_max_failures`` failed authentications from one peer address within
+  ``limits.auth_failure_window`` seconds make the target answer that address's Connects
+  that would authenticate with Controller Busy for ``limits.auth_backoff`` seconds.
 - ``keep_alive.kas_ms`` is the keep-alive granularity the controller reports (Identify KAS, in
   units of 100 ms); ``keep_alive.max_timeout_ms`` caps the keep-alive timeout a host may ask
-  for in Connect (a larger request is lowered to it).
+  for in Connect or Set Features (a larger request is lowered to it), and is also how long a
+  controller whose host asked for none (KATO 0) may go without any command before it is
+  ended (a discovery controller: 120 s, as nvmet, or this cap if lower).
 - ``metrics`` is off unless given; ``metrics.address`` defaults to loopback.
 - File backends need an absolute ``path``; two namespaces may not share one.
 - ``subsystems[].hosts`` entries are host NQNs, or mappings with the ``nqn`` and the host's
@@ -56,6 +64,7 @@ import yaml
 
 from blockfabric.errors import ConfigError
 from blockfabric.protocol.auth import DHGROUP_NAMES, HASH_NAMES, SUPPORTED_DHGROUPS, Secret
+from blockfabric.protocol.fabrics import MAX_NQN_BYTES, NQN_PATTERN, nqn_problem
 from blockfabric.fileutil import atomic_write
 from blockfabric.sizes import KiB, MiB, SizeError, format_size, parse_size
 
@@ -63,7 +72,6 @@ DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 NVME_RDMA_PORT = 4420
 DISCOVERY_PORT = 8009
 MAX_NSID = 1024          # nvmet's default NN; also the length of the active namespace list
-MAX_NQN_BYTES = 223      # NVMe base spec: an NQN is at most 223 bytes of UTF-8
 BACKENDS = ("ramdisk", "file", "null")
 PROVIDERS = ("auto", "soft", "verbs")
 DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
@@ -74,8 +82,6 @@ DEFAULT_CONFIG_RESOURCE = "default.yaml"
 # Stable derived identifiers: uuid5 under a fixed namespace of our own.
 _ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_DNS, "blockfabric.io")
 
-_NQN_RE = re.compile(r"nqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
-                     r"(:[^\s\x00-\x1f\x7f]+)?")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NGUID_RE = re.compile(r"[0-9a-fA-F]{32}")
 _UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
@@ -331,8 +337,19 @@ class Model:
 
 # --- the configuration ---------------------------------------------------------------------
 
-NQN = Text(f"an NQN (nqn.yyyy-mm.reverse.domain[:name], at most {MAX_NQN_BYTES} bytes)",
-           _NQN_RE, MAX_NQN_BYTES)
+class Nqn(Text):
+    """An NQN, checked as a Fabrics Connect checks one (``fabrics.nqn_problem``), so that the
+    configuration never allows a host NQN that could not connect."""
+
+    def load(self, value: Any, where: Where) -> str:
+        value = super().load(value, where)
+        if nqn_problem(value):
+            where.fail(self.expected, value)
+        return value
+
+
+NQN = Nqn(f"an NQN (nqn.yyyy-mm.reverse.domain[:name], at most {MAX_NQN_BYTES} bytes)",
+          NQN_PATTERN, MAX_NQN_BYTES)
 NAME = Text("a name of 1 to 64 letters, digits, '_', '.' or '-'", _NAME_RE)
 
 
@@ -561,6 +578,20 @@ class Limits(Model):
     #: queue's depth x (mdts + inline_data_size + 4 KiB), what a well-behaved host can
     #: legitimately have in flight.
     max_unsent_bytes: int = _field(Size(0, 64 * 1024 * MiB), 0)
+    #: Seconds a command may keep a shared bounce buffer waiting on its host (an RDMA READ
+    #: of the host's data not answered, an answer not acknowledged) before the target
+    #: disconnects that queue and tears its controller down, so that no host can hoard the
+    #: buffers the other hosts' file-backed I/O needs.  Far above any real transfer.
+    buffer_hold_timeout: int = _field(Int(1, 3600, unit="seconds"), 30)
+    #: Seconds a queue that must authenticate (DH-HMAC-CHAP) may take from its Connect to a
+    #: finished exchange, and a failed exchange to be answered, before its controller ends.
+    auth_timeout: int = _field(Int(1, 600, unit="seconds"), 10)
+    #: Failed authentications from one peer address within auth_failure_window seconds
+    #: that make the target refuse that address's authenticating Connects (Controller
+    #: Busy) for auth_backoff seconds.
+    auth_max_failures: int = _field(Int(1, 1000), 5)
+    auth_failure_window: int = _field(Int(1, 86400, unit="seconds"), 60)
+    auth_backoff: int = _field(Int(1, 86400, unit="seconds"), 60)
 
     def _finish(self, where: Where) -> Limits:
         if 0 < self.max_unsent_bytes < MiB:
@@ -572,11 +603,6 @@ class Limits(Model):
         """``max_unsent_bytes`` for a queue of ``depth`` commands with ``inline`` bytes of
         in-capsule data."""
         return self.max_unsent_bytes or depth * (self.mdts + inline + UNSENT_SLACK)
-    #: Seconds a command may keep a shared bounce buffer waiting on its host (an RDMA READ
-    #: of the host's data not answered, an answer not acknowledged) before the target
-    #: disconnects that queue and tears its controller down, so that no host can hoard the
-    #: buffers the other hosts' file-backed I/O needs.  Far above any real transfer.
-    buffer_hold_timeout: int = _field(Int(1, 3600, unit="seconds"), 30)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from blockfabric.logutil import printable
+
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024
@@ -177,7 +179,8 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append(f"controllers: {len(st['controllers'])}")
     for c in st["controllers"]:
         queues = " ".join(f"q{q['qid']}:{q['in_use']}/{q['depth']}" for q in c["queues"])
-        lines.append(f"  ctrl {c['cntlid']}  {c['hostnqn']} -> {c['subnqn']}")
+        # a host NQN is the peer's: never raw bytes on an operator's terminal
+        lines.append(f"  ctrl {c['cntlid']}  {printable(c['hostnqn'])} -> {c['subnqn']}")
         auth = ""
         if c.get("auth_required"):
             done = ",".join(f"q{q}" for q in c["authenticated_queues"]) or "none yet"

@@ -14,7 +14,9 @@ import time
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Callable
 
+from blockfabric.fabric.reactor import Timer
 from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.logutil import printable
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import identify as idn
 from blockfabric.protocol import io as nio
@@ -85,9 +87,7 @@ class Controller:
         self.hostid = hostid
         self.provider = provider            # the RDMA provider the host came in on
         self.is_discovery = subsystem is None
-        if self.is_discovery and kato_ms == 0:
-            kato_ms = DISCOVERY_KATO_MS
-        self.kato_ms = kato_ms
+        self.kato_ms = self._effective_kato(kato_ms)
         limits = target.config.limits
         self.queue_size = limits.queue_size
         self.mdts_bytes = limits.mdts
@@ -107,8 +107,15 @@ class Controller:
         #: authenticates (Connect answers ATR) before it runs anything but Fabrics commands.
         self.auth_policy: au.AuthPolicy | None = None
         self.auth: dict[int, au.TargetAuth] = {}
+        #: Per queue: ends the queue (the admin queue: the controller) if it is not
+        #: authenticated in time (limits.auth_timeout).
+        self.auth_timers: dict[int, Timer] = {}
+        self._auth_reported: set[au.TargetAuth] = set()
         self.auth_failures = 0
         self.peer = ""
+        # The log context of every line about this controller (key=value, greppable); the
+        # host NQN was checked at Connect, and is escaped all the same: it is the peer's.
+        self._name = f"ctrl {self.cntlid} hostnqn={printable(hostnqn)} subnqn={self.subnqn}"
         # counters (host-visible through SMART, operator-visible through status/metrics)
         self.io = IoStats()
         self.admin_errors = 0
@@ -121,7 +128,7 @@ class Controller:
     @property
     def name(self) -> str:
         """The log context of every line about this controller (key=value, greppable)."""
-        return f"ctrl {self.cntlid} hostnqn={self.hostnqn} subnqn={self.subnqn}"
+        return self._name
 
     @property
     def queue_depth_in_use(self) -> int:
@@ -139,6 +146,17 @@ class Controller:
         return CAP(mqes=queue_size - 1, cqr=True, to=15, css=CAP.CSS_NVM)
 
     # -- keep-alive ------------------------------------------------------------------
+    def _effective_kato(self, requested_ms: int) -> int:
+        """The keep-alive timeout the target enforces for a KATO the host asked for (Connect
+        or Set Features): at most keep_alive.max_timeout_ms.  KATO 0 (the host sends no
+        keep-alive) still ends a controller that sees no command at all for that long (a
+        discovery controller: DISCOVERY_KATO_MS, as nvmet), so that no controller nobody
+        uses lives for ever."""
+        cap = self.target.config.keep_alive.max_timeout_ms
+        if requested_ms == 0:
+            requested_ms = DISCOVERY_KATO_MS if self.is_discovery else cap
+        return min(requested_ms, cap)
+
     def start_keep_alive(self) -> None:
         if self.kato_ms:
             self.kato_timer = self.target.reactor.call_later(self.kato_ms / 1000,
@@ -193,7 +211,56 @@ class Controller:
             return self.handle
         state = au.TargetAuth(self.auth_policy, self.hostnqn, self.subnqn)
         self.auth[qid] = state
+        self._arm_auth_timer(self.queues[qid], state)
         return lambda cmd: self._gate(cmd, state)
+
+    def _arm_auth_timer(self, queue: TargetQueue, auth: au.TargetAuth) -> None:
+        """Within limits.auth_timeout the queue is authenticated (its Connect just now), or
+        its failed exchange answered (a failure): else the queue ends (the admin queue: the
+        controller).  nvmet resets an abandoned transaction after KATO (120 s without);
+        here an unauthenticated queue holds a connection slot and may keep its controller
+        alive with Fabrics commands, so it ends."""
+        timeout = self.target.config.limits.auth_timeout
+        old = self.auth_timers.pop(queue.qid, None)
+        if old is not None:
+            old.cancel()
+        self.auth_timers[queue.qid] = self.target.reactor.call_later(
+            timeout, lambda: self._auth_expired(queue, auth, timeout))
+
+    def _auth_expired(self, queue: TargetQueue, auth: au.TargetAuth, timeout: int) -> None:
+        qid = queue.qid
+        if self.auth.get(qid) is not auth:      # the queue is gone, or connected again
+            return
+        self.auth_timers.pop(qid, None)
+        if self.dead or queue.closed or auth.authenticated:
+            return
+        if not auth.failed:
+            auth.reason = (f"not authenticated within {timeout} s of the Connect "
+                           "(limits.auth_timeout)")
+            auth.explanation = au.Explanation.FAILED
+        self._auth_failed(queue, auth)
+        self._end_auth(queue, f"authentication timed out on qid {qid}")
+
+    def _auth_failed(self, queue: TargetQueue, auth: au.TargetAuth) -> None:
+        """A queue's exchange failed: logged (its peer, the host NQN) and counted once per
+        exchange, the moment it is known; the queue ends once the host has had the answer
+        (Failure1), or after limits.auth_timeout if it never asks for it."""
+        if auth in self._auth_reported:
+            return
+        self._auth_reported.add(auth)
+        self.auth_failures += 1
+        self.target.auth_failed(self, queue, auth)
+        if not auth.fatal:
+            self._arm_auth_timer(queue, auth)
+
+    def _end_auth(self, queue: TargetQueue, reason: str) -> None:
+        """After a failed exchange: the admin queue takes the controller with it (as
+        nvmet); an I/O queue goes alone, so that whoever joins a controller with a queue it
+        cannot authenticate does not take down the host that owns it."""
+        if queue.qid == 0:
+            self.target.destroy_controller(self, reason)
+        else:
+            self.target.end_queue(queue, reason)
 
     def _gate(self, cmd: Command, auth: au.TargetAuth) -> None:
         """Authentication Send/Receive go to the queue's transaction; before it succeeded,
@@ -249,6 +316,8 @@ class Controller:
             message = auth.receive(receive.al)
         except au.AuthError as exc:
             raise ProtocolError(str(exc), StatusCode.INVALID_FIELD) from exc
+        if auth.failed:
+            self._auth_failed(cmd.queue, auth)
         view, sge, release = self.target.control_buffer(cmd.queue, len(message))
         view[:len(message)] = message
         cmd.on_released = self._auth_release(cmd, auth, release)
@@ -257,7 +326,12 @@ class Controller:
     def _auth_sent(self, cmd: Command, auth: au.TargetAuth, message: bytes) -> None:
         was = auth.authenticated
         auth.send(message)
-        if auth.authenticated and not was:
+        if auth.failed:
+            self._auth_failed(cmd.queue, auth)
+        elif auth.authenticated and not was:
+            timer = self.auth_timers.pop(cmd.queue.qid, None)
+            if timer is not None:
+                timer.cancel()
             both = message[1:2] == bytes([au.AuthMsg.SUCCESS2])
             log.info("%s qid=%d: host authenticated (hash %s, DH group %s)%s", self.name,
                      cmd.queue.qid, au.HASH_NAMES.get(auth.hash_id, auth.hash_id),
@@ -269,23 +343,19 @@ class Controller:
     def _auth_release(self, cmd: Command, auth: au.TargetAuth,
                       release: Callable[[Command], None] | None
                       ) -> Callable[[Command], None] | None:
-        """What runs once the answer has been sent: after a failure, the end of the
-        controller (nvmet_ctrl_fatal_error after Failure1 or a message out of sequence).
-        Set before the answer is posted: a provider may complete the send at once."""
-        if not auth.fatal or self.dead or self.auth_failures:
+        """What runs once the answer has been sent: after a failure, the end of the queue
+        (:meth:`_end_auth`; nvmet_ctrl_fatal_error after Failure1 or a message out of
+        sequence).  Set before the answer is posted: a provider may complete the send at
+        once."""
+        if not auth.fatal or self.dead:
             return release
-        self.auth_failures += 1
-        self.target.auth_failures += 1
-        log.warning("%s qid=%d peer=%s: authentication failed: %s (explanation %#x): tearing "
-                    "the controller down", self.name, cmd.queue.qid, self.peer, auth.reason,
-                    auth.explanation)
-        reason = f"authentication failed on qid {cmd.queue.qid}"
+        queue = cmd.queue
+        reason = f"authentication failed on qid {queue.qid}"
 
         def released(c: Command) -> None:
             if release is not None:
                 release(c)
-            self.target.reactor.call_later(0, lambda: self.target.destroy_controller(
-                self, reason))
+            self.target.reactor.call_later(0, lambda: self._end_auth(queue, reason))
 
         return released
 
@@ -461,7 +531,7 @@ class Controller:
                 NumberOfQueues.from_int(sf.value))
             cmd.respond(result=granted.to_int())
         elif sf.fid == FeatureId.KATO:
-            self.kato_ms = min(sf.value, self.target.config.keep_alive.max_timeout_ms)
+            self.kato_ms = self._effective_kato(sf.value)
             if self.kato_timer is not None:
                 self.kato_timer.cancel()
                 self.kato_timer = None

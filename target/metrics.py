@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from blockfabric.logutil import printable
+
 log = logging.getLogger(__name__)
 
 #: Upper bounds of the latency buckets, in seconds (a Prometheus ``le`` label each).
@@ -89,7 +91,11 @@ class Family:
 
 
 def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """A label value as the text format wants it: backslash, double quote and newline
+    escaped.  Label values include host NQNs, a peer's bytes: anything not printable (a
+    newline, a surrogate escape of bytes that were not UTF-8) is first made visible text by
+    :func:`printable`, so no value can break a line or the UTF-8 of the page."""
+    return printable(value).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -169,7 +175,7 @@ class MetricsServer:
                     self.send_error(404, "only /metrics is served here")
                     return
                 try:
-                    body = collector().encode()
+                    body = collector().encode("utf-8", "backslashreplace")
                 except Exception as exc:  # a scrape must not kill the thread
                     log.warning("metrics scrape failed: %s", exc)
                     self.send_error(503, "the target did not answer")

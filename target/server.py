@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
+from blockfabric.logutil import printable
 from blockfabric.sdnotify import sd_notify
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor, Timer
@@ -29,7 +30,7 @@ from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol.admin import AsyncNotice
-from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy
+from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy, TargetAuth
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
@@ -38,12 +39,13 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           IPO_DATA_CNTLID, IPO_DATA_HOSTNQN, IPO_DATA_SUBNQN,
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
                                           ConnectData,
-                                          connect_invalid_param)
+                                          connect_invalid_param, nqn_problem)
 from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, Access, CMEventType, CMId,
                               Listener, get_provider)
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
+from blockfabric.target.backoff import PeerBackoff
 from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
@@ -191,9 +193,17 @@ def _peer(queue: TargetQueue | None) -> str:
         return "?"
 
 
+def _peer_ip(queue: TargetQueue | None) -> str:
+    try:
+        return str(queue.cmid.peer_address[0])
+    except Exception:
+        return "?"
+
+
 def _safe_nqn(view: memoryview, at: int) -> str:
+    """An NQN field of Connect data as it may be logged (whatever the peer put there)."""
     raw = bytes(view[at:at + 256]).split(b"\0", 1)[0]
-    return raw.decode("utf-8", "replace")
+    return printable(raw.decode("utf-8", "surrogateescape"))
 
 
 class Target:
@@ -222,8 +232,10 @@ class Target:
         self.executor = FairExecutor(self.reactor, BACKEND_THREADS)
         self._started = threading.Event()
         self.genctr = 0
-        self.auth_failures = 0                  # controllers ended by failed authentication
-        self.hold_disconnects = 0               # ... by holding a bounce buffer too long
+        self.auth_failures = 0                  # failed DH-HMAC-CHAP exchanges
+        #: Peer addresses whose authentications keep failing (limits.auth_max_failures).
+        self.auth_backoff = PeerBackoff()
+        self.hold_disconnects = 0               # controllers ended for holding a bounce buffer
         self.draining = False
         self.started = time.time()
         self.reloads = 0
@@ -569,27 +581,35 @@ class Target:
                 data: ConnectData) -> Controller:
         """Bind a queue to a controller (new on the admin queue); raises the Connect status."""
         subnqn, hostnqn = data.subnqn, data.hostnqn
+        # Both NQNs as the spec has them (base 4.7) before either is used or logged.
+        for what, nqn, offset in (("subsystem", subnqn, IPO_DATA_SUBNQN),
+                                  ("host", hostnqn, IPO_DATA_HOSTNQN)):
+            problem = nqn_problem(nqn)
+            if problem is not None:
+                raise connect_invalid_param(f"{what} NQN {problem}", IATTR.DATA, offset)
         subsystem = None
-        if subnqn != DISCOVERY_NQN:
+        if subnqn == DISCOVERY_NQN:
+            if session.qid:     # a discovery controller has an admin queue only (as nvmet)
+                raise connect_invalid_param("I/O queue Connect to the discovery controller",
+                                            IATTR.SQE, IPO_SQE_QID)
+        else:
             subsystem = self.subsystems.get(subnqn)
             if subsystem is None or not self._exposed(subsystem, session.listener):
-                raise connect_invalid_param(f"unknown subsystem {subnqn!r}", IATTR.DATA,
-                                            IPO_DATA_SUBNQN)
+                raise connect_invalid_param("unknown subsystem", IATTR.DATA, IPO_DATA_SUBNQN)
             if not subsystem.allows(hostnqn):
                 log.warning("access denied: hostnqn=%s subnqn=%s qid=%d peer=%s: host not "
                             "allowed", hostnqn, subnqn, session.qid, _peer(session.queue))
-                raise ProtocolError(f"host {hostnqn!r} not allowed",
-                                    StatusCode.CONNECT_INVALID_HOST)
-        if not hostnqn:
-            raise connect_invalid_param("empty host NQN", IATTR.DATA, IPO_DATA_HOSTNQN)
+                raise ProtocolError("host not allowed", StatusCode.CONNECT_INVALID_HOST)
         limits = self.config.limits
         if session.qid == 0:
+            policy = auth_policy(subsystem.conf, hostnqn) if subsystem is not None else None
+            if policy is not None:
+                self._check_auth_backoff(session)
             state = ControllerState.admin_connect(
                 connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
                 cap=Controller.capabilities(limits.queue_size), aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
-            if subsystem is not None:
-                ctrl.auth_policy = auth_policy(subsystem.conf, hostnqn)
+            ctrl.auth_policy = policy
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
             ctrl.queues[0] = session.queue
@@ -606,12 +626,51 @@ class Target:
                                         IATTR.DATA, IPO_DATA_CNTLID)
         if not ctrl.ready:
             raise ProtocolError("I/O queue Connect before CC.EN", StatusCode.CMD_SEQ_ERROR)
+        if ctrl.auth_policy is not None:
+            self._check_auth_backoff(session)
         ctrl.state = ctrl.state.io_connect(connect, data)
         ctrl.queues[session.qid] = session.queue
         self._share_passes(hostnqn)
         log.debug("%s qid=%d: connected (depth %d)", ctrl.name, session.qid,
                   session.queue.depth)
         return ctrl
+
+    def _check_auth_backoff(self, session: QueueSession) -> None:
+        """A Connect that would start an authentication, from an address whose
+        authentications keep failing: refused (Controller Busy, may be retried) until its
+        back-off is over, so nobody can guess secrets at the speed of connection set-up, nor
+        make the target compute DH exchanges for them."""
+        left = self.auth_backoff.blocked(_peer_ip(session.queue), time.monotonic())
+        if left > 0:
+            raise ProtocolError(f"too many failed authentications from this address: refused "
+                                f"for {left:.0f} s more (limits.auth_backoff)",
+                                StatusCode.CONNECT_CTRL_BUSY, dnr=False)
+
+    def auth_failed(self, ctrl: Controller, queue: TargetQueue, auth: TargetAuth) -> None:
+        """An exchange on ``queue`` failed (wrong answer, a message out of sequence, timed
+        out): log it with the queue's peer, count it, and past limits.auth_max_failures
+        within limits.auth_failure_window from one address, start that address's
+        back-off."""
+        log.warning("%s qid=%d peer=%s: authentication failed: %s (explanation %#x): tearing "
+                    "the %s down", ctrl.name, queue.qid, _peer(queue), auth.reason,
+                    auth.explanation, "queue" if queue.qid else "controller")
+        self.auth_failures += 1
+        peer_ip = _peer_ip(queue)
+        limits = self.config.limits
+        if self.auth_backoff.failed(peer_ip, time.monotonic(), limits.auth_max_failures,
+                                    limits.auth_failure_window, limits.auth_backoff):
+            log.warning("peer %s: %d failed authentications within %d s: refusing its Connects "
+                        "that need authentication for %d s (limits.auth_max_failures, "
+                        "auth_failure_window, auth_backoff)", peer_ip,
+                        limits.auth_max_failures, limits.auth_failure_window,
+                        limits.auth_backoff)
+
+    def end_queue(self, queue: TargetQueue, reason: str) -> None:
+        """Disconnect one queue of a controller (as if its host had gone)."""
+        for session in self.sessions:
+            if session.queue is queue:
+                self.queue_broken(session, queue, reason)
+                return
 
     def _exposed(self, subsystem: Subsystem, listener: cfg.Listener) -> bool:
         key = rl.listener_key(listener)
@@ -637,6 +696,7 @@ class Target:
         self._close_queue(session)
         if ctrl is not None:
             ctrl.queues.pop(queue.qid, None)
+            ctrl.auth.pop(queue.qid, None)
             ctrl.state = ctrl.state.disconnect(queue.qid)
             if queue.qid == 0:
                 self.destroy_controller(ctrl, f"admin queue lost: {reason}")
@@ -683,6 +743,8 @@ class Target:
         ctrl.dead = True
         if ctrl.kato_timer is not None:
             ctrl.kato_timer.cancel()
+        for timer in ctrl.auth_timers.values():
+            timer.cancel()
         self.controllers.pop(ctrl.cntlid, None)
         for session in [s for s in self.sessions if s.controller is ctrl]:
             self._close_queue(session)
@@ -1098,7 +1160,8 @@ def render_metrics(st: dict[str, Any]) -> str:
                           "0 when the last reload was rejected.",
                           [({}, 0 if st["last_reload_error"] else 1)])
     auth_failed = mx.Family("blockfabric_auth_failures_total", "counter",
-                            "Controllers torn down because DH-HMAC-CHAP authentication failed.",
+                            "DH-HMAC-CHAP exchanges that failed (a wrong answer, a message "
+                            "out of sequence, not finished in time); each ended its queue.",
                             [({}, st.get("auth_failures", 0))])
     hold = mx.Family("blockfabric_buffer_hold_disconnects_total", "counter",
                      "Controllers torn down because a queue held a bounce buffer past "

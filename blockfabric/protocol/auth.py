@@ -492,7 +492,8 @@ class TargetAuth:
     """One queue's DH-HMAC-CHAP transaction on the controller side, step by step as nvmet
     (fabrics-cmd-auth.c): :meth:`send` takes an Authentication Send's data, :meth:`receive`
     makes an Authentication Receive's.  ``authenticated`` says the queue may run commands;
-    ``fatal`` that the controller is to be torn down once the answer is out."""
+    ``failed`` that the exchange failed (``reason``, ``explanation``), and ``fatal`` that
+    the controller is to be torn down once the answer is out."""
 
     def __init__(self, policy: AuthPolicy, hostnqn: str, subnqn: str) -> None:
         self.policy = policy
@@ -513,6 +514,11 @@ class TargetAuth:
         self._dh_private = 0
         self._session_key = b""
 
+    @property
+    def failed(self) -> bool:
+        """The exchange failed: all that is left is to answer Failure1 and end."""
+        return self.step == AuthMsg.FAILURE1 or self.step == AuthMsg.FAILURE2
+
     # -- helpers --------------------------------------------------------------------
     def _fail1(self, reason: str, explanation: Explanation) -> None:
         """The host learns of it from the next Receive (Failure1), then the end."""
@@ -531,7 +537,13 @@ class TargetAuth:
 
     # -- Authentication Send ----------------------------------------------------------
     def send(self, data: bytes) -> None:
-        """The host's message (the command itself completes successfully)."""
+        """The host's message (the command itself completes successfully).  After a
+        failure nothing is taken any more, not even a Negotiate to start over (nvmet would
+        take one): a host that sent a wrong answer ends its controller whatever it sends
+        next, so each guess costs a new controller."""
+        if self.failed:
+            self.fatal = True
+            return
         try:
             auth_type, auth_id = message_kind(data)
         except AuthError as exc:

@@ -5,6 +5,7 @@ nvmf_property_{get,set}_command; NVMe base 2.0 section 3.1.3 for the registers).
 from __future__ import annotations
 
 import enum
+import re
 
 from blockfabric.protocol._wire import (Bits, Packed, bitfields, bits, packed, raw, text,
                                         u16)
@@ -17,6 +18,15 @@ DYNAMIC_CNTLID = 0xFFFF  # admin Connect: 'give me a new controller'
 CONNECT_DATA_SIZE = 1024
 NQN_SIZE = 256
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+MAX_NQN_BYTES = 223  # NVMe base 2.0 section 4.7: at most 223 bytes of UTF-8, then a NUL
+#: The NQN grammar (base spec 4.7): "nqn." yyyy-mm "." reverse domain, then optionally ":"
+#: and a name of printable characters without white space.
+NQN_PATTERN = re.compile(r"nqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
+                         r"(:[^\s\x00-\x1f\x7f]+)?")
+#: The UUID form: this prefix and a UUID in its 36-character text form, nothing else.
+UUID_NQN_PREFIX = "nqn.2014-08.org.nvmexpress:uuid:"
+_UUID_TEXT = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                        r"[0-9a-fA-F]{12}")
 CATTR_DISABLE_SQFLOW = 1 << 2  # sq_head is then reported as 0xFFFF
 
 
@@ -48,6 +58,28 @@ class ConnectData(Packed):
     cntlid: int = u16(16, DYNAMIC_CNTLID)  # @16; 0xFFFF on the admin queue
     subnqn: str = text(256, NQN_SIZE)  # @256 NUL terminated
     hostnqn: str = text(512, NQN_SIZE)  # @512 NUL terminated; @768..1023 reserved
+
+
+def nqn_problem(nqn: str) -> str | None:
+    """Why ``nqn`` (as :class:`ConnectData` decodes it: up to the first NUL, undecodable
+    bytes as surrogate escapes) is not a valid NQN, or None if it is one.  A field without a
+    NUL in its first 224 bytes is too long; the checks are those of base spec 4.7."""
+    raw = nqn.encode("utf-8", "surrogateescape")
+    if not raw:
+        return "empty"
+    if len(raw) > MAX_NQN_BYTES:
+        return f"{len(raw)} bytes, more than {MAX_NQN_BYTES} (or not NUL terminated)"
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    if not nqn.isprintable():
+        return "holds characters that are not printable"
+    if not NQN_PATTERN.fullmatch(nqn):
+        return "not of the form nqn.yyyy-mm.reverse.domain[:name]"
+    if nqn.startswith(UUID_NQN_PREFIX) and not _UUID_TEXT.fullmatch(nqn[len(UUID_NQN_PREFIX):]):
+        return f"{UUID_NQN_PREFIX} not followed by a UUID"
+    return None
 
 
 class IATTR(enum.IntEnum):

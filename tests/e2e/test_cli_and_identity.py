@@ -102,6 +102,10 @@ def test_write_zeroes_and_discard(start_target, tmp_path):
     assert on_disk[:4096] == written[1][:4096]
 
 
+#: (a UUID-form NQN must carry a UUID: the target checks NQNs as the spec says)
+THIRD_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:33333333-2222-3333-4444-555555555555"
+
+
 def test_several_hosts_at_once(ram_target):
     errors: list[BaseException] = []
     results: list[dict] = []
@@ -118,7 +122,7 @@ def test_several_hosts_at_once(ram_target):
             errors.append(exc)
 
     threads = [threading.Thread(target=host, args=(nqn, i, i))
-               for i, nqn in enumerate([HOSTNQN, OTHER_HOSTNQN, HOSTNQN + "-3"])]
+               for i, nqn in enumerate([HOSTNQN, OTHER_HOSTNQN, THIRD_HOSTNQN])]
     for t in threads:
         t.start()
     for t in threads:

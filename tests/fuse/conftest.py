@@ -21,6 +21,8 @@ from e2e.conftest import TargetProc, free_port
 
 BIN = pathlib.Path(sys.executable).parent
 NQN = "nqn.2026-12.io.blockfabric:fuse"
+#: a UUID-form host NQN must carry a UUID (the target checks NQNs as the spec says)
+FUSE_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:f05e7e57-0000-4000-8000-000000000001"
 MiB = 1 << 20
 
 if not os.path.exists("/dev/fuse"):
@@ -57,7 +59,7 @@ class Mount:
 
     def argv(self) -> list[str]:
         argv = ["mount", "-a", "127.0.0.1", "-s", str(self.target.port), "-n", NQN,
-                "--provider", "soft", "-q", "nqn.2014-08.org.nvmexpress:uuid:fuse-tests"]
+                "--provider", "soft", "-q", FUSE_HOSTNQN]
         if self.options:
             argv += ["-o", self.options]
         return argv + [self.path]

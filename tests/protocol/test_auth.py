@@ -385,3 +385,35 @@ def test_hostile_message_streams_never_authenticate_or_crash(steps, dhgroup) -> 
             except A.AuthError:
                 pass
         assert not target.authenticated
+
+
+# ------------------------------------------------------------------ a failed exchange is over
+
+
+def _wrong_reply(target: A.TargetAuth, t_id: int = 1) -> None:
+    target.send(A.Negotiate.offer(t_id, (1,), (0,)).pack())
+    target.receive(4096)
+    target.send(A.Reply(t_id, bytes(32)).pack())
+
+
+def test_wrong_reply_fails_at_once() -> None:
+    target = A.TargetAuth(_policy(), HOST, SUB)
+    _wrong_reply(target)
+    assert target.failed and not target.authenticated
+    assert "does not match" in target.reason
+
+
+@pytest.mark.parametrize("then", ["negotiate", "reply", "failure2", "garbage"])
+def test_nothing_but_fetching_failure1_follows_a_wrong_reply(then: str) -> None:
+    """The attack of issue 13: wrong answer, Negotiate again, wrong answer ... on one
+    queue.  After the first, any message makes the end immediate (fatal)."""
+    target = A.TargetAuth(_policy(), HOST, SUB)
+    _wrong_reply(target)
+    assert not target.fatal                     # Failure1 still to be fetched
+    message = {"negotiate": A.Negotiate.offer(2, (1,), (0,)).pack(),
+               "reply": A.Reply(1, bytes(32)).pack(),
+               "failure2": A.Failure(auth_id=A.AuthMsg.FAILURE2, t_id=1).pack(),
+               "garbage": b"\xff" * 8}[then]
+    target.send(message)
+    assert target.fatal and target.failed and not target.authenticated
+    assert A.failure_of(target.receive(4096)) is not None

@@ -2,14 +2,15 @@
 
 Registration pins the caller's buffer (a ctypes view holds a buffer export, so a bytearray
 cannot be resized nor an mmap closed while registered) and yields its real virtual address.
-Keys are unique per device; lkey and rkey differ, so an lkey is no use as an rkey.
+Keys are random 32-bit numbers, unique among the device's live keys; lkey and rkey differ,
+so an lkey is no use as an rkey, and a peer cannot guess a key from another it has seen.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno as _errno
-import random
+import secrets
 from typing import TYPE_CHECKING
 
 from blockfabric.errors import RdmaError
@@ -80,6 +81,7 @@ class SoftPD(PD):
         self._mrs.discard(mr)
         self.ctx.lkeys.pop(mr.lkey, None)
         self.ctx.rkeys.pop(mr.rkey, None)
+        self.ctx._keys.release(mr.lkey, mr.rkey)
 
     def close(self) -> None:
         if self.closed:
@@ -90,14 +92,25 @@ class SoftPD(PD):
 
 
 class KeyAllocator:
-    """Keys as HCAs make them: an index in the upper 24 bits, a random 8-bit tag below."""
+    """Keys are capabilities: each is 32 random bits from the system's CSPRNG (an HCA's
+    index-and-tag keys can be guessed from one seen key: the next index, 256 tags), and
+    unique among the live keys of the device (0 is never used).  The caller serialises
+    :meth:`pair`; :meth:`release` takes a closed region's keys back."""
 
     def __init__(self) -> None:
-        self._rng = random.Random()   # unpredictable on purpose: keys are capabilities
-        self._next = 1
+        self._live: set[int] = {0}
 
     def pair(self) -> tuple[int, int]:
-        index = self._next
-        self._next += 2
-        tag = self._rng.randrange(256)
-        return ((index << 8) | tag) & 0xFFFFFFFF, (((index + 1) << 8) | tag) & 0xFFFFFFFF
+        live = self._live
+        keys = []
+        while len(keys) < 2:
+            key = secrets.randbits(32)
+            if key not in live:
+                live.add(key)
+                keys.append(key)
+        return keys[0], keys[1]
+
+    def release(self, *keys: int) -> None:
+        for key in keys:
+            if key:
+                self._live.discard(key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from typing import Callable
 
@@ -160,7 +161,8 @@ class Harness:
         """The target is alive, logged no traceback, and at most LOG_PER_STEP per step."""
         new = self.log
         assert self.target.alive(), "the target died:\n" + new[-3000:]
-        assert "Traceback" not in new, "the target logged a traceback:\n" + new[-3000:]
+        if "Traceback" in new:
+            raise target_bug(new)("the target logged a traceback:\n" + new[-3000:])
         assert len(new) <= LOG_PER_STEP * (self.example_steps + 1), \
             f"{self.example_steps} steps made the target log {len(new)} bytes:\n" + new[-2000:]
 
@@ -214,6 +216,29 @@ class Harness:
         if self.target is not None and self.target.alive():
             self.target.stop()
         return self.results
+
+
+_BUGS: dict[str, type] = {}
+_WHERE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+
+
+def target_bug(log: str) -> type[AssertionError]:
+    """An AssertionError subclass named after where the target's first traceback in ``log``
+    was raised (exception type, and the innermost file and line of the project's own code):
+    hypothesis tells failures apart by their
+    exception's type, so each distinct bug in the target is reported and shrunk on its own
+    instead of the first one found hiding the others."""
+    tb = log[log.index("Traceback"):]
+    frames = _WHERE.findall(tb.split("\n\n")[0])
+    error = next((line.split(":")[0] for line in tb.splitlines()[1:]
+                  if line and not line.startswith((" ", "Traceback"))), "Error")
+    ours = [f for f in frames if "site-packages" not in f[0] and not f[0].startswith("/usr/")]
+    file, line, func = (ours or frames or [("?", "0", "?")])[-1]
+    key = f"{error} in {func} at {os.path.basename(file)}:{line}"
+    if key not in _BUGS:
+        name = "Target" + re.sub(r"\W", "_", f"{error}_{func}_{os.path.basename(file)}_{line}")
+        _BUGS[key] = type(name, (AssertionError,), {"__doc__": key})
+    return _BUGS[key]
 
 
 def _write(request, line: str) -> None:

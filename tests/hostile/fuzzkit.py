@@ -302,6 +302,28 @@ def run_fuzzer(request, machine: type[RuleBasedStateMachine], name: str, harness
         assert_undisturbed(result)
 
 
+def replay(machine: type[RuleBasedStateMachine], harness: Harness,
+           programs: dict[str, Callable[[RuleBasedStateMachine], None]]) -> None:
+    """Run each of ``programs`` (failures the fuzzer found, shrunk, kept as regressions so
+    that ``make test`` checks them whatever the seed finds) as one example of ``machine``;
+    every one runs, and the test fails naming those that failed."""
+    machine.harness = harness
+    failed = []
+    for name, program in programs.items():
+        state = machine()
+        try:
+            try:
+                program(state)
+            finally:
+                state.teardown()
+        except AssertionError as exc:
+            failed.append(f"{name}: {type(exc).__name__}: {str(exc)[:1500]}")
+    results = harness.close()
+    assert not failed, "\n\n".join(failed)
+    for result in results:
+        assert_undisturbed(result)
+
+
 @pytest.fixture
 def harness(tmp_path):
     h = Harness(tmp_path)

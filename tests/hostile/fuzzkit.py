@@ -52,6 +52,8 @@ TARGET_AS = 2 << 30
 #: in ``make test``, hypothesis shrinks a failure for at most this long (its own limit,
 #: 300 s, holds in ``make fuzz``): the suite stays bounded while today's bugs are unfixed
 SHRINK_SECONDS = int(os.environ.get("FUZZ_SHRINK_SECONDS", 45))
+#: seconds the first bystander runs alone, for its undisturbed rate
+WARMUP = 1.0
 #: a bystander is replaced after this long (its verify load stops itself after 120 s)
 BYSTANDER_AGE = 90.0
 
@@ -66,8 +68,10 @@ class Harness:
     and a bystander host verifying its data; :meth:`begin` and :meth:`end` bracket one
     example and check what it did to them."""
 
-    def __init__(self, tmp, limits: dict | None = None) -> None:
+    def __init__(self, tmp, name: str = "fuzz", limits: dict | None = None) -> None:
         self.tmp = tmp
+        self.name = name
+        self.attack_from: float | None = None     # the first example of this bystander
         self.limits = {"max_connections_per_host": 16, "connect_timeout": 5, **(limits or {})}
         self.target: TargetProc | None = None
         self.bystander: Bystander | None = None
@@ -88,6 +92,7 @@ class Harness:
             "prlimit", f"--as={TARGET_AS}", "--", str(BIN / "blockfabric-target")]).start()
         self.target.port = port
         self._start_bystander()
+        time.sleep(WARMUP)          # the bystander's rate before any attack, for the summary
         self.base = self.sample()
 
     def _start_bystander(self) -> None:
@@ -95,9 +100,12 @@ class Harness:
 
     def _finish_bystander(self, why: str) -> None:
         b, self.bystander = self.bystander, None
+        if self.attack_from is not None:
+            b.windows[f"examples until {why}"] = (self.attack_from, time.monotonic())
+            self.attack_from = None
         result = b.finish()
         for row in b.report():
-            RATES.append((f"fuzz {why}", *row))
+            RATES.append((self.name, *row))
         self.results.append(result)
 
     def sample(self) -> dict[str, int]:
@@ -146,6 +154,8 @@ class Harness:
             self._finish_bystander("rotation")
             self._start_bystander()
         self.examples += 1
+        if self.attack_from is None:
+            self.attack_from = time.monotonic()
         self.t0 = time.monotonic()
         self.example_steps = 0
         self.line0 = len(self.target.lines)
@@ -325,7 +335,7 @@ def replay(machine: type[RuleBasedStateMachine], harness: Harness,
 
 
 @pytest.fixture
-def harness(tmp_path):
-    h = Harness(tmp_path)
+def harness(tmp_path, request):
+    h = Harness(tmp_path, request.node.name)
     yield h
     h.close()

@@ -28,7 +28,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables
 
-.PHONY: all deps venv test demo lab lab-auth bench bench-rdma bench-rdma-lab soak clean help
+.PHONY: all deps venv test demo lab lab-auth bench bench-rdma bench-rdma-lab soak fuzz clean help
 
 all: help
 
@@ -40,6 +40,7 @@ help:
 	@echo "make bench  fio side by side with nbdkit+nbdfuse and tmpfs -> benchmarks/results/"
 	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
 	@echo "make soak   long verify run with faults injected (SOAK_DURATION=600)"
+	@echo "make fuzz   the soft-wire and capsule fuzzers with fresh seeds (FUZZ_SECONDS=300 each)"
 	@echo "make clean  remove the venv and build leftovers"
 
 deps:
@@ -114,6 +115,14 @@ bench: venv
 SOAK_DURATION ?= 600
 soak: venv
 	$(PY) benchmarks/soak.py --duration $(SOAK_DURATION) $(SOAK_ARGS)
+
+# fuzz: the stateful fuzzers of tests/hostile with fresh random seeds (printed; FUZZ_SEED=n
+# replays one) for FUZZ_SECONDS each; failures are kept in .hypothesis/fuzz and tried first
+# on the next run.  make test runs the same fuzzers for a few seconds from a fixed seed.
+FUZZ_SECONDS ?= 300
+fuzz: venv
+	FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest tests/hostile/test_fuzz_wire.py \
+	    tests/hostile/test_fuzz_capsules.py -p no:cacheprovider $(PYTEST_ARGS)
 
 bench-rdma: venv
 	$(PY) benchmarks/rdma_bw.py --runs 5 --bytes 1G $(BENCH_ARGS)

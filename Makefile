@@ -28,7 +28,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables
 
-.PHONY: all deps venv test demo lab lab-auth install install-venv install-units \
+.PHONY: all deps venv test demo lab lab-auth lab-systemd install install-venv install-units \
         uninstall bench bench-rdma \
         bench-rdma-lab soak clean help
 
@@ -39,6 +39,7 @@ help:
 	@echo "make test   set up and run the full test suite"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
+	@echo "make lab-systemd   the units under a real systemd (PID 1 in a lab guest), verbs on rxe0"
 	@echo "make install   (root) /opt/blockfabric, /usr/local/bin links, units, a default config"
 	@echo "make uninstall (root) the reverse; /etc/blockfabric and /var/lib/blockfabric stay"
 	@echo "make bench  fio side by side with nbdkit+nbdfuse and tmpfs -> benchmarks/results/"
@@ -152,6 +153,35 @@ uninstall:
 	rm -rf $(DOCDIR) $(PREFIX)
 	@if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo "uninstalled; $(CONFDIR) and /var/lib/blockfabric are left in place"
+
+# lab-systemd: the installed units under a real systemd.  The lab guest boots systemd as PID 1
+# (LAB_INIT=systemd, the same kernel and artefacts as make lab).  `make install-venv` runs
+# here, offline from wheels built here, in a mount namespace of its own with a tmpfs on /opt
+# (so /opt/blockfabric is its real path, and this machine's /opt is untouched): pip under
+# TCG takes minutes.  The guest mounts that venv on its /opt/blockfabric, runs
+# `make install-units` and enables a mount before systemd starts; then
+# tests/lab/systemd.sh starts, reloads, hangs, kills and stops the target service with hosts
+# doing verified I/O, the kernel's nvme-rdma host among them (rxe0).  Skips exactly where
+# make lab does; output in tests/lab/last-systemd-run.txt.
+LAB_SYSTEMD_TIMEOUT ?= 540
+lab-systemd: venv
+	@rc=0; lab/setup || rc=$$?; \
+	if [ $$rc = 77 ]; then echo "make lab-systemd: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \
+	[ $$rc = 0 ] || exit $$rc; \
+	rm -rf build/lab-systemd-wheels build/lab-systemd-opt; \
+	$(PY) -m pip wheel -q -w build/lab-systemd-wheels . 2>&1 | grep -v "is ignored" >&2; \
+	ls build/lab-systemd-wheels/blockfabric-*.whl > /dev/null || exit 1; \
+	unshare -m --propagation private sh -ec 'mount -t tmpfs tmpfs /opt; \
+	  make --no-print-directory install-venv INSTALL_FROM=blockfabric \
+	    PIP_INSTALL_ARGS="--no-index --find-links build/lab-systemd-wheels"; \
+	  cp -a /opt/blockfabric build/lab-systemd-opt' || exit 1; \
+	set -o pipefail; t0=$$(date +%s); \
+	{ echo "# lab/run tests/lab/systemd.sh  ($$(date -u +%F), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest, systemd as PID 1, rxe0 on labnet0)"; \
+	  LAB_INIT=systemd LAB_PREBOOT=tests/lab/systemd-preboot.sh \
+	  LAB_TIMEOUT=$(LAB_SYSTEMD_TIMEOUT) lab/run tests/lab/systemd.sh 2>&1; } \
+	  | tee tests/lab/last-systemd-run.txt; rc=$$?; \
+	echo "make lab-systemd: rc=$$rc in $$(( $$(date +%s) - t0 )) s" | tee -a tests/lab/last-systemd-run.txt; \
+	exit $$rc
 
 # Benchmarks are never part of `make test`: they take minutes and want a quiet machine.
 # lab-auth: DH-HMAC-CHAP against the kernel's own NVMe host and target, in a guest with

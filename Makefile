@@ -28,7 +28,8 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables
 
-.PHONY: all deps venv test demo lab lab-auth bench bench-rdma bench-rdma-lab soak fuzz clean help
+.PHONY: all deps venv test demo lab lab-auth lab-systemd install install-venv install-units \
+        uninstall bench bench-rdma bench-rdma-lab soak fuzz clean help
 
 all: help
 
@@ -37,6 +38,9 @@ help:
 	@echo "make test   set up and run the full test suite"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
+	@echo "make lab-systemd   the units under a real systemd (PID 1 in a lab guest), verbs on rxe0"
+	@echo "make install   (root) /opt/blockfabric, /usr/local/bin links, units, a default config"
+	@echo "make uninstall (root) the reverse; /etc/blockfabric and /var/lib/blockfabric stay"
 	@echo "make bench  fio side by side with nbdkit+nbdfuse and tmpfs -> benchmarks/results/"
 	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
 	@echo "make soak   long verify run with faults injected (SOAK_DURATION=600)"
@@ -86,6 +90,98 @@ lab: venv
 	{ echo "# lab/run tests/lab/all.sh  ($$(date -u +%F), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest under QEMU, rxe0 on labnet0)"; \
 	  LAB_TIMEOUT=$(LAB_TIMEOUT) lab/run tests/lab/all.sh 2>&1; } | tee tests/lab/last-run.txt; rc=$$?; \
 	sed -n '/^##### interop:/,$$p' tests/lab/last-run.txt > tests/lab/last-interop.txt; exit $$rc
+
+# install: the programs in a venv of their own under PREFIX (Debian's python3 with
+# --system-site-packages, so Debian's python3-pyverbs is importable, as in .venv), their console
+# scripts linked into BINDIR (where the units' ExecStart= points: the units are rewritten when
+# BINDIR is not /usr/local/bin), the units into UNITDIR, operations.md into DOCDIR (the units'
+# Documentation=), and $(CONFDIR)/target.yaml only if there is none.  Nothing is enabled or
+# started.  Run again to upgrade (the project is reinstalled even at the same version).
+# INSTALL_FROM: what pip installs (this checkout, or a wheel); PIP_INSTALL_ARGS e.g.
+# "--no-index --find-links DIR" on a machine without an index (the lab guest).
+# docs/operations.md (Install) lists the same steps for a package maintainer.
+PREFIX           ?= /opt/blockfabric
+BINDIR           ?= /usr/local/bin
+UNITDIR          ?= /etc/systemd/system
+CONFDIR          ?= /etc/blockfabric
+DOCDIR           ?= /usr/local/share/doc/blockfabric
+INSTALL_FROM     ?= .
+PIP_INSTALL_ARGS ?=
+PROGRAMS         := blockfabric-target blockfabric
+UNITS            := blockfabric-target.service blockfabric-mount@.service
+install: install-venv install-units
+
+# the programs: the venv (a package build, e.g. with dh-virtualenv, makes the same at PREFIX)
+install-venv:
+	@[ "$$(id -u)" = 0 ] || { echo "make install: run as root" >&2; exit 1; }
+	test -x $(PREFIX)/bin/python || $(PYTHON_SYS) -m venv --system-site-packages $(PREFIX)
+	$(PREFIX)/bin/python -m pip install -q --no-warn-script-location $(PIP_INSTALL_ARGS) \
+	    '$(INSTALL_FROM)'
+	cd / && $(PREFIX)/bin/blockfabric-target --help > /dev/null
+
+# everything else: plain files (links, units, docs, a default configuration)
+install-units:
+	@[ "$$(id -u)" = 0 ] || { echo "make install: run as root" >&2; exit 1; }
+	test -x $(PREFIX)/bin/blockfabric-target
+	install -d $(BINDIR) $(UNITDIR) $(DOCDIR) $(CONFDIR)
+	for p in $(PROGRAMS); do ln -sfn $(PREFIX)/bin/$$p $(BINDIR)/$$p; done
+	for u in $(UNITS); do \
+	  sed -e 's|/usr/local/bin/|$(BINDIR)/|g' -e 's|/usr/share/doc/blockfabric|$(DOCDIR)|g' \
+	      -e 's|/etc/blockfabric|$(CONFDIR)|g' \
+	      systemd/$$u > $(UNITDIR)/$$u.tmp && chmod 0644 $(UNITDIR)/$$u.tmp && \
+	  mv $(UNITDIR)/$$u.tmp $(UNITDIR)/$$u; done
+	install -m 0644 docs/operations.md $(DOCDIR)/operations.md
+	install -m 0644 configs/initiator.yaml $(DOCDIR)/initiator.yaml.example
+	@if [ -e $(CONFDIR)/target.yaml ]; then echo "kept $(CONFDIR)/target.yaml"; \
+	 else install -m 0644 configs/target.yaml $(CONFDIR)/target.yaml && \
+	      echo "installed $(CONFDIR)/target.yaml (a 1 GiB ramdisk on 127.0.0.1: edit it)"; fi
+	@if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "installed in $(PREFIX); next: systemctl enable --now blockfabric-target"
+
+# uninstall: stop and disable the units, remove them, the links (only those into PREFIX), the
+# docs and PREFIX.  The configuration ($(CONFDIR)) and the volumes (/var/lib/blockfabric) stay.
+uninstall:
+	@[ "$$(id -u)" = 0 ] || { echo "make uninstall: run as root" >&2; exit 1; }
+	@if [ -d /run/systemd/system ]; then \
+	  systemctl disable --now blockfabric-target.service 2> /dev/null || true; \
+	  for u in $$(systemctl list-units --all --plain --no-legend 'blockfabric-mount@*' | \
+	              awk '{print $$1}'); do systemctl stop "$$u"; done; fi
+	for u in $(UNITS); do rm -f $(UNITDIR)/$$u; done
+	find $(UNITDIR) -path '*.wants/blockfabric-*' -type l -delete
+	for p in $(PROGRAMS); do \
+	  case "$$(readlink $(BINDIR)/$$p)" in $(PREFIX)/*) rm -f $(BINDIR)/$$p ;; esac; done
+	rm -rf $(DOCDIR) $(PREFIX)
+	@if [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "uninstalled; $(CONFDIR) and /var/lib/blockfabric are left in place"
+
+# lab-systemd: the installed units under a real systemd.  The lab guest boots systemd as PID 1
+# (LAB_INIT=systemd, the same kernel and artefacts as make lab).  `make install-venv` runs
+# here, offline from wheels built here, in a mount namespace of its own with a tmpfs on /opt
+# (so /opt/blockfabric is its real path, and this machine's /opt is untouched): pip under
+# TCG takes minutes.  The guest mounts that venv on its /opt/blockfabric, runs
+# `make install-units` and enables a mount before systemd starts; then
+# tests/lab/systemd.sh starts, reloads, hangs, kills and stops the target service with hosts
+# doing verified I/O, the kernel's nvme-rdma host among them (rxe0).  Skips exactly where
+# make lab does; output in tests/lab/last-systemd-run.txt.
+LAB_SYSTEMD_TIMEOUT ?= 540
+lab-systemd: venv
+	@rc=0; lab/setup || rc=$$?; \
+	if [ $$rc = 77 ]; then echo "make lab-systemd: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \
+	[ $$rc = 0 ] || exit $$rc; \
+	rm -rf build/lab-systemd-wheels build/lab-systemd-opt; \
+	$(PY) -m pip wheel -q -w build/lab-systemd-wheels . 2>&1 | grep -v "is ignored" >&2; \
+	ls build/lab-systemd-wheels/blockfabric-*.whl > /dev/null || exit 1; \
+	unshare -m --propagation private sh -ec 'mount -t tmpfs tmpfs /opt; \
+	  make --no-print-directory install-venv INSTALL_FROM=blockfabric \
+	    PIP_INSTALL_ARGS="--no-index --find-links build/lab-systemd-wheels"; \
+	  cp -a /opt/blockfabric build/lab-systemd-opt' || exit 1; \
+	set -o pipefail; t0=$$(date +%s); \
+	{ echo "# lab/run tests/lab/systemd.sh  ($$(date -u +%F), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest, systemd as PID 1, rxe0 on labnet0)"; \
+	  LAB_INIT=systemd LAB_PREBOOT=tests/lab/systemd-preboot.sh \
+	  LAB_TIMEOUT=$(LAB_SYSTEMD_TIMEOUT) lab/run tests/lab/systemd.sh 2>&1; } \
+	  | tee tests/lab/last-systemd-run.txt; rc=$$?; \
+	echo "make lab-systemd: rc=$$rc in $$(( $$(date +%s) - t0 )) s" | tee -a tests/lab/last-systemd-run.txt; \
+	exit $$rc
 
 # Benchmarks are never part of `make test`: they take minutes and want a quiet machine.
 # lab-auth: DH-HMAC-CHAP against the kernel's own NVMe host and target, in a guest with

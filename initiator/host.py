@@ -694,8 +694,12 @@ class Controller:
         self._ka_sent = None
 
         def send() -> None:
-            if self._closed or gen != self._gen or self.admin is None \
-                    or self.admin.dead_reason:
+            if self._closed or gen != self._gen or self.admin is None:
+                return
+            if self.admin.dead_reason:
+                # The queues died with nothing in flight (an idle host): no command will
+                # fail to say so, so this tick starts the reconnect, as the Linux host does.
+                self._lost(f"admin queue lost: {self.admin.dead_reason}")
                 return
             now = time.monotonic()
             if self._ka_sent is not None:

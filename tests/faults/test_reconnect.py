@@ -167,3 +167,18 @@ def test_io_fails_only_after_ctrl_loss_tmo(file_target):
         with pytest.raises(ControllerLost):
             ns.read(0, 4096)
         assert time.monotonic() - started < 0.5
+
+
+def test_an_idle_host_reconnects_by_itself(file_target):
+    """No I/O while the target is killed and restarted: the host finds its queues gone and
+    reconnects anyway (as the Linux host does), so an idle mount is connected again, and its
+    controller drained on the next stop, without waiting for someone to touch it.  Seen in
+    the systemd lab: the boot-time mount stayed disconnected until the next read."""
+    with host(file_target.port) as ctrl:
+        file_target.kill()
+        file_target.start()
+        deadline = time.monotonic() + 20
+        while ctrl.recovery.reconnects == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctrl.recovery.reconnects == 1 and ctrl.state == CtrlState.LIVE, ctrl.recovery
+        assert ctrl.recovery.held == 0, ctrl.recovery          # nothing was in flight

@@ -89,6 +89,8 @@ def test_mount_unit_does_not_hang_boot():
     unit, service = s["Unit"], s["Service"]
     assert "network-online.target" in " ".join(unit["After"])
     assert "local-fs.target" not in " ".join(unit.get("Before", []))
+    # nofail-like: wanted by remote-fs.target, never holding it (nor logins) while it retries
+    assert "remote-fs.target" not in " ".join(unit.get("Before", []))
     assert service["Restart"] == ["on-failure"] and service["RestartSec"]
     assert int(service["TimeoutStartSec"][0]) <= 60
     assert "mount -f %I" in service["ExecStart"][0]

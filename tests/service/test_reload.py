@@ -212,6 +212,10 @@ def test_reload_with_a_changed_secret_disconnects_that_host_only(tmp_path, start
     config["subsystems"][0] = {
         "nqn": NQN, "hosts": [{"nqn": HOSTNQN, "dhchap_secret": str(old)}, OTHER_HOSTNQN],
         "namespaces": [{"nsid": 1, "backend": "ramdisk", "size": "8MiB"}]}
+    # The revoked host keeps reconnecting with its old secret from 127.0.0.1, the address
+    # the new secret then connects from: no back-off of that address here (that is
+    # tests/hostile/test_auth_abuse.py's subject).
+    config.setdefault("limits", {})["auth_max_failures"] = 1000
     svc = start_service(config)
     host = svc.connect(dhchap_secret=str(old), reconnect_delay=0.2, ctrl_loss_tmo=1.0,
                        connect_timeout=1.0)

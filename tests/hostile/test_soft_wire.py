@@ -369,3 +369,52 @@ def test_no_send_completes_while_its_bytes_wait_to_be_sent(answer):
         sock.close()
         cmid.close()
         provider.close()
+
+
+def test_an_ack_never_runs_ahead_of_the_data():
+    """A SEND and then a WRITE whose payload is still arriving, in one segment: the
+    responder may acknowledge the SEND, never the WRITE before its last byte is in place
+    (the requester would free or reuse the memory it is still sending from, and a target
+    that checks, rightly, cuts the connection: a legitimate host lost its queue that way
+    about once in seven runs between network namespaces)."""
+    from blockfabric.rdma import SGE, Access, RecvWR
+
+    provider, cmid, qp, cq, mr, sock = _lone_requester(4096)
+    try:
+        target = qp.pd.reg_mr(bytearray(8192), Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        qp.post_recv(RecvWR(7, [SGE(mr.addr, 4096, mr.lkey)]))
+        payload = bytes(range(256)) * 32
+        sock.sendall(wire.pack(Frame.SEND, 0, 16) + b"s" * 16
+                     + wire.pack(Frame.WRITE, 1, len(payload), target.rkey, 0, target.addr)
+                     + payload[:100])
+        acked = _acks(sock, 0.5)
+        assert acked and max(acked) == 0, f"acknowledged {acked} with the WRITE incomplete"
+        sock.sendall(payload[100:])
+        acked = _acks(sock, 2.0)
+        assert 1 in acked, acked
+        assert bytes(target.buf) == payload
+    finally:
+        sock.close()
+        cmid.close()
+        provider.close()
+
+
+def _acks(sock, seconds: float) -> list[int]:
+    """The PSNs of the ACK frames the peer gets within ``seconds`` (other frames skipped)."""
+    out: list[int] = []
+    sock.settimeout(seconds)
+    buf = b""
+    try:
+        while True:
+            buf += sock.recv(65536)
+            while len(buf) >= wire.HEADER_SIZE:
+                ftype, _flags, psn, length, *_ = wire.unpack(buf)
+                size = wire.HEADER_SIZE + (length if ftype in wire.PAYLOAD_FRAMES else 0)
+                if len(buf) < size:
+                    break
+                if ftype == Frame.ACK:
+                    out.append(psn)
+                buf = buf[size:]
+    except (socket.timeout, TimeoutError):
+        pass
+    return out

@@ -142,6 +142,7 @@ class SoftQP(QP):
         self._rq: deque[tuple] = deque()
         self._exp_psn = 0
         self._done_psn = M
+        self._rx_psn = M         # the SEND or WRITE whose payload is arriving
         self._ack_due = False
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
@@ -605,7 +606,7 @@ class SoftQP(QP):
             wc.wc_flags = WcFlags.WITH_IMM
             wc.imm_data = extra
         self._rwc = wc
-        self._done_psn = psn
+        self._rx_psn = psn
         self._expect(_cut(views, length), length, RX_RECV)
 
     def _rkey_mr(self, key: int, addr: int, length: int, need: int):
@@ -630,7 +631,7 @@ class SoftQP(QP):
             self._rwc = WC(recv[0], WcStatus.SUCCESS, WcOpcode.RECV_RDMA_WITH_IMM, length,
                            self.qp_num, WcFlags.WITH_IMM, imm_data=extra)
         self._exp_psn = (psn + 1) & M
-        self._done_psn = psn
+        self._rx_psn = psn
         off = addr - mr.addr if mr is not None else 0
         self._expect([mr.buf[off:off + length]] if length else None, length, RX_WRITE)
 
@@ -653,6 +654,9 @@ class SoftQP(QP):
         kind = self._rkind
         self._rviews = None
         if kind == RX_RECV or kind == RX_WRITE:
+            # executed only now that every byte is in place: an ACK never runs ahead of the
+            # data (the requester may then free or reuse what it sent)
+            self._done_psn = self._rx_psn
             self._ack_due = True
             if self._rwc is not None:
                 self.recv_cq.push(self._rwc)

@@ -163,7 +163,7 @@ uninstall:
 # tests/lab/systemd.sh starts, reloads, hangs, kills and stops the target service with hosts
 # doing verified I/O, the kernel's nvme-rdma host among them (rxe0).  Skips exactly where
 # make lab does; output in tests/lab/last-systemd-run.txt.
-LAB_SYSTEMD_TIMEOUT ?= 540
+LAB_SYSTEMD_TIMEOUT ?= 900
 lab-systemd: venv
 	@rc=0; lab/setup || rc=$$?; \
 	if [ $$rc = 77 ]; then echo "make lab-systemd: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \

@@ -135,6 +135,7 @@ install-units:
 	      systemd/$$u > $(UNITDIR)/$$u.tmp && chmod 0644 $(UNITDIR)/$$u.tmp && \
 	  mv $(UNITDIR)/$$u.tmp $(UNITDIR)/$$u; done
 	install -m 0644 docs/operations.md $(DOCDIR)/operations.md
+	install -m 0644 docs/ceph.md $(DOCDIR)/ceph.md
 	install -m 0644 configs/initiator.yaml $(DOCDIR)/initiator.yaml.example
 	@if [ -e $(CONFDIR)/target.yaml ]; then echo "kept $(CONFDIR)/target.yaml"; \
 	 else install -m 0644 configs/target.yaml $(CONFDIR)/target.yaml && \

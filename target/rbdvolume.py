@@ -353,7 +353,9 @@ class VolumeWatch:
         target = self.target
         for ns in namespaces:
             backend = ns.backend
-            if backend.unavailable is not None or backend.closed:
+            # (a Flush of every namespace names them all: only RBD volumes can be away)
+            if not isinstance(backend, RbdBackend) or backend.unavailable is not None \
+                    or backend.closed:
                 continue
             backend.unavailable = str(exc)
             self.unavailable_events += 1

@@ -103,6 +103,9 @@ class RbdBackend(Backend):
             "rados_mon_op_timeout": str(conf.op_timeout),
             "rados_osd_op_timeout": str(conf.op_timeout),
             "rbd_cache": "false",       # completed writes are in the cluster, not in our RAM
+            # Identify says deallocated blocks read as zeros (DLFEAT): librbd's default skips
+            # the parts of a discard that do not cover whole objects, leaving the old data.
+            "rbd_skip_partial_discard": "false",
         }
         if conf.keyring:
             options["keyring"] = conf.keyring

@@ -24,9 +24,13 @@ PYTEST_ARGS ?=
 #                      the peers blockfabric is measured against (make bench, and its --quick
 #                      smoke test in make test), and the chart
 #   nftables           packet loss on a veth for the fault tests
+#   ceph-mon ceph-osd ceph-common python3-rbd python3-rados
+#                      backend rbd (python3-rbd, python3-rados) and the throwaway one-node
+#                      cluster its tests bring up (tests/ceph/ceph-up.sh; no ceph-mgr needed)
 DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ibverbs-providers iproute2 util-linux e2fsprogs strace systemd qemu-utils \
-            nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables
+            nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables \
+            ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
 .PHONY: all deps venv test demo lab lab-auth lab-systemd install install-venv install-units \
         uninstall bench bench-rdma bench-rdma-lab soak fuzz clean help
@@ -131,6 +135,7 @@ install-units:
 	      systemd/$$u > $(UNITDIR)/$$u.tmp && chmod 0644 $(UNITDIR)/$$u.tmp && \
 	  mv $(UNITDIR)/$$u.tmp $(UNITDIR)/$$u; done
 	install -m 0644 docs/operations.md $(DOCDIR)/operations.md
+	install -m 0644 docs/ceph.md $(DOCDIR)/ceph.md
 	install -m 0644 configs/initiator.yaml $(DOCDIR)/initiator.yaml.example
 	@if [ -e $(CONFDIR)/target.yaml ]; then echo "kept $(CONFDIR)/target.yaml"; \
 	 else install -m 0644 configs/target.yaml $(CONFDIR)/target.yaml && \

@@ -48,9 +48,26 @@ def _bytes_view(buf: object) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class Unavailable(OSError):
+    """The volume's store did not answer (a Ceph cluster that is down): not this command's
+    fault; the target marks the namespace unavailable (see rbdvolume.VolumeWatch)."""
+
+
 class Backend(abc.ABC):
     """One volume.  The public methods check state, bounds and read-only once, here; the
-    subclasses implement the underscored operations on ranges known to be valid."""
+    subclasses implement the underscored operations on ranges known to be valid.
+
+    A backend with ``aio = True`` (RBD) also runs the per-I/O operations asynchronously with
+    ``start(post, done, op, *args)``, ``done(exc)`` handed back through ``post`` (the
+    reactor's call_soon_threadsafe), instead of on the target's backend threads."""
+
+    aio = False
+    #: Why the volume does not answer now (None: it does); set on the reactor only.
+    unavailable: str | None = None
+
+    def start(self, post: Callable[[Callable[[], None]], None],
+              done: Callable[[BaseException | None], None], op: str, *args: object) -> None:
+        raise NotImplementedError
 
     def __init__(self, size: int, block_size: int = 4096, read_only: bool = False) -> None:
         if size <= 0 or size % block_size:
@@ -359,7 +376,13 @@ _OPENERS: dict[str, Callable[[Namespace], Backend]] = {
     "ramdisk": lambda ns: RamdiskBackend(ns.size, ns.block_size, ns.read_only),
     "file": lambda ns: FileBackend(ns.path, ns.size, ns.block_size, ns.read_only),
     "null": lambda ns: NullBackend(ns.size, ns.block_size, ns.read_only),
+    "rbd": lambda ns: _open_rbd(ns),
 }
+
+
+def _open_rbd(ns: Namespace) -> Backend:
+    from blockfabric.target.rbdvolume import open_rbd    # python3-rbd only when used
+    return open_rbd(ns)
 
 
 def open_backend(ns: Namespace) -> Backend:

@@ -40,6 +40,9 @@ Semantics that are not obvious from the schema:
   ended (a discovery controller: 120 s, as nvmet, or this cap if lower).
 - ``metrics`` is off unless given; ``metrics.address`` defaults to loopback.
 - File backends need an absolute ``path``; two namespaces may not share one.
+- ``backend: rbd`` takes its volume from the ``rbd`` section (a Ceph RBD image) and its size
+  from the image, so it has no ``size``; two namespaces may not share one image.  See
+  docs/ceph.md.
 - ``subsystems[].hosts`` entries are host NQNs, or mappings with the ``nqn`` and the host's
   DH-HMAC-CHAP settings (``dhchap_secret`` makes that host authenticate on every queue;
   ``dhchap_ctrl_secret`` lets it authenticate the controller too; ``dhchap_hash`` and
@@ -72,7 +75,7 @@ DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 NVME_RDMA_PORT = 4420
 DISCOVERY_PORT = 8009
 MAX_NSID = 1024          # nvmet's default NN; also the length of the active namespace list
-BACKENDS = ("ramdisk", "file", "null")
+BACKENDS = ("ramdisk", "file", "null", "rbd")
 PROVIDERS = ("auto", "soft", "verbs")
 DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
 #: The embedded default configuration, shipped inside the package (same text as
@@ -404,6 +407,48 @@ class Listener(Model):
         return ipaddress.ip_address(self.address).is_unspecified
 
 
+_CEPH_NAME_RE = re.compile(r"[A-Za-z0-9_.+-][A-Za-z0-9_.+@-]{0,254}")
+_CEPH_CLIENT_RE = re.compile(r"client\.[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rbd(Model):
+    """The Ceph RBD image behind a ``backend: rbd`` namespace, and how to reach the cluster.
+    The timeouts are given to librados as its own options (``client mount timeout``,
+    ``rados mon op timeout``, ``rados osd op timeout``), so a cluster that is down fails
+    start-up or a command within them instead of hanging."""
+
+    WHAT: ClassVar[str] = "the Ceph RBD image of a backend: rbd namespace"
+
+    pool: str = _field(Text("a Ceph pool name", _CEPH_NAME_RE))
+    image: str = _field(Text("an RBD image name", _CEPH_NAME_RE))
+    #: RADOS namespace inside the pool (rbd --namespace); unset: the pool's default.
+    namespace: str | None = _field(Text("a RADOS namespace name", _CEPH_NAME_RE), None)
+    ceph_conf: str = _field(AbsPath(), "/etc/ceph/ceph.conf")
+    #: The Ceph user the target connects as (its caps: docs/ceph.md).
+    client: str = _field(Text("client.NAME (a Ceph user)", _CEPH_CLIENT_RE), "client.admin")
+    #: Unset: whatever ceph_conf says (by default /etc/ceph/ceph.CLIENT.keyring).
+    keyring: str | None = _field(AbsPath(), None)
+    #: Seconds to reach the monitors and open the image at start or reload.
+    connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    #: Seconds one read, write, flush or discard may wait for the cluster before it fails
+    #: (and the namespace is reported unavailable: docs/ceph.md).
+    op_timeout: int = _field(Int(1, 3600, unit="seconds"), 30)
+    #: Seconds between checks of the image size (a resize reaches hosts as a Namespace
+    #: Attribute Changed event); 0: only on reload.
+    size_poll_interval: int = _field(Int(0, 3600, unit="seconds"), 5)
+
+    @property
+    def spec(self) -> str:
+        """pool[/namespace]/image, as the rbd command names it."""
+        ns = f"{self.namespace}/" if self.namespace else ""
+        return f"{self.pool}/{ns}{self.image}"
+
+
+_NS_SIZE = Size(1)
+_NS_SIZE.expected += "; required except for backend rbd (whose size is the image's)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Namespace(Model):
     """A volume exported as an NVMe namespace."""
@@ -412,9 +457,11 @@ class Namespace(Model):
 
     nsid: int = _field(Int(1, MAX_NSID))
     backend: str = _field(Choice(*BACKENDS))
-    size: int = _field(Size(1))
+    #: Required except for backend rbd (whose size is the image's).
+    size: int | None = _field(_NS_SIZE, None)
     block_size: int = _field(Choice(512, 4096), 4096)
     path: str | None = _field(AbsPath(), None)
+    rbd: Rbd | None = _field(Nested(Rbd), None)
     read_only: bool = _field(Bool(), False)
     uuid: str | None = _field(Text("a UUID (8-4-4-4-12 hex digits)", _UUID_RE,
                                    normalize=str.lower), None)
@@ -427,16 +474,35 @@ class Namespace(Model):
         if self.backend != "file" and self.path is not None:
             where.at("path").fail(f"no path for backend {self.backend} (only file uses one)",
                                   self.path)
+        if self.backend == "rbd":
+            if self.rbd is None:
+                where.at("rbd").fail("a mapping (the rbd backend needs pool and image)")
+            if self.size is not None:
+                where.at("size").fail("no size for backend rbd (the image's size is used)",
+                                      format_size(self.size))
+            return self._ids_checked(where)
+        if self.rbd is not None:
+            where.at("rbd").fail(f"no rbd section for backend {self.backend}", "a mapping")
+        if self.size is None:
+            where.at("size").fail("a size (every backend but rbd needs one)")
         if self.size % self.block_size:
             where.at("size").fail(f"a multiple of block_size {self.block_size}",
                                   format_size(self.size))
+        return self._ids_checked(where)
+
+    def _ids_checked(self, where: Where) -> Namespace:
         if self.nguid is not None and int(self.nguid, 16) == 0:
             where.at("nguid").fail("an NGUID that is not all zero (zero means none)", self.nguid)
         return self
 
     @property
     def nblocks(self) -> int:
-        return self.size // self.block_size
+        return (self.size or 0) // self.block_size
+
+    @property
+    def rbd_image(self) -> str | None:
+        """The RBD image (pool[/namespace]/image), for backend rbd; else None."""
+        return self.rbd.spec if self.rbd is not None else None
 
     def with_ids(self, subnqn: str) -> Namespace:
         """This namespace with uuid/nguid filled in where unset, derived from the subsystem
@@ -669,7 +735,7 @@ class TargetConfig(Model):
                         ref)
         _unique(((subs.index(i).at("nqn"), s.nqn, s.nqn)
                  for i, s in enumerate(self.subsystems)), "an NQN")
-        for attr in ("uuid", "nguid", "path"):
+        for attr in ("uuid", "nguid", "path", "rbd_image"):
             _unique(((subs.index(i).at("namespaces").index(j).at(attr), getattr(ns, attr),
                       getattr(ns, attr))
                      for i, s in enumerate(self.subsystems)

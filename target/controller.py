@@ -31,6 +31,7 @@ from blockfabric.protocol.fabrics import CAP, VS, PropertyGet, PropertySet
 from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
                                           FeatureId, IdentifyCNS, IOOpcode, LogPageId)
 from blockfabric.rdma import SGE
+from blockfabric.target.backends import Unavailable
 from blockfabric.target.metrics import READ, WRITE, IoStats
 
 if TYPE_CHECKING:
@@ -629,14 +630,15 @@ class Controller:
             self._read_write(cmd, nss[0], op == IOOpcode.WRITE)
         elif op == IOOpcode.FLUSH:
             self._backend_call(cmd, nss, lambda: [n.backend.flush() for n in nss], True,
-                               blocking=True)
+                               blocking=True, aio=self._aio(nss, "flush"))
         elif op == IOOpcode.WRITE_ZEROES:
             wz = nio.WriteZeroes.from_sqe(sqe)
             ns = nss[0]
             self._check_range(ns, wz.slba, wz.blocks, write=True)
             off, length = wz.slba * ns.block_size, wz.blocks * ns.block_size
             self._backend_call(cmd, nss, lambda: ns.backend.write_zeroes(off, length), True,
-                               blocking=ns.memory is None)
+                               blocking=ns.memory is None,
+                               aio=self._aio(nss, "write_zeroes", off, length))
         elif op == IOOpcode.DATASET_MANAGEMENT:
             self._dsm(cmd, nss[0], nio.DatasetManagement.from_sqe(sqe))
         elif op == FABRICS_OPCODE:
@@ -742,11 +744,13 @@ class Controller:
         if write:
             cmd.fetch(part, sge, lambda c: self._backend_call(
                 c, [ns], lambda: ns.backend.write(offset, part), True, blocking=True,
-                started=started, rw=direction, nbytes=length, lease=lease))
+                started=started, rw=direction, nbytes=length, lease=lease,
+                aio=self._aio([ns], "write", offset, part)))
         else:
             self._backend_call(cmd, [ns], lambda: ns.backend.readinto(offset, part), False,
                                blocking=True, data=(sge,), started=started, rw=direction,
-                               nbytes=length, lease=lease)
+                               nbytes=length, lease=lease,
+                               aio=self._aio([ns], "readinto", offset, part))
 
     def _dsm(self, cmd: Command, ns: Namespace, dsm: nio.DatasetManagement) -> None:
         nranges = dsm.ranges
@@ -779,16 +783,31 @@ class Controller:
             bs = ns.block_size
             self._backend_call(c, [ns], lambda: [ns.backend.discard(s * bs, n * bs)
                                                  for s, n in ranges if n], True,
-                               blocking=ns.memory is None, started=started)
+                               blocking=ns.memory is None, started=started,
+                               aio=self._aio([ns], "discard",
+                                             [(s * bs, n * bs) for s, n in ranges]))
 
         cmd.fetch(view, sge, fetched)
+
+    def _aio(self, nss: list[Namespace], op: str, *args: object
+             ) -> Callable[[Callable[[BaseException | None], None]], None] | None:
+        """The asynchronous form of ``op`` when the namespace's backend has one (RBD), else
+        None (the backend threads run the synchronous form)."""
+        if len(nss) != 1 or not nss[0].backend.aio:
+            return None
+        backend, post = nss[0].backend, self.target.reactor.call_soon_threadsafe
+        return lambda done: backend.start(post, done, op, *args)
 
     def _backend_call(self, cmd: Command, nss: list[Namespace], work: Callable[[], object],
                       writing: bool, *, blocking: bool, data: tuple[SGE, ...] = (),
                       started: int | None = None, rw: int | None = None,
-                      nbytes: int = 0, lease: Lease | None = None) -> None:
+                      nbytes: int = 0, lease: Lease | None = None,
+                      aio: Callable[[Callable[[BaseException | None], None]], None] | None
+                      = None) -> None:
         """Run ``work`` (inline, or on the I/O pool when it may block) and respond;
-        ``lease``: the bounce buffer, whose wait on the host starts again with the answer."""
+        ``lease``: the bounce buffer, whose wait on the host starts again with the answer;
+        ``aio``: instead of ``work``, start the operation on an asynchronous backend (see
+        :meth:`_aio`), which calls back on the reactor."""
         if started is None:
             started = self._begin(nss)
 
@@ -798,6 +817,8 @@ class Controller:
             if exc is None:
                 self._end(cmd, nss, started, data=data, rw=rw, nbytes=nbytes)
             elif isinstance(exc, OSError):
+                if isinstance(exc, Unavailable):        # the store does not answer
+                    self.target.volumes.lost(nss, exc)
                 status = errno_status(exc, writing)
                 log.warning("%s: backend error %s -> %s", self.name, exc, status.name)
                 self._end(cmd, nss, started, status, dnr=status != StatusCode.INTERNAL_ERROR,
@@ -807,6 +828,12 @@ class Controller:
                 self._end(cmd, nss, started, StatusCode.INTERNAL_ERROR, rw=rw,
                           nbytes=nbytes)
 
+        if aio is not None:
+            try:
+                aio(finish)
+            except Exception as exc:
+                finish(exc)
+            return
         if not blocking:
             try:
                 work()

@@ -113,7 +113,7 @@ def plan(old: cfg.TargetConfig, new: cfg.TargetConfig) -> ReloadPlan:
             elif before == ns:
                 continue
             elif not same_volume(before, ns) or (before.read_only != ns.read_only
-                                                 and ns.backend == "file"):
+                                                 and ns.backend in ("file", "rbd")):
                 change.replaced.append(ns)
             else:
                 if before.read_only != ns.read_only:

@@ -50,6 +50,7 @@ from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
 from blockfabric.target.namespace import Namespace, Subsystem
+from blockfabric.target.rbdvolume import VolumeWatch
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class Target:
         self.metrics_server: mx.MetricsServer | None = None
         self.control_server: ControlServer | None = None
         self._closing: list[Namespace] = []     # removed, closed once their I/O is done
+        self.volumes = VolumeWatch(self)        # RBD volumes: availability and size
         try:
             for sub in config.subsystems:
                 self.subsystems[sub.nqn] = Subsystem(sub)
@@ -269,6 +271,7 @@ class Target:
             raise
         self._start_control()
         self._start_watchdog()
+        self.volumes.start()
         self._started.set()
 
     def _open_listener(self, lconf: cfg.Listener) -> tuple[cfg.Listener, str, Listener]:
@@ -600,6 +603,8 @@ class Target:
                 log.warning("access denied: hostnqn=%s subnqn=%s qid=%d peer=%s: host not "
                             "allowed", hostnqn, subnqn, session.qid, _peer(session.queue))
                 raise ProtocolError("host not allowed", StatusCode.CONNECT_INVALID_HOST)
+            if session.qid == 0:
+                self.volumes.check_connect(subsystem)
         limits = self.config.limits
         if session.qid == 0:
             policy = auth_policy(subsystem.conf, hostnqn) if subsystem is not None else None
@@ -869,6 +874,7 @@ class Target:
         self._commit(plan, new, opened, subsystems, namespaces, metrics)
         self.reloads += 1
         self.last_reload_error = None
+        self.volumes.poll_sizes()               # an image resized in the cluster
         log.info("reloaded %s: %s", new.source, plan.summary())
         return True
 
@@ -1107,6 +1113,7 @@ class Target:
             if server is not None:
                 server.close()
         self.control_server = self.metrics_server = None
+        self.volumes.stop()
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None

@@ -381,12 +381,6 @@ class TargetQueue(Endpoint):
             send.invalidate_rkey = 0
         self.post_send(wrs)
 
-    def _release(self, cmd: Command) -> None:
-        released, cmd.on_released = cmd.on_released, None
-        if released is not None:
-            released(cmd)
-        self._free.append(cmd.index)
-
     @property
     def outstanding(self) -> int:
         return self.depth - len(self._free)

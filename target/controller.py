@@ -27,10 +27,10 @@ from blockfabric.protocol.admin import (OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, Asy
                                         Identify, NumberOfQueues, SetFeatures)
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.controller import ControllerState, Phase
-from blockfabric.protocol.sgl import TYPE_OFFSET
 from blockfabric.protocol.fabrics import CAP, VS, PropertyGet, PropertySet
 from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
                                           FeatureId, IdentifyCNS, IOOpcode, LogPageId)
+from blockfabric.protocol.sgl import TYPE_OFFSET
 from blockfabric.rdma import SGE
 from blockfabric.target.metrics import READ, WRITE, IoStats, done_pair
 

@@ -15,6 +15,11 @@ Transport-level rules enforced here, as Linux nvmet-rdma enforces them:
 * in-capsule data only for host-to-controller commands, only inside what was received
   (offset + length beyond it: SGL invalid offset);
 * any failed work completion (a bad host rkey, a vanished peer) breaks only this queue.
+
+The per-I/O path allocates nothing: a Read or Write on an I/O queue is decoded from the
+capsule as ints (:mod:`blockfabric.protocol.rw`, with the very checks of the full decode;
+whatever those would refuse goes through the full decode and gets its status from it), and
+each command slot answers with work requests and SGEs it made once and only updates.
 """
 
 from __future__ import annotations

@@ -313,7 +313,9 @@ class FileBackend(Backend):
         return self._fd
 
     def _readinto(self, offset: int, buf: memoryview) -> None:
-        done = 0
+        done = os.preadv(self._fd, (buf,), offset) if buf else 0
+        if done == len(buf):        # all of it at once: the usual case, no slicing
+            return
         while done < len(buf):
             n = os.preadv(self._fd, [buf[done:]], offset + done)
             if n == 0:
@@ -322,7 +324,7 @@ class FileBackend(Backend):
             done += n
 
     def _write(self, offset: int, data: memoryview) -> None:
-        done = 0
+        done = os.pwritev(self._fd, (data,), offset) if data else 0
         while done < len(data):
             done += os.pwritev(self._fd, [data[done:]], offset + done)
 

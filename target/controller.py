@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from time import perf_counter_ns
+from time import monotonic, perf_counter_ns
 from typing import TYPE_CHECKING, Callable
 
 from blockfabric.fabric.reactor import Timer
@@ -30,9 +30,10 @@ from blockfabric.protocol.controller import ControllerState, Phase
 from blockfabric.protocol.fabrics import CAP, VS, PropertyGet, PropertySet
 from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
                                           FeatureId, IdentifyCNS, IOOpcode, LogPageId)
+from blockfabric.protocol.sgl import TYPE_OFFSET
 from blockfabric.rdma import SGE
 from blockfabric.target.backends import Unavailable
-from blockfabric.target.metrics import READ, WRITE, IoStats
+from blockfabric.target.metrics import READ, WRITE, IoStats, done_pair
 
 if TYPE_CHECKING:
     from blockfabric.target.fairshare import Lease
@@ -120,6 +121,19 @@ class Controller:
         # counters (host-visible through SMART, operator-visible through status/metrics)
         self.io = IoStats()
         self.admin_errors = 0
+        # Bound once: what a Read/Write leaves on its command (no closure per I/O).
+        self._unpin_cmd = self._unpin_rw
+        self._write_fetched = self._written
+
+    # The protocol's table, and what the per-I/O path reads of it as a plain bool.
+    @property
+    def state(self) -> ControllerState:
+        return self._state
+
+    @state.setter
+    def state(self, state: ControllerState) -> None:
+        self._state = state
+        self.is_ready = state.phase is Phase.READY
 
     # -- identity --------------------------------------------------------------------
     @property
@@ -138,7 +152,7 @@ class Controller:
 
     @property
     def ready(self) -> bool:
-        return self.state.ready
+        return self.is_ready
 
     @staticmethod
     def capabilities(queue_size: int) -> CAP:
@@ -182,26 +196,28 @@ class Controller:
             # Stopping: hold the command unanswered.  It was not executed, so the host may
             # retry it elsewhere or after a reconnect; it dies with the queue.
             return
-        self.last_activity = time.monotonic()
-        sqe = cmd.sqe
+        self.last_activity = monotonic()
         try:
-            self.state.admit(sqe, cmd.queue.qid)
+            if cmd.rw:
+                self._read_write(cmd)
+                return
+            self.state.admit(cmd.sqe, cmd.queue.qid)
             if cmd.queue.qid == 0:
                 self._admin(cmd)
             else:
                 self._io(cmd)
         except ProtocolError as exc:
-            if sqe.opcode == FABRICS_OPCODE and exc.status == StatusCode.INVALID_NS:
+            if cmd.opcode == FABRICS_OPCODE and exc.status == StatusCode.INVALID_NS:
                 exc = _no_auth(cmd)     # on an I/O queue: its "nsid" was the fctype
             self._count_error(cmd)
-            log.debug("%s qid=%d: cid %d opcode %#x: %s", self.name, cmd.queue.qid, sqe.cid,
-                      sqe.opcode, exc)
+            log.debug("%s qid=%d: cid %d opcode %#x: %s", self.name, cmd.queue.qid, cmd.cid,
+                      cmd.opcode, exc)
             cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
         except Exception:
             # A bug here must not leave the host waiting for an answer that never comes.
             self._count_error(cmd)
             log.exception("%s qid=%d: cid %d opcode %#x: internal error", self.name,
-                          cmd.queue.qid, sqe.cid, sqe.opcode)
+                          cmd.queue.qid, cmd.cid, cmd.opcode)
             cmd.respond(StatusCode.INTERNAL_ERROR, dnr=True)
 
     # -- in-band authentication ----------------------------------------------------------
@@ -267,18 +283,18 @@ class Controller:
         """Authentication Send/Receive go to the queue's transaction; before it succeeded,
         everything else but Fabrics commands is AUTH_REQUIRED | DNR (nvmet_parse_admin_cmd,
         nvmet_parse_io_cmd)."""
-        sqe = cmd.sqe
-        if sqe.opcode == FABRICS_OPCODE:
-            if sqe.fctype == FabricsType.AUTH_SEND or sqe.fctype == FabricsType.AUTH_RECEIVE:
+        if cmd.opcode == FABRICS_OPCODE:
+            fctype = cmd.sqe.fctype
+            if fctype == FabricsType.AUTH_SEND or fctype == FabricsType.AUTH_RECEIVE:
                 if self.target.draining:
                     return
-                self.last_activity = time.monotonic()
+                self.last_activity = monotonic()
                 try:
                     self._auth_command(cmd, auth)
                 except ProtocolError as exc:
                     self._count_error(cmd)
                     log.debug("%s qid=%d: cid %d authentication command: %s", self.name,
-                              cmd.queue.qid, sqe.cid, exc)
+                              cmd.queue.qid, cmd.cid, exc)
                     cmd.respond(exc.status, dnr=exc.dnr, result=exc.result or 0)
                 return
         elif not auth.authenticated:
@@ -627,7 +643,10 @@ class Controller:
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
             return
         if op == IOOpcode.READ or op == IOOpcode.WRITE:
-            self._read_write(cmd, nss[0], op == IOOpcode.WRITE)
+            # Decoded in full rather than by the queue's fast path: the same handler.
+            cmd.slba = sqe.cdw10 | sqe.cdw11 << 32
+            cmd.cdw12 = sqe.cdw12
+            self._read_write(cmd)
         elif op == IOOpcode.FLUSH:
             self._backend_call(cmd, nss, lambda: [n.backend.flush() for n in nss], True,
                                blocking=True, aio=self._aio(nss, "flush"))
@@ -703,38 +722,95 @@ class Controller:
             if release is not None:
                 release(cmd)
 
-    def _read_write(self, cmd: Command, ns: Namespace, write: bool) -> None:
-        sqe = cmd.sqe       # the fields of protocol.io.ReadWrite, read directly: per I/O
-        slba, blocks = sqe.cdw10 | sqe.cdw11 << 32, (sqe.cdw12 & 0xFFFF) + 1
-        length = blocks * ns.block_size
+    # Read and Write: the per-I/O path.  The checks and statuses of nvmet (and of the rest of
+    # this class), in its order: controller ready, namespace active, SGL length, MDTS, LBA
+    # range, write protection; made on the ints the queue decoded, with no exception, object
+    # or closure on the way of a success.
+    def _read_write(self, cmd: Command) -> None:
+        if not self.is_ready:
+            self._refuse(cmd, StatusCode.CMD_SEQ_ERROR,
+                         f"opcode {cmd.opcode:#x} before CC.EN=1 and CSTS.RDY=1")
+            return
+        ns = self.subsystem.namespaces.get(cmd.nsid)
+        if ns is None:
+            self._refuse(cmd, StatusCode.INVALID_NS, f"namespace {cmd.nsid} is not active")
+            return
+        if ns.paused:
+            # A namespace is being resized: run the command once it is done.
+            ns.held.append(lambda: self.handle(cmd))
+            return
+        write = cmd.opcode == IOOpcode.WRITE
+        bs = ns.block_size
+        blocks = (cmd.cdw12 & 0xFFFF) + 1
+        length = blocks * bs
         if cmd.data_length != length:
-            raise ProtocolError(f"SGL length {cmd.data_length} for {blocks} blocks of "
-                                f"{ns.block_size}", StatusCode.SGL_DATA_LENGTH_INVALID)
+            self._refuse(cmd, StatusCode.SGL_DATA_LENGTH_INVALID,
+                         f"SGL length {cmd.data_length} for {blocks} blocks of {bs}")
+            return
         if length > self.mdts_bytes:
-            raise ProtocolError(f"{length} bytes exceeds MDTS {self.mdts_bytes}",
-                                StatusCode.INVALID_FIELD)
-        self._check_range(ns, slba, blocks, write)
-        offset = slba * ns.block_size
+            self._refuse(cmd, StatusCode.INVALID_FIELD,
+                         f"{length} bytes exceeds MDTS {self.mdts_bytes}")
+            return
+        slba = cmd.slba
+        if slba + blocks > ns.nblocks:
+            self._refuse(cmd, StatusCode.LBA_OUT_OF_RANGE,
+                         f"LBA {slba}+{blocks} beyond {ns.nblocks} blocks")
+            return
+        if write and ns.read_only:
+            self._refuse(cmd, StatusCode.NS_WRITE_PROTECTED,
+                         f"namespace {ns.nsid} is read-only")
+            return
+        offset = slba * bs
         queue = cmd.queue
         mr = ns.mr(queue.pd)
-        nss = [ns]
-        direction = WRITE if write else READ
-        started = self._begin(nss)
-        cmd.user = lambda: self._unpin(nss)     # undo, should the queue die before the answer
-        if mr is not None:                      # zero copy: RDMA to and from the volume
-            sge = SGE(mr.addr + offset, length, mr.lkey)
-            if write:
-                view = ns.memory[offset:offset + length]
-                cmd.fetch(view, sge, lambda c: self._end(c, nss, started, rw=direction,
-                                                         nbytes=length))
-            else:
-                cmd.on_released = lambda _c: self._unpin(nss)
-                self._end(cmd, nss, started, data=(sge,), rw=direction, nbytes=length,
-                          pinned=True)
+        # In flight from here to the answer (see _begin); for a read from the volume's
+        # memory until its response SEND completed (its RDMA WRITE reads the volume).
+        ns.stats.inflight += 1
+        self.io.inflight += 1
+        cmd.ns = ns
+        started = cmd.started = perf_counter_ns()
+        if mr is None:
+            cmd.user = self._unpin_cmd          # undo, should the queue die before the answer
+            self.target.with_bounce(cmd, self.hostnqn, length, lambda view, sge, lease:
+                                    self._bounce_rw(cmd, ns, offset, length, write, view, sge,
+                                                    lease, started))
             return
-        self.target.with_bounce(cmd, self.hostnqn, length, lambda view, sge, lease:
-                                self._bounce_rw(cmd, ns, offset, length, write, view, sge,
-                                                lease, started))
+        if not write:                           # zero copy: RDMA WRITE out of the volume
+            cmd.on_released = self._unpin_cmd
+            done_pair(ns.stats, self.io, READ, length, started)
+            queue.respond_ok(cmd, mr.addr + offset, length, mr.lkey)
+            if not cmd.responded:   # the queue closed under it: no SEND will release it
+                cmd.on_released = None
+                self._unpin_rw(cmd)
+            return
+        if cmd.sgl_type == TYPE_OFFSET:         # in-capsule data: copied, done
+            queue.take_inline(cmd, ns.memory, offset, length)
+            self._written(cmd)
+            return
+        cmd.user = self._unpin_cmd              # undo, should the queue die before the READ
+        queue.fetch_to(cmd, mr.addr + offset, length, mr.lkey, self._write_fetched)
+
+    def _written(self, cmd: Command) -> None:
+        """A write's data is in the volume's memory: count and answer."""
+        ns = cmd.ns
+        ns.stats.inflight -= 1
+        self.io.inflight -= 1
+        cmd.user = None
+        done_pair(ns.stats, self.io, WRITE, cmd.data_length, cmd.started)
+        cmd.queue.respond_ok(cmd)
+
+    def _unpin_rw(self, cmd: Command) -> None:
+        """A Read/Write's namespace is no longer in flight (answered, or never will be)."""
+        cmd.ns.stats.inflight -= 1
+        self.io.inflight -= 1
+
+    def _refuse(self, cmd: Command, status: StatusCode, why: str) -> None:
+        """Answer a Read/Write with an error status (DNR), as :meth:`handle` answers a
+        ProtocolError."""
+        self.io.errors += 1
+        log.debug("%s qid=%d: cid %d opcode %#x: %s", self.name, cmd.queue.qid, cmd.cid,
+                  cmd.opcode, why)
+        cmd.queue.respond(cmd, status, dnr=True)
 
     def _bounce_rw(self, cmd: Command, ns: Namespace, offset: int, length: int, write: bool,
                    view: memoryview, sge: SGE, lease: Lease, started: int) -> None:
@@ -770,7 +846,7 @@ class Controller:
         view, sge, release = self.target.control_buffer(cmd.queue, dsm.data_length)
         cmd.on_released = release
         started = self._begin([ns])
-        cmd.user = lambda: self._unpin([ns])
+        cmd.user = lambda _c: self._unpin([ns])
 
         def fetched(c: Command) -> None:
             try:

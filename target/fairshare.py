@@ -11,7 +11,10 @@ its commands keeps its share instead of finding the pool taken when it comes bac
 A unit the share keeps free for an active host is not lent to a host over its share: a
 hoarder cannot take back what another host needs, only what nobody else wants.
 
-Everything here runs on the target's reactor thread.
+The share is counted again only when the number of active hosts may have changed (a host
+starts asking, gives its last unit back, or its window ends), so a request or a unit back
+costs O(1) integer work however many hosts share the pool.  Everything here runs on the
+target's reactor thread, without locks.
 """
 
 from __future__ import annotations
@@ -62,24 +65,43 @@ class FairShare:
         self.hosts: dict[str, HostShare] = {}
         self.ring: deque[HostShare] = deque()       # hosts with requests waiting
         self._dispatching = False
+        # share() counted once and kept until the count of active hosts may change: a host
+        # starts (request) or may stop being active (its last unit back, or its window
+        # over), so that a request costs O(1) however many hosts there are.
+        self._share = size
+        self._share_until = -1.0
 
     def share(self, now: float) -> int:
         """What one host may hold now: all of it for a lone host, else an even split."""
+        if now < self._share_until:
+            return self._share
         hosts = self.hosts
         if len(hosts) == 1:
+            self._share, self._share_until = self.size, float("inf")
             return self.size
         active = 0
         stale = None
+        until = float("inf")
         for h in hosts.values():
-            if h.held or h.waiting or now - h.last < ACTIVE_WINDOW:
+            if h.held or h.waiting:
                 active += 1
+            elif now - h.last < ACTIVE_WINDOW:
+                active += 1
+                until = min(until, h.last + ACTIVE_WINDOW)
             else:
                 stale = stale or []
                 stale.append(h.key)
         if stale:                                   # a host that left costs nothing
             for key in stale:
                 del hosts[key]
-        return max(self.floor, self.size // max(active, 1))
+        self._share = max(self.floor, self.size // max(active, 1))
+        self._share_until = until
+        return self._share
+
+    def _may_go_idle(self, h: HostShare) -> None:
+        """``h`` holds and waits for nothing: it stops counting once its window is over."""
+        if not h.held and not h.waiting:
+            self._share_until = min(self._share_until, h.last + ACTIVE_WINDOW)
 
     def request(self, key: str, item: tuple) -> None:
         """Grant ``item`` now if the host is under its share, else queue it (its FIFO)."""
@@ -87,6 +109,8 @@ class FairShare:
         if h is None:
             h = self.hosts[key] = HostShare(key)
         now = monotonic()
+        if not h.held and not h.waiting and now - h.last >= ACTIVE_WINDOW:
+            self._share_until = -1.0                # one more active host
         h.last = now
         if not h.waiting and self.used < self.size and (
                 h.held < self.share(now) or (self.LEND and not self.ring)):
@@ -103,6 +127,8 @@ class FairShare:
         """One unit of ``h`` came back: serve whoever waits."""
         h.held -= 1
         self.used -= 1
+        if not h.held:
+            self._may_go_idle(h)
         if self.ring and not self._dispatching:
             self._dispatch()
 
@@ -126,6 +152,8 @@ class FairShare:
                             self.used += 1
                             h.held += 1
                             self._grant(h, item)
+                        else:
+                            self._may_go_idle(h)
                         served = True
                     if h.waiting:
                         ring.append(h)
@@ -145,6 +173,7 @@ class FairShare:
             if not h.waiting:
                 h.in_ring = False
                 self.ring.remove(h)
+                self._may_go_idle(h)
 
     @property
     def waiting(self) -> int:

@@ -1,7 +1,8 @@
 """I/O counters and latency histograms, and their Prometheus text exposition.
 
-The hot path pays for one ``perf_counter_ns`` pair, a ``bisect`` over 16 bucket bounds and a
-few integer additions per I/O, on the reactor thread, with no lock: only the reactor writes
+The hot path pays for one ``perf_counter_ns`` pair, one ``bisect`` over 16 bucket bounds and a
+few integer additions per I/O (for the namespace and the controller together: :func:`done_pair`),
+on the reactor thread, with no lock: only the reactor writes
 these numbers, and a scrape copies them on the reactor (``Reactor.call_sync``) before
 formatting.  That is why the exposition is written by hand instead of using
 prometheus_client: its metric objects take a lock on every increment, and it would be a new
@@ -16,6 +17,8 @@ import logging
 import socket
 import threading
 import time
+from bisect import bisect_left
+from time import perf_counter_ns
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -26,7 +29,9 @@ log = logging.getLogger(__name__)
 #: Upper bounds of the latency buckets, in seconds (a Prometheus ``le`` label each).
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                    50e-3, 100e-3, 250e-3, 500e-3, 1.0, 5.0)
-_BOUNDS_NS = [int(b * 1e9) for b in LATENCY_BUCKETS]
+#: the same bounds in nanoseconds, for ``bisect_left`` of an elapsed ``perf_counter_ns``
+BOUNDS_NS = [int(b * 1e9) for b in LATENCY_BUCKETS]
+_BOUNDS_NS = BOUNDS_NS
 
 READ, WRITE = 0, 1
 
@@ -76,6 +81,21 @@ class IoStats:
         return {"reads": self.ops[READ], "writes": self.ops[WRITE],
                 "read_bytes": self.bytes[READ], "written_bytes": self.bytes[WRITE],
                 "errors": self.errors, "inflight": self.inflight}
+
+
+def done_pair(a: IoStats, b: IoStats, direction: int, nbytes: int, started_ns: int) -> None:
+    """One read or write finished without error, counted in ``a`` and ``b`` (a namespace
+    and a controller) with one clock read and one bucket search: the per-I/O path."""
+    elapsed = perf_counter_ns() - started_ns
+    bucket = bisect_left(_BOUNDS_NS, elapsed)
+    a.ops[direction] += 1
+    a.bytes[direction] += nbytes
+    a.buckets[direction][bucket] += 1
+    a.latency_ns[direction] += elapsed
+    b.ops[direction] += 1
+    b.bytes[direction] += nbytes
+    b.buckets[direction][bucket] += 1
+    b.latency_ns[direction] += elapsed
 
 
 # --- exposition ------------------------------------------------------------------------------

@@ -76,10 +76,10 @@ NO_RESOURCES_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno
 
 def abort_command(cmd: Command) -> None:
     """A command that will never be answered (its queue is gone): run its undo hook
-    (``cmd.user``, set where a command pins a namespace) and release its buffer."""
+    (``cmd.user(cmd)``, set where a command pins a namespace) and release its buffer."""
     undo, cmd.user = cmd.user, None
-    if callable(undo):
-        undo()
+    if undo is not None:
+        undo(cmd)
     release, cmd.on_released = cmd.on_released, None
     if release is not None:
         release(cmd)
@@ -143,6 +143,7 @@ class QueueSession:
             self.connect_timer.cancel()
             self.connect_timer = None
         self.handler = ctrl.queue_handler(self.qid)
+        self.queue.dispatch = self.handler      # the queue calls it without this session
         self.queue.sq_flow = not connect.sq_flow_control_disabled
         # The rest of the queue's receive slots, before the answer: a host sends nothing
         # else on this queue until it has the Connect response.

@@ -49,3 +49,9 @@ def unpack_rw(buf) -> tuple[int, int, int, int, int, int, int, int]:
     words, nothing checked; ``cdw12 & 0xFFFF`` is NLB (0-based), ``cdw12 >> 16`` control.
     The caller checks flags and the SGL word as :meth:`SQE.unpack_from` does."""
     return RW_FIELDS.unpack_from(buf)
+
+
+#: the 16-byte CQE as :func:`~blockfabric.protocol.capsule.pack_cqe_into` writes it: result
+#: u64, sq_head, sq_id, cid, then the status word (status | dnr << 14) << 1; for the target's
+#: per-I/O success answers (``pack_into(buf, 0, 0, sq_head, sq_id, cid, 0)``)
+CQE_FIELDS = struct.Struct("<QHHHH")

@@ -11,20 +11,20 @@ import logging
 import sys
 
 from blockfabric.fabric import target_side
-from blockfabric.protocol import OffsetSGL
 
 log = logging.getLogger("interop.probe")
-_fetch = target_side.TargetQueue.fetch
+_take_inline = target_side.TargetQueue.take_inline
 
 
-def _probed_fetch(self, cmd, view, sge, done):
-    if isinstance(cmd.sgl, OffsetSGL):
-        log.info("probe: qid %d cid %d opcode %#04x: %d bytes of in-capsule data", self.qid,
-                 cmd.cid, cmd.sqe.opcode, cmd.sgl.length)
-    return _fetch(self, cmd, view, sge, done)
+def _probed_take_inline(self, cmd, dest, at, length):
+    # Every in-capsule copy goes through take_inline (a Read/Write's straight into the
+    # volume, anything else's through fetch).
+    log.info("probe: qid %d cid %d opcode %#04x: %d bytes of in-capsule data", self.qid,
+             cmd.cid, cmd.opcode, cmd.data_length)
+    return _take_inline(self, cmd, dest, at, length)
 
 
-target_side.TargetQueue.fetch = _probed_fetch
+target_side.TargetQueue.take_inline = _probed_take_inline
 
 if __name__ == "__main__":
     from blockfabric.target.cli import main

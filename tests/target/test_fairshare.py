@@ -220,3 +220,31 @@ def test_a_queue_takes_its_share_of_a_pass_then_comes_back(limit, passes):
         assert ep.cq.armed >= 1                 # re-armed once it was empty
     finally:
         reactor.close()
+
+
+def test_the_kept_share_is_always_the_counted_one(monkeypatch):
+    """share() keeps its count between the events that may change it; at every step it is
+    what counting the active hosts afresh gives."""
+    import random
+
+    now = [100.0]
+    monkeypatch.setattr(fairshare, "monotonic", lambda: now[0])
+    rng = random.Random(5)
+    units = Units(16, floor=2)
+    names = iter(range(10**6))
+
+    def counted() -> int:
+        active = sum(1 for h in units.hosts.values() if h.held or h.waiting
+                     or now[0] - h.last < fairshare.ACTIVE_WINDOW)
+        return units.size if len(units.hosts) == 1 else \
+            max(units.floor, units.size // max(active, 1))
+
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            units.request(f"h{rng.randrange(6)}", (next(names),))
+        elif op < 0.85 and units.owner:
+            units.give_back(rng.choice(list(units.owner)))
+        else:
+            now[0] += rng.choice((0.01, 0.3, 0.7, fairshare.ACTIVE_WINDOW + 0.05))
+        assert units.share(now[0]) == counted()

@@ -76,7 +76,7 @@ class _CallbackOwner:
 
 class Slot:
     __slots__ = ("index", "gen", "cid", "owner", "sent", "raw", "busy", "seq", "view", "sge",
-                 "wr")
+                 "wrs")
 
     def __init__(self, index: int, view: memoryview, wr: SendWR) -> None:
         self.index = index
@@ -88,8 +88,8 @@ class Slot:
         self.busy = False
         self.seq = 0            # submission order on this queue, to count overtakes
         self.view = view        # the slot's registered send buffer (capsule)
-        self.wr = wr            # its SEND, reused: only the SGE's length changes
-        self.sge = wr.sg_list[0]
+        self.wrs = [wr]         # its SEND (as post_send's list), reused: only the SGE's
+        self.sge = wr.sg_list[0]    # length changes
 
 
 class QueueStats:
@@ -293,7 +293,7 @@ class HostQueue(Endpoint):
         slot.sge.length = length
         self._count(slot, locked)
         try:
-            self.post_send(slot.wr)
+            self.post_send(slot.wrs)
         except Exception:
             self._free_slot(slot, locked)
             raise

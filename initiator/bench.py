@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import array
 import errno
+import functools
 import itertools
 import json
 import math
+import operator
 import os
 import random
 import re
@@ -26,7 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
@@ -212,21 +214,20 @@ def check_block(crc: Callable[..., int], data: bytes, offset: int,
 # --------------------------------------------------------------------------- statistics
 
 class LatStat:
-    """min/max/mean/stddev of latencies in ns, kept as running sums (fio's slat/lat)."""
+    """min/max/mean/stddev of latencies in ns (fio's slat/clat/lat), from the values kept."""
 
     __slots__ = ("n", "min", "max", "sum", "sumsq")
 
-    def __init__(self) -> None:
+    def __init__(self, values: Iterable[int] = ()) -> None:
         self.n = self.min = self.max = self.sum = self.sumsq = 0
-
-    def add(self, ns: int) -> None:
-        if self.n == 0 or ns < self.min:
-            self.min = ns
-        if ns > self.max:
-            self.max = ns
-        self.n += 1
-        self.sum += ns
-        self.sumsq += ns * ns
+        for ns in values:
+            if self.n == 0 or ns < self.min:
+                self.min = ns
+            if ns > self.max:
+                self.max = ns
+            self.n += 1
+            self.sum += ns
+            self.sumsq += ns * ns
 
     def as_fio(self) -> dict[str, Any]:
         mean = self.sum / self.n if self.n else 0.0
@@ -236,21 +237,21 @@ class LatStat:
 
 
 class DirStats:
-    """One direction (read or write) of one job; every clat is kept for exact percentiles."""
+    """One direction (read or write) of one job.  Every slat and clat is kept (two array
+    appends per I/O, nothing else on the completion path); the summaries and exact
+    percentiles are worked out when the report is made."""
 
-    __slots__ = ("ios", "bytes", "clat", "slat", "lat", "clats")
+    __slots__ = ("ios", "bytes", "slats", "clats")
 
     def __init__(self) -> None:
         self.ios = self.bytes = 0
-        self.clat, self.slat, self.lat = LatStat(), LatStat(), LatStat()
+        self.slats = array.array("Q")
         self.clats = array.array("Q")
 
     def record(self, nbytes: int, slat: int, clat: int) -> None:
         self.ios += 1
         self.bytes += nbytes
-        self.slat.add(slat)
-        self.clat.add(clat)
-        self.lat.add(slat + clat)
+        self.slats.append(slat)
         self.clats.append(clat)
 
     @classmethod
@@ -259,15 +260,8 @@ class DirStats:
         for p in parts:
             out.ios += p.ios
             out.bytes += p.bytes
+            out.slats.extend(p.slats)
             out.clats.extend(p.clats)
-            for name in ("clat", "slat", "lat"):
-                mine, theirs = getattr(out, name), getattr(p, name)
-                if theirs.n:
-                    mine.min = theirs.min if mine.n == 0 else min(mine.min, theirs.min)
-                    mine.max = max(mine.max, theirs.max)
-                    mine.n += theirs.n
-                    mine.sum += theirs.sum
-                    mine.sumsq += theirs.sumsq
         return out
 
     def percentiles(self) -> dict[str, int]:
@@ -282,13 +276,14 @@ class DirStats:
     def as_fio(self, runtime_ns: int) -> dict[str, Any]:
         secs = runtime_ns / 1e9 if runtime_ns > 0 else 0.0
         bw_bytes = int(self.bytes / secs) if secs else 0
-        clat = self.clat.as_fio()
+        clat = LatStat(self.clats).as_fio()
         clat["percentile"] = self.percentiles()
         return {"io_bytes": self.bytes, "io_kbytes": self.bytes >> 10, "bw_bytes": bw_bytes,
                 "bw": bw_bytes >> 10, "iops": self.ios / secs if secs else 0.0,
                 "runtime": int(runtime_ns / 1e6) if self.ios else 0,
                 "total_ios": self.ios, "short_ios": 0, "drop_ios": 0,
-                "slat_ns": self.slat.as_fio(), "clat_ns": clat, "lat_ns": self.lat.as_fio()}
+                "slat_ns": LatStat(self.slats).as_fio(), "clat_ns": clat,
+                "lat_ns": LatStat(map(operator.add, self.slats, self.clats)).as_fio()}
 
 
 # --------------------------------------------------------------------------- one job
@@ -345,9 +340,15 @@ class Job:
                            self.mem.view[k * stride:k * stride + opts.bs],
                            self.mem.addr + k * stride)
                       for k in range(opts.iodepth)]
-        if opts.writes and not opts.verify:
-            for slot in self.slots:         # what every write sends, laid down once
-                slot.buf[:] = self.pattern[:opts.bs]
+        for slot in self.slots:             # what never changes from one I/O to the next
+            cmd = slot.cmd
+            cmd.nsid = ns.nsid
+            cmd.nlb = opts.bs // ns.block_size - 1
+            cmd.addr = slot.addr
+            cmd.length = opts.bs
+            cmd.rkey = self.rkey
+            if opts.writes and not opts.verify:
+                slot.buf[:] = self.pattern[:opts.bs]    # what every write sends
         self.queues = {q.qid for q in queues[:opts.iodepth]}
         self.stats = {"read": DirStats(), "write": DirStats()}
         self.crc = _crc32c() if opts.verify else None
@@ -373,7 +374,7 @@ class Job:
             opts.rw, opts.rwmixread)
         if opts.time_based:
             if opts.random:
-                blocks: Iterator[int] = (rng.randrange(n) for _ in itertools.repeat(None))
+                blocks: Iterator[int] = iter(functools.partial(rng.randrange, n), None)
             else:
                 blocks = (i % n for i in itertools.count())
         else:
@@ -457,14 +458,8 @@ class Job:
             if live and live[slot.index % len(live)].dead_reason is None:
                 slot.queue = queue = live[slot.index % len(live)]
         cmd = slot.cmd
-        ns = self.ns
         cmd.opcode = _READ if is_read else _WRITE
-        cmd.nsid = ns.nsid
-        cmd.slba = offset // ns.block_size
-        cmd.nlb = bs // ns.block_size - 1
-        cmd.addr = slot.addr
-        cmd.length = bs
-        cmd.rkey = self.rkey
+        cmd.slba = offset // self.ns.block_size
         cmd.data = data
         slot.t1 = 0
         slot.t0 = time.monotonic_ns()

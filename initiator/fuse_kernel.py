@@ -668,11 +668,14 @@ class KernelFuse:
         req.left = req.pieces = pieces
         req.error = None
         cmds = req.cmds
-        if pieces == 1:
-            ctrl.issue(cmds[0])
-        else:
-            for i in range(pieces):
+        for i in range(pieces):
+            try:
                 ctrl.issue(cmds[i])
+            except Exception as exc:  # noqa: BLE001 - not sent: those pieces fail here
+                log.warning("FUSE request %d: %s", unique, exc)
+                for _ in range(i, pieces):
+                    req.io_done(None, exc)
+                break
         return True
 
     def _io_finished(self, req: _IoRequest) -> None:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import array
-import dataclasses
 import errno
+import functools
 import itertools
 import json
 import math
+import operator
 import os
 import random
 import re
@@ -27,20 +28,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
-from blockfabric.initiator.host import Controller, Namespace
+from blockfabric.initiator.host import Controller, HostMemory, IoCommand, Namespace, NvmeError
 from blockfabric.initiator.multipath import format_path
-from blockfabric.protocol import IOOpcode, ReadWrite, StatusCode
+from blockfabric.protocol import IOOpcode
 
 PATTERNS = ("read", "write", "randread", "randwrite", "randrw")
 #: fio's default clat percentile list.
 PERCENTILES = (1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0,
                99.5, 99.9, 99.95, 99.99)
 DRAIN_TIMEOUT = 30.0
-ARENA_SPARE = 4 << 20
+_READ, _WRITE = IOOpcode.READ.value, IOOpcode.WRITE.value
 
 _FIO_SIZE = re.compile(r"(?P<n>[0-9]+)\s*(?P<unit>[kmgtp]?)(?:i?b)?", re.IGNORECASE)
 _UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
@@ -213,21 +214,20 @@ def check_block(crc: Callable[..., int], data: bytes, offset: int,
 # --------------------------------------------------------------------------- statistics
 
 class LatStat:
-    """min/max/mean/stddev of latencies in ns, kept as running sums (fio's slat/lat)."""
+    """min/max/mean/stddev of latencies in ns (fio's slat/clat/lat), from the values kept."""
 
     __slots__ = ("n", "min", "max", "sum", "sumsq")
 
-    def __init__(self) -> None:
+    def __init__(self, values: Iterable[int] = ()) -> None:
         self.n = self.min = self.max = self.sum = self.sumsq = 0
-
-    def add(self, ns: int) -> None:
-        if self.n == 0 or ns < self.min:
-            self.min = ns
-        if ns > self.max:
-            self.max = ns
-        self.n += 1
-        self.sum += ns
-        self.sumsq += ns * ns
+        for ns in values:
+            if self.n == 0 or ns < self.min:
+                self.min = ns
+            if ns > self.max:
+                self.max = ns
+            self.n += 1
+            self.sum += ns
+            self.sumsq += ns * ns
 
     def as_fio(self) -> dict[str, Any]:
         mean = self.sum / self.n if self.n else 0.0
@@ -237,21 +237,21 @@ class LatStat:
 
 
 class DirStats:
-    """One direction (read or write) of one job; every clat is kept for exact percentiles."""
+    """One direction (read or write) of one job.  Every slat and clat is kept (two array
+    appends per I/O, nothing else on the completion path); the summaries and exact
+    percentiles are worked out when the report is made."""
 
-    __slots__ = ("ios", "bytes", "clat", "slat", "lat", "clats")
+    __slots__ = ("ios", "bytes", "slats", "clats")
 
     def __init__(self) -> None:
         self.ios = self.bytes = 0
-        self.clat, self.slat, self.lat = LatStat(), LatStat(), LatStat()
+        self.slats = array.array("Q")
         self.clats = array.array("Q")
 
     def record(self, nbytes: int, slat: int, clat: int) -> None:
         self.ios += 1
         self.bytes += nbytes
-        self.slat.add(slat)
-        self.clat.add(clat)
-        self.lat.add(slat + clat)
+        self.slats.append(slat)
         self.clats.append(clat)
 
     @classmethod
@@ -260,15 +260,8 @@ class DirStats:
         for p in parts:
             out.ios += p.ios
             out.bytes += p.bytes
+            out.slats.extend(p.slats)
             out.clats.extend(p.clats)
-            for name in ("clat", "slat", "lat"):
-                mine, theirs = getattr(out, name), getattr(p, name)
-                if theirs.n:
-                    mine.min = theirs.min if mine.n == 0 else min(mine.min, theirs.min)
-                    mine.max = max(mine.max, theirs.max)
-                    mine.n += theirs.n
-                    mine.sum += theirs.sum
-                    mine.sumsq += theirs.sumsq
         return out
 
     def percentiles(self) -> dict[str, int]:
@@ -283,33 +276,41 @@ class DirStats:
     def as_fio(self, runtime_ns: int) -> dict[str, Any]:
         secs = runtime_ns / 1e9 if runtime_ns > 0 else 0.0
         bw_bytes = int(self.bytes / secs) if secs else 0
-        clat = self.clat.as_fio()
+        clat = LatStat(self.clats).as_fio()
         clat["percentile"] = self.percentiles()
         return {"io_bytes": self.bytes, "io_kbytes": self.bytes >> 10, "bw_bytes": bw_bytes,
                 "bw": bw_bytes >> 10, "iops": self.ios / secs if secs else 0.0,
                 "runtime": int(runtime_ns / 1e6) if self.ios else 0,
                 "total_ios": self.ios, "short_ios": 0, "drop_ios": 0,
-                "slat_ns": self.slat.as_fio(), "clat_ns": clat, "lat_ns": self.lat.as_fio()}
+                "slat_ns": LatStat(self.slats).as_fio(), "clat_ns": clat,
+                "lat_ns": LatStat(map(operator.add, self.slats, self.clats)).as_fio()}
 
 
 # --------------------------------------------------------------------------- one job
 
 class Slot:
     """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue (to the queue with
-    the same place in the controller's list after a reconnect)."""
+    the same place in the controller's list after a reconnect).  It owns a piece of the
+    job's registered memory, where its reads land and its writes come from (no copy), and
+    the one :class:`IoCommand` it issues again and again (the parent of that command)."""
 
-    __slots__ = ("index", "queue", "read", "offset", "t0", "t1", "expect", "sqe_args",
-                 "data")
+    __slots__ = ("job", "index", "queue", "read", "offset", "t0", "t1", "expect", "buf",
+                 "addr", "cmd")
 
-    def __init__(self, index: int, queue: Any) -> None:
+    def __init__(self, job: Job, index: int, queue: Any, buf: memoryview, addr: int) -> None:
+        self.job = job
         self.index = index
         self.queue = queue
         self.read = True
         self.offset = 0
         self.t0 = self.t1 = 0
         self.expect: tuple[int, int] | None = None
-        self.sqe_args: tuple[int, int, int, int] = (0, 0, 0, 0)   # to build it again
-        self.data: Any = None
+        self.buf = buf          # the slot's data, in the job's registered memory
+        self.addr = addr
+        self.cmd = IoCommand(job.ctrl, self)
+
+    def io_done(self, _cmd: IoCommand, error: BaseException | None) -> None:
+        self.job._done(self, error)
 
 
 class Job:
@@ -329,17 +330,33 @@ class Job:
         self.nblocks = length // opts.bs
         self.seed = opts.seed * 1_000_003 + index
         self.rng = random.Random(self.seed)
-        self.slots = [Slot(k, queues[k % len(queues)]) for k in range(opts.iodepth)]
+        self.pattern = self.rng.randbytes(opts.bs + 4096)
+        # The slots' data: registered with the controller, so that reads land there and
+        # writes go from there by RDMA (or in the capsule): no arena block, no copy.
+        stride = -(-opts.bs // 4096) * 4096
+        self.mem = HostMemory(ctrl.pd, stride * opts.iodepth)
+        self.rkey = self.mem.rkey
+        self.slots = [Slot(self, k, queues[k % len(queues)],
+                           self.mem.view[k * stride:k * stride + opts.bs],
+                           self.mem.addr + k * stride)
+                      for k in range(opts.iodepth)]
+        for slot in self.slots:             # what never changes from one I/O to the next
+            cmd = slot.cmd
+            cmd.nsid = ns.nsid
+            cmd.nlb = opts.bs // ns.block_size - 1
+            cmd.addr = slot.addr
+            cmd.length = opts.bs
+            cmd.rkey = self.rkey
+            if opts.writes and not opts.verify:
+                slot.buf[:] = self.pattern[:opts.bs]    # what every write sends
         self.queues = {q.qid for q in queues[:opts.iodepth]}
         self.stats = {"read": DirStats(), "write": DirStats()}
         self.crc = _crc32c() if opts.verify else None
-        self.pattern = self.rng.randbytes(opts.bs + 4096)
         self.written: dict[int, tuple[int, int]] = {}
         self.busy: set[int] = set()
         self.numberio = 0
         self.verified = 0
         self.inflight = self.max_inflight = self.completions = 0
-        self.held = 0               # commands lost with a queue and re-issued by the controller
         self.errors: list[str] = []
         self.error_kind = 0
         self.stopping = False
@@ -357,7 +374,7 @@ class Job:
             opts.rw, opts.rwmixread)
         if opts.time_based:
             if opts.random:
-                blocks: Iterator[int] = (rng.randrange(n) for _ in itertools.repeat(None))
+                blocks: Iterator[int] = iter(functools.partial(rng.randrange, n), None)
             else:
                 blocks = (i % n for i in itertools.count())
         else:
@@ -399,6 +416,17 @@ class Job:
         self.t_start = time.monotonic_ns()
         self.measuring = True
 
+    @property
+    def held(self) -> int:
+        """Commands lost with a queue and held (re-issued) by the controller."""
+        return sum(slot.cmd.held for slot in self.slots)
+
+    def close(self) -> None:
+        """Release the slots' registered memory (before the controller goes)."""
+        for slot in self.slots:
+            slot.buf.release()
+        self.mem.close()
+
     def _issue(self, slot: Slot) -> None:
         if self.stopping:
             return
@@ -406,12 +434,8 @@ class Job:
         if nxt is None:
             return
         is_read, offset = nxt
-        opts = self.opts
-        bs = opts.bs
+        bs = self.opts.bs
         slot.read, slot.offset, slot.expect = is_read, offset, None
-        slot.sqe_args = (IOOpcode.READ if is_read else IOOpcode.WRITE, self.ns.nsid,
-                         offset // self.ns.block_size, bs // self.ns.block_size - 1)
-        sqe = ReadWrite(*slot.sqe_args).to_sqe()
         data = None
         if self.crc is not None:
             if is_read:
@@ -419,34 +443,28 @@ class Job:
             else:
                 self.numberio += 1
                 at = (self.numberio * 64) % 4096
-                block = bytearray(self.pattern[at:at + bs])
-                fill_block(self.crc, block, offset, self.seed, self.numberio)
-                data = block
+                slot.buf[:] = self.pattern[at:at + bs]
+                fill_block(self.crc, slot.buf, offset, self.seed, self.numberio)
                 slot.expect = (self.seed, self.numberio)
             self.busy.add(offset)
-        elif not is_read:
-            data = memoryview(self.pattern)[:bs]
-        slot.data = data
+        if not is_read:
+            data = slot.buf
         self.inflight += 1
         if self.inflight > self.max_inflight:
             self.max_inflight = self.inflight
-        if slot.queue.dead_reason is not None:       # replaced by a reconnect?
+        queue = slot.queue
+        if queue.dead_reason is not None:       # replaced by a reconnect?
             live = self.ctrl.io_queues
             if live and live[slot.index % len(live)].dead_reason is None:
-                slot.queue = live[slot.index % len(live)]
-        queue = slot.queue
+                slot.queue = queue = live[slot.index % len(live)]
+        cmd = slot.cmd
+        cmd.opcode = _READ if is_read else _WRITE
+        cmd.slba = offset // self.ns.block_size
+        cmd.data = data
         slot.t1 = 0
         slot.t0 = time.monotonic_ns()
         try:
-            if is_read:
-                self.ctrl.submit(queue, sqe, lambda c, d, e: self._done(slot, c, d, e),
-                                 data_in=bs)
-            else:
-                self.ctrl.submit(queue, sqe, lambda c, d, e: self._done(slot, c, d, e),
-                                 data_out=data, inline=bs <= queue.inline_size)
-        except ConnectionError as exc:               # the queue is gone: reconnecting
-            self._hold(slot, str(exc))
-            return
+            self.ctrl.issue(cmd, queue)     # held by the controller if the queue is gone
         except (BlockfabricError, TimeoutError, ValueError) as exc:
             self.inflight -= 1
             self.busy.discard(offset)
@@ -454,47 +472,30 @@ class Job:
             return
         slot.t1 = time.monotonic_ns()
 
-    def _hold(self, slot: Slot, _reason: str) -> None:
-        """The slot's command was lost with its queue: the controller holds it while it
-        reconnects (on any path) and re-issues it, as it does for the namespace calls; it
-        fails only once ctrl_loss_tmo has run out.  Still in flight meanwhile."""
-        reactor = self.ctrl.reactor
-
-        def done(cqe: Any, data: bytes | None, exc: BaseException | None) -> None:
-            reactor.call_soon_threadsafe(lambda: self._done(slot, cqe, data, exc))
-        self.held += 1
-        bs = self.opts.bs
-        self.ctrl.submit_held(lambda: ReadWrite(*slot.sqe_args).to_sqe(), done,
-                              data_out=None if slot.read else slot.data,
-                              data_in=bs if slot.read else 0, inline=True)
-
-    def _done(self, slot: Slot, cqe: Any, data: bytes | None,
-              error: str | BaseException | None) -> None:
-        if isinstance(error, str):          # a queue error, not a final ControllerLost
-            self._hold(slot, error)
-            return
+    def _done(self, slot: Slot, error: BaseException | None) -> None:
         now = time.monotonic_ns()
         self.completions += 1
         try:
             self.inflight -= 1
             self.busy.discard(slot.offset)
-            if error is not None:
-                self._fail(errno.EIO, f"{self._what(slot)}: {error}")
-            elif cqe.status != StatusCode.SUCCESS:
-                status = getattr(cqe.status, "name", hex(int(cqe.status)))
-                self._fail(errno.EIO, f"{self._what(slot)}: {status} "
-                                      f"({int(cqe.status):#05x})")
-            else:
-                self._account(slot, data, now)
+            if error is None:
+                self._account(slot, now)
                 self._issue(slot)
+            elif isinstance(error, NvmeError):
+                status = error.status
+                name = getattr(status, "name", hex(int(status)))
+                self._fail(errno.EIO, f"{self._what(slot)}: {name} ({int(status):#05x})")
+            else:
+                self._fail(errno.EIO, f"{self._what(slot)}: {error}")
         except Exception as exc:  # noqa: BLE001 - never let the reactor thread die
             self._fail(errno.EIO, f"{self._what(slot)}: {type(exc).__name__}: {exc}")
         self._maybe_finish()
 
-    def _account(self, slot: Slot, data: bytes | None, now: int) -> None:
+    def _account(self, slot: Slot, now: int) -> None:
         if slot.read and self.crc is not None and (slot.expect is not None
                                                    or not self.opts.writes):
-            problem = check_block(self.crc, data, slot.offset, slot.expect)
+            # straight from where the target wrote it
+            problem = check_block(self.crc, slot.buf, slot.offset, slot.expect)
             if problem is not None:
                 self._fail(errno.EILSEQ, f"verify: {self._what(slot)}: {problem}")
                 return
@@ -588,13 +589,7 @@ class Bench:
         return opts.offset, size
 
     def _connect(self) -> Controller:
-        opts = self.opts
-        jobs = opts.numjobs if opts.controllers == "shared" else 1
-        block = 1 << (max(opts.bs, 4096) - 1).bit_length()
-        need = jobs * opts.iodepth * block + ARENA_SPARE
-        copts = dataclasses.replace(self.connect_opts,
-                                    arena_size=max(self.connect_opts.arena_size, need))
-        ctrl = Controller(copts).connect()
+        ctrl = Controller(self.connect_opts).connect()
         self.controllers.append(ctrl)
         return ctrl
 
@@ -680,6 +675,12 @@ class Bench:
             next(j for j in self.jobs if not j.finished.is_set()).finished.wait(0.5)
 
     def close(self) -> None:
+        for job in self.jobs:
+            try:
+                job.close()
+            except Exception as exc:  # noqa: BLE001 - the controllers must still go
+                print(f"blockfabric bench: releasing job {job.index}'s memory: {exc}",
+                      file=self.err)
         for ctrl in self.controllers:
             ctrl.close()
         self.controllers = []

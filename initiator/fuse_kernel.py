@@ -43,8 +43,8 @@ import time
 from typing import Any, Callable
 
 from blockfabric.initiator.fusefs import STATUS_NAME, SUBTYPE, VolumeFS, nvme_errno
+from blockfabric.initiator.host import HostMemory
 from blockfabric.protocol import IOOpcode
-from blockfabric.rdma import Access
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,11 @@ FALLOCATE_IN = struct.Struct("<QQQII")
 KSTATFS = struct.Struct("<QQQQQIIII24x")         # fuse_kstatfs, 80
 DIRENT = struct.Struct("<QQII")
 WRITE_DATA = IN_SIZE + RW_IN.size                # a WRITE's payload starts here (80)
+OUT_SIZE = OUT_HDR.size
+_pack_out = OUT_HDR.pack_into
+_READ, _WRITE = IOOpcode.READ.value, IOOpcode.WRITE.value
+IO_ARGS = struct.Struct("<8xQI")                 # fuse_read_in / fuse_write_in: offset, size
+WRITE_REPLY = struct.Struct("<IiQII")            # fuse_out_header + fuse_write_out, 24
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MNT_DETACH = 1, 2, 4, 2
 _TERM_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -169,23 +174,49 @@ class _Buffers:
     """Request buffers in one region registered with the controller's PD."""
 
     def __init__(self, ctrl: Any, count: int) -> None:
-        self._mem = mmap.mmap(-1, count * BUF_SIZE)
-        self.mr = ctrl.pd.reg_mr(self._mem, Access.LOCAL_WRITE | Access.REMOTE_READ
-                                 | Access.REMOTE_WRITE)
-        view = self.mr.buf
+        self.mem = HostMemory(ctrl.pd, count * BUF_SIZE)
+        self.mr = self.mem.mr
+        view = self.mem.view
         self.views = [view[i * BUF_SIZE:(i + 1) * BUF_SIZE] for i in range(count)]
-        self.addrs = [self.mr.addr + i * BUF_SIZE for i in range(count)]
+        self.addrs = [self.mem.addr + i * BUF_SIZE for i in range(count)]
+        self.iovs = [[v] for v in self.views]      # readv's argument, made once
         self.free = list(range(count - 1, -1, -1))
 
     def close(self) -> None:
         self.views = []
-        try:
-            self.mr.close()
-        finally:
-            try:
-                self._mem.close()
-            except BufferError:
-                pass
+        self.iovs = []
+        self.mem.close()
+
+
+class _IoRequest:
+    """The NVMe side of one request buffer, made once and reused by every READ or WRITE read
+    into that buffer: its commands (one per MDTS piece), how many are still out, and what
+    the reply needs.  The parent of its commands (``io_done``); reactor thread only."""
+
+    __slots__ = ("server", "index", "cmds", "unique", "left", "pieces", "error", "read",
+                 "lo", "hi", "reply", "reply_lo", "reply_hi", "write_size", "write_data",
+                 "write_reply")
+
+    def __init__(self, server: KernelFuse, index: int) -> None:
+        self.server = server
+        self.index = index
+        self.cmds: list = []
+        self.unique = self.left = self.pieces = 0
+        self.error: BaseException | None = None
+        self.read = True
+        self.lo = self.hi = 0               # a READ's reply data: view[lo:hi]
+        self.reply: memoryview | None = None    # view[lo - 16:hi], kept while lo/hi repeat
+        self.reply_lo = self.reply_hi = -1
+        self.write_size = -1
+        self.write_data: memoryview | None = None   # view[WRITE_DATA:+size], likewise
+        self.write_reply = bytearray(WRITE_REPLY.size)
+
+    def io_done(self, _cmd: Any, error: BaseException | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.left -= 1
+        if not self.left:
+            self.server._io_finished(self)
 
 
 class KernelFuse:
@@ -201,10 +232,16 @@ class KernelFuse:
         self.fd = -1
         self.bufs = _Buffers(self.ctrl, buffers)
         self.nbuf = buffers
-        self._lock = threading.Lock()
+        self.reqs = [_IoRequest(self, i) for i in range(buffers)]
+        # Reactor thread only, all of these: no lock.
         self._inflight = 0                      # NVMe commands issued from the fast path
         self._parked: tuple[int, int] | None = None   # (buffer, length) waiting for slots
         self._reading = False
+        self._resume_due = False                # a _resume is queued on the reactor
+        self._limit_of: tuple[Any, int, int] = (None, 0, 1)  # (io_queues, len, limit)
+        self._files_seen: Any = None            # fs.files that _node_ns was made from
+        self._node_ns: dict[int, Any] = {}
+        self._ended_flag = False                # done.is_set(), as a plain field
         self.initialized = threading.Event()
         self.done = threading.Event()
         self._stopping = False
@@ -223,10 +260,16 @@ class KernelFuse:
     # -- limits ------------------------------------------------------------------------
     def _limit(self) -> int:
         """Commands the fast path may have in flight: a queue's depth less the workers'
-        reserve (at most half of it)."""
+        reserve (at most half of it).  Worked out again only when the queues change."""
         queues = self.ctrl.io_queues
+        seen, count, limit = self._limit_of
+        if queues is seen and len(queues) == count:
+            return limit
         depth = min((q.depth for q in queues), default=32)
-        return max(1, depth - min(WORKER_RESERVE, depth // 2))
+        limit = max(1, depth - min(WORKER_RESERVE, depth // 2))
+        if queues:
+            self._limit_of = (queues, len(queues), limit)
+        return limit
 
     # -- lifecycle -----------------------------------------------------------------------
     def mount(self) -> None:
@@ -263,12 +306,12 @@ class KernelFuse:
         unmount_path(self.mountpoint)
         # A session the kernel never started (no INIT yet) never reports ENODEV by itself
         if not self.initialized.is_set():
-            self.done.set()
+            self._set_done()
 
     def close(self, drain: float = 5.0) -> None:
         """Stop reading, let commands in flight finish (their replies and the RDMA into
         the buffers), then close the descriptor and deregister the buffers."""
-        self.done.set()
+        self._set_done()
         try:
             self.reactor.call_sync(self._stop_reading)
         except TimeoutError:
@@ -284,8 +327,12 @@ class KernelFuse:
             os.close(fd)
         self.bufs.close()
 
+    def _set_done(self) -> None:
+        self._ended_flag = True
+        self.done.set()
+
     def _start_reading(self) -> None:
-        if not self._reading and not self.done.is_set():
+        if not self._reading and not self._ended_flag:
             self._reading = True
             self.reactor.add_reader(self.fd, self._on_readable)
 
@@ -297,25 +344,27 @@ class KernelFuse:
     # -- the loop (reactor thread) ---------------------------------------------------------
     def _on_readable(self) -> None:
         bufs = self.bufs
+        free = bufs.free
+        iovs = bufs.iovs
+        fd = self.fd
         for _ in range(64):
-            if self._parked is not None or not bufs.free:
+            if self._parked is not None or not free:
                 self._stop_reading()
                 return
-            with self._lock:
-                index = bufs.free.pop()
+            index = free.pop()
             try:
-                n = os.readv(self.fd, [bufs.views[index]])
+                n = os.readv(fd, iovs[index])
             except BlockingIOError:
-                self._release(index)
+                free.append(index)
                 return
             except OSError as exc:
-                self._release(index)
+                free.append(index)
                 if exc.errno in (errno.ENOENT, errno.EINTR):   # interrupted: next one
                     continue
                 self._ended(exc)
                 return
             if n < IN_SIZE:
-                self._release(index)
+                free.append(index)
                 continue
             self._dispatch(index, n)
 
@@ -323,7 +372,7 @@ class KernelFuse:
         if exc.errno != errno.ENODEV:
             log.error("reading /dev/fuse: %s", exc)
         self._stop_reading()
-        self.done.set()
+        self._set_done()
 
     def _dispatch(self, index: int, n: int) -> None:
         view = self.bufs.views[index]
@@ -347,17 +396,25 @@ class KernelFuse:
         self._release(index)
 
     def _release(self, index: int) -> None:
-        with self._lock:
-            self.bufs.free.append(index)
-        if not self._reading and not self.done.is_set():
+        """Give buffer ``index`` back, from any thread (a list append needs no lock)."""
+        self.bufs.free.append(index)
+        if not self._reading and not self._ended_flag:
             self.reactor.call_soon_threadsafe(self._resume)
 
+    def _release_here(self, index: int) -> None:
+        """:meth:`_release` on the reactor thread: no wake-up, one queued resume at most."""
+        self.bufs.free.append(index)
+        if not self._reading and not self._ended_flag and not self._resume_due:
+            self._resume_due = True
+            self.reactor.call_soon(self._resume)
+
     def _resume(self) -> None:
+        self._resume_due = False
         if self._parked is not None:
             index, n = self._parked
             self._parked = None
             self._dispatch(index, n)
-        if self._parked is None and not self.done.is_set():
+        if self._parked is None and not self._ended_flag:
             self._start_reading()
 
     # -- replies -------------------------------------------------------------------------
@@ -433,7 +490,7 @@ class KernelFuse:
                  n: int) -> bool:
         self._reply(unique)
         self._stop_reading()
-        self.done.set()
+        self._set_done()
         return False
 
     def _lookup(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
@@ -510,14 +567,31 @@ class KernelFuse:
         return False
 
     # -- data: the fast path (reactor thread, no waiting) -----------------------------------
+    # A READ or WRITE becomes the NVMe command(s) of the request buffer's _IoRequest, and the
+    # last completion replies with one write of memory already laid out for it: no closure,
+    # dict, lambda or lock on the way, and nothing allocated while sizes repeat.
+
+    def _ns_of(self, nodeid: int) -> Any:
+        """The namespace of file ``nodeid`` (ENOENT once it is gone), without names."""
+        files = self.fs.files
+        if files is not self._files_seen:       # the file list was replaced (a rescan)
+            self._node_ns = {NS_BASE_ID + int(name[1:]): ns for name, ns in files.items()}
+            self._files_seen = files
+        ns = self._node_ns.get(nodeid)
+        if ns is None:
+            raise OSError(errno.ENOENT, "namespace gone")
+        return ns
+
     def _read(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
-        _fh, offset, size, *_ = RW_IN.unpack_from(view, IN_SIZE)
+        offset, size = IO_ARGS.unpack_from(view, IN_SIZE)
         if nodeid == STATUS_ID:
             self._reply(unique, self.fs.status_text()[offset:offset + size])
             return False
-        path = self._path(nodeid)
-        ns = self.fs.namespace(path)
-        end = min(offset + size, ns.size)
+        ns = self._ns_of(nodeid)
+        end = offset + size
+        nsize = ns.nblocks * ns.block_size
+        if end > nsize:
+            end = nsize
         if offset >= end:
             self._reply(unique)
             return False
@@ -525,83 +599,120 @@ class KernelFuse:
         start = offset - offset % bs
         stop = -(-end // bs) * bs
         if DATA_OFF + stop - start > BUF_SIZE:     # edges of huge blocks: the slow way
+            path = "/" + f"n{nodeid - NS_BASE_ID}"
             self._blocking(index, unique, lambda: self.fs.read(path, size, offset))
             return True
-        self.fs.counters.request(size)
-        lo, hi = DATA_OFF + offset - start, DATA_OFF + end - start
-        return self._start_io(index, n, unique, ns, IOOpcode.READ, start, stop - start,
-                              DATA_OFF, lambda: view[lo:hi],
-                              {"reads": 1, "read_bytes": hi - lo})
+        counters = self.fs.counters
+        if size > counters.largest_request:
+            counters.largest_request = size
+        req = self.reqs[index]
+        req.read = True
+        req.lo = DATA_OFF + offset - start
+        req.hi = DATA_OFF + end - start
+        return self._start_io(req, n, unique, ns, _READ, start, stop - start, DATA_OFF, None)
 
     def _write(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
-        _fh, offset, size, *_ = RW_IN.unpack_from(view, IN_SIZE)
-        path = self._path(nodeid)
+        offset, size = IO_ARGS.unpack_from(view, IN_SIZE)
+        if nodeid == STATUS_ID:
+            raise OSError(errno.EROFS, "read-only")
         fs = self.fs
-        ns = fs._writable(path)
-        if offset + size > ns.size:
-            if offset >= ns.size:
+        ns = self._ns_of(nodeid)
+        if ns.read_only or fs.options.read_only:
+            raise OSError(errno.EROFS, "read-only")
+        nsize = ns.nblocks * ns.block_size
+        if offset + size > nsize:
+            if offset >= nsize:
                 raise OSError(errno.ENOSPC, "past the end of the namespace")
-            size = ns.size - offset
+            size = nsize - offset
         bs = ns.block_size
         if offset % bs or size % bs:                # read-modify-write: a worker's job
+            path = "/" + f"n{nodeid - NS_BASE_ID}"
             data = bytes(view[WRITE_DATA:WRITE_DATA + size])
             self._release(index)
             self._blocking(-1, unique, lambda: fs.write(path, data, offset),
                            lambda written: WRITE_OUT.pack(written, 0))
             return True
-        fs.counters.request(size)
-        return self._start_io(index, n, unique, ns, IOOpcode.WRITE, offset, size, WRITE_DATA,
-                              lambda: WRITE_OUT.pack(size, 0),
-                              {"writes": 1, "write_bytes": size},
-                              data_out=view[WRITE_DATA:WRITE_DATA + size])
+        counters = fs.counters
+        if size > counters.largest_request:
+            counters.largest_request = size
+        req = self.reqs[index]
+        req.read = False
+        data = None
+        if size <= self.ctrl.inline_size:           # it may travel in the capsule
+            if size != req.write_size:
+                req.write_data = view[WRITE_DATA:WRITE_DATA + size]
+                req.write_size = size
+            data = req.write_data
+        req.hi = size
+        return self._start_io(req, n, unique, ns, _WRITE, offset, size, WRITE_DATA, data)
 
-    def _start_io(self, index: int, n: int, unique: int, ns: Any, opcode: int, offset: int,
-                  length: int, data_off: int, reply: Callable[[], Any],
-                  counts: dict[str, int], data_out: memoryview | None = None) -> bool:
-        """Issue the NVMe command(s) of request buffer ``index`` on its data at
-        ``data_off``; on completion, reply ``reply()`` (or the errno), count ``counts`` and
-        release the buffer.  Parked instead when the queues have no room.  Owns the buffer
-        either way (True)."""
-        fs = self.fs
-
-        def done(error: BaseException | None) -> None:
-            self._finished(pieces)
-            if error is None:
-                self._reply(unique, reply())
-                fs.counters.add(**counts)
-            else:
-                fs.counters.add(errors=1)
-                self._error(unique, nvme_errno(error))
-            self._release(index)
-
-        pieces = self._admit(index, n, -(-length // self.ctrl.max_transfer))
-        if pieces:
-            self.ctrl.start_io(ns, opcode, offset, length, self.bufs.addrs[index] + data_off,
-                               self.bufs.mr.rkey, done, data_out=data_out)
+    def _start_io(self, req: _IoRequest, n: int, unique: int, ns: Any, opcode: int,
+                  offset: int, length: int, data_off: int, data: memoryview | None) -> bool:
+        """Issue the NVMe command(s) of request buffer ``req.index`` on its data at
+        ``data_off``; the last completion replies (:meth:`_io_finished`).  Parked instead
+        when the queues have no room.  Owns the buffer either way (True)."""
+        ctrl = self.ctrl
+        most = ctrl.max_transfer
+        pieces = 1 if length <= most else -(-length // most)
+        inflight = self._inflight
+        if inflight and inflight + pieces > self._limit():
+            self._parked = (req.index, n)
+            self.fs.counters.parked += 1
+            self._stop_reading()
+            return True
+        index = req.index
+        pieces = ctrl.plan_io(req.cmds, req, ns, opcode, offset, length,
+                              self.bufs.addrs[index] + data_off, self.bufs.mr.rkey, data)
+        self._inflight = inflight + pieces
+        req.unique = unique
+        req.left = req.pieces = pieces
+        req.error = None
+        cmds = req.cmds
+        for i in range(pieces):
+            try:
+                ctrl.issue(cmds[i])
+            except Exception as exc:  # noqa: BLE001 - not sent: those pieces fail here
+                log.warning("FUSE request %d: %s", unique, exc)
+                for _ in range(i, pieces):
+                    req.io_done(None, exc)
+                break
         return True
 
-    def _admit(self, index: int, n: int, pieces: int) -> int:
-        """Count ``pieces`` commands in, or park the request (and stop reading) until
-        completions make room; 0 when parked."""
-        with self._lock:
-            if self._inflight and self._inflight + pieces > self._limit():
-                self._parked = (index, n)
-                parked = True
-            else:
-                self._inflight += pieces
-                parked = False
-        if parked:
-            self.fs.counters.add(parked=1)
-            self._stop_reading()
-            return 0
-        return pieces
+    def _io_finished(self, req: _IoRequest) -> None:
+        """The last command of ``req`` completed (reactor thread): reply, count, release."""
+        self._inflight -= req.pieces
+        counters = self.fs.counters
+        error = req.error
+        if error is not None:
+            req.error = None
+            counters.errors += 1
+            self._error(req.unique, nvme_errno(error))
+        elif req.read:
+            lo, hi = req.lo, req.hi
+            if lo != req.reply_lo or hi != req.reply_hi:
+                req.reply = self.bufs.views[req.index][lo - OUT_SIZE:hi]
+                req.reply_lo, req.reply_hi = lo, hi
+            # the reply header goes right before the data, over what the request held
+            _pack_out(self.bufs.views[req.index], lo - OUT_SIZE, OUT_SIZE + hi - lo, 0,
+                      req.unique)
+            self._send(req.reply)
+            counters.reads += 1
+            counters.read_bytes += hi - lo
+        else:
+            size = req.hi
+            WRITE_REPLY.pack_into(req.write_reply, 0, WRITE_REPLY.size, 0, req.unique, size, 0)
+            self._send(req.write_reply)
+            counters.writes += 1
+            counters.write_bytes += size
+        self._release_here(req.index)
 
-    def _finished(self, pieces: int) -> None:
-        with self._lock:
-            self._inflight -= pieces
-            wake = self._parked is not None
-        if wake:
-            self.reactor.call_soon_threadsafe(self._resume)
+    def _send(self, reply) -> None:
+        """One write of a whole reply (header included)."""
+        try:
+            os.write(self.fd, reply)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EBADF, errno.ENODEV):
+                log.warning("FUSE reply: %s", exc)
 
     # -- what must wait: worker threads -----------------------------------------------------
     def _blocking(self, index: int, unique: int, work: Callable[[], Any],

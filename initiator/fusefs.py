@@ -109,26 +109,45 @@ def _positive(word: str) -> int:
 
 
 class Counters:
-    """What the mount did, in FUSE terms (the NVMe queues keep their own counters)."""
+    """What the mount did, in FUSE terms (the NVMe queues keep their own counters).
+
+    Two sets that are summed when read: what :meth:`add` and :meth:`request` count, from any
+    thread, under a lock; and plain int fields that only one thread writes (the kernel
+    binding's reactor, on its per-I/O path: no lock, no dict, no keyword call)."""
 
     #: parked: requests held back (kernel binding) because the queues had no slot to spare;
     #: many of them say the queue depth (-Q) is small for this load.
     NAMES = ("reads", "writes", "read_bytes", "write_bytes", "rmw_blocks", "flushes",
              "discards", "write_zeroes", "errors", "largest_request", "parked")
 
+    __slots__ = ("_lock", "_locked", "reads", "writes", "read_bytes", "write_bytes", "errors",
+                 "largest_request", "parked")
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.values = dict.fromkeys(self.NAMES, 0)
+        self._locked = dict.fromkeys(self.NAMES, 0)
+        # the one-writer fields
+        self.reads = self.writes = self.read_bytes = self.write_bytes = 0
+        self.errors = self.largest_request = self.parked = 0
 
     def add(self, **deltas: int) -> None:
         with self._lock:
             for key, value in deltas.items():
-                self.values[key] += value
+                self._locked[key] += value
 
     def request(self, size: int) -> None:
         with self._lock:
-            if size > self.values["largest_request"]:
-                self.values["largest_request"] = size
+            if size > self._locked["largest_request"]:
+                self._locked["largest_request"] = size
+
+    @property
+    def values(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._locked)
+        for key in ("reads", "writes", "read_bytes", "write_bytes", "errors", "parked"):
+            out[key] += getattr(self, key)
+        out["largest_request"] = max(out["largest_request"], self.largest_request)
+        return out
 
 
 def nvme_errno(exc: BaseException) -> int:

@@ -33,10 +33,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from blockfabric.errors import BlockfabricError, ConnectionRejected
-from blockfabric.fabric.host_side import HostQueue
+from blockfabric.fabric.host_side import STATUS_BITS, HostQueue
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
@@ -46,7 +46,7 @@ from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DY
                                   DiscoveryLogEntry, DiscoveryLogHeader, DSMRange, Flush,
                                   GetLogPage, Identify, IdentifyCNS, IdentifyController,
                                   IdentifyNamespace, IOOpcode, KeepAlive, KeyedSGL, LogPageId,
-                                  NULL_SGL, PSDT_SGL, NumberOfQueues, Property, PropertyGet,
+                                  NumberOfQueues, Property, PropertyGet,
                                   PropertySet, ProtocolError, ReadWrite, SetFeatures,
                                   StatusCode, WriteZeroes)
 from blockfabric.protocol.auth import (CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, DHGROUP_NAMES,
@@ -63,6 +63,7 @@ DEFAULT_ARENA = 64 << 20
 HOSTNQN_FILES = ("/etc/nvme/hostnqn", "/etc/blockfabric/hostnqn")
 HOSTID_FILES = ("/etc/nvme/hostid", "/etc/blockfabric/hostid")
 CAPSULE_CONNECT_DATA = 1024
+_READ = IOOpcode.READ.value
 
 
 class NvmeError(BlockfabricError):
@@ -122,7 +123,7 @@ class _Request:
     """An I/O command that can be issued again: read, write, flush, write zeroes and DSM
     are idempotent, so a command lost with its queue is simply re-sent after a reconnect."""
 
-    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen", "sgl")
+    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen", "sgl", "held")
 
     def __init__(self, make_sqe: Callable[[], SQE], callback: Callable, data_out=None,
                  data_in: int = 0, inline: bool = False,
@@ -133,9 +134,84 @@ class _Request:
         self.data_in = data_in
         self.inline = inline
         self.gen = -1
+        self.held = 0
         #: The data already sits in memory the caller registered with this controller's PD:
         #: the target moves it by RDMA from/to there (no arena block, no copy).
         self.sgl = sgl
+
+    def send(self, ctrl: Controller, queue: HostQueue) -> None:
+        inline = self.inline and self.data_out is not None \
+            and len(self.data_out) <= queue.inline_size
+        ctrl.submit(queue, self.make_sqe(), lambda cqe, data, error: ctrl._io_done(
+            self, cqe, data, error), data_out=self.data_out, data_in=self.data_in,
+            inline=inline, sgl=self.sgl)
+
+    def lost(self, exc: BaseException) -> None:
+        self.callback(None, None, exc)
+
+
+class IoCommand:
+    """One Read or Write (one piece at MDTS) that its user keeps and reuses: the lean per-I/O
+    path.  The user fills the fields (or lets :meth:`Controller.plan_io` do it) and calls
+    :meth:`Controller.issue`; the data moves by RDMA to or from ``length`` bytes at ``addr``
+    under ``rkey`` (memory registered with the controller's PD), or, for a write whose
+    ``data`` (a view of those bytes) fits, in the capsule.
+
+    ``parent.io_done(cmd, error)`` runs exactly once per issue, on the controller's reactor
+    thread: ``error`` is None, an :class:`NvmeError` (the command's status) or
+    :class:`ControllerLost`.  A command lost with its queue is held and re-issued after a
+    reconnect, as every I/O command is (``held`` counts how often).  Nothing is allocated
+    on the way: the queue packs the SQE into its slot's buffer from these fields."""
+
+    __slots__ = ("ctrl", "parent", "opcode", "nsid", "slba", "nlb", "addr", "length", "rkey",
+                 "data", "gen", "held")
+
+    def __init__(self, ctrl: Controller, parent: Any) -> None:
+        self.ctrl = ctrl
+        self.parent = parent
+        self.opcode = IOOpcode.READ.value
+        self.nsid = self.slba = self.nlb = self.addr = self.length = self.rkey = 0
+        self.data: Any = None
+        self.gen = -1
+        self.held = 0
+
+    def send(self, ctrl: Controller, queue: HostQueue) -> None:
+        queue.submit_rw(self, self.opcode, self.nsid, self.slba, self.nlb, self.addr,
+                        self.length, self.rkey, self.data)
+
+    def complete(self, raw: tuple | None, error: str | None) -> None:
+        """The queue's callback (reactor thread)."""
+        if error is not None:
+            self.ctrl._hold(self, error)
+            return
+        word = raw[4]
+        if word & STATUS_BITS:
+            self.parent.io_done(self, NvmeError("Read" if self.opcode == _READ else "Write",
+                                                (word >> 1) & 0x7FF, bool(word & 0x8000),
+                                                raw[0]))
+        else:
+            self.parent.io_done(self, None)
+
+    def lost(self, exc: BaseException) -> None:
+        self.parent.io_done(self, exc)
+
+
+class _Pieces:
+    """The parent of :meth:`Controller.start_io`'s commands: one callback for them all."""
+
+    __slots__ = ("callback", "left", "error")
+
+    def __init__(self, callback: Callable[[BaseException | None], None], left: int) -> None:
+        self.callback = callback
+        self.left = left
+        self.error: BaseException | None = None
+
+    def io_done(self, _cmd: IoCommand, error: BaseException | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.left -= 1
+        if not self.left:
+            self.callback(self.error)
 
 
 # --------------------------------------------------------------------------- host identity
@@ -233,6 +309,31 @@ class Arena:
             self._mem.close()
         except BufferError:
             pass
+
+
+class HostMemory:
+    """``size`` bytes of this process's memory registered with a controller's PD for both
+    RDMA directions: where a caller's own reads land and its writes come from (the FUSE
+    server's request buffers, the bench's slots), named in a keyed SGL by ``addr`` and
+    ``rkey``, with no arena block and no copy."""
+
+    def __init__(self, pd: PD, size: int) -> None:
+        self._mem = mmap.mmap(-1, size)
+        self.mr = pd.reg_mr(self._mem, Access.LOCAL_WRITE | Access.REMOTE_READ
+                            | Access.REMOTE_WRITE)
+        self.view: memoryview = self.mr.buf
+        self.addr: int = self.mr.addr
+        self.rkey: int = self.mr.rkey
+
+    def close(self) -> None:
+        """Deregister and unmap (views of it taken by the caller must be released first)."""
+        try:
+            self.mr.close()
+        finally:
+            try:
+                self._mem.close()
+            except BufferError:     # a view still exported elsewhere keeps it alive
+                pass
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -392,7 +493,7 @@ class Controller:
         self.state = CtrlState.CONNECTING
         self.recovery = RecoveryStats()
         self._state_lock = threading.Lock()
-        self._held: list[_Request] = []
+        self._held: list[_Request | IoCommand] = []
         self._gen = 0
         self._loss_deadline: float | None = None
         self._wake = threading.Event()
@@ -879,45 +980,83 @@ class Controller:
         travel in-capsule.  ``callback(error)`` runs once, on the reactor thread, with None
         or the exception (NvmeError, ControllerLost); I/O is held across reconnects like
         every I/O command.  Returns the number of NVMe commands issued (pieces at MDTS).
+        A caller that issues many keeps its :class:`IoCommand` objects and uses
+        :meth:`plan_io` and :meth:`issue` instead: nothing is allocated per I/O then.
 
         It never waits for a command slot only if the caller keeps fewer commands in flight
-        than a queue has slots (the FUSE server counts them); called from the reactor
-        thread, a full queue would block the thread that frees it."""
+        than a queue has slots (the FUSE server counts them); on the reactor thread a full
+        queue raises TimeoutError (that thread would wait for itself)."""
+        cmds: list[IoCommand] = []
+        n = self.plan_io(cmds, None, ns, opcode, offset, length, addr, rkey, data_out)
+        parent = _Pieces(callback, n)
+        for cmd in cmds:
+            cmd.parent = parent
+        for cmd in cmds:
+            self.issue(cmd)
+        return n
+
+    def plan_io(self, cmds: list[IoCommand], parent: Any, ns: Namespace, opcode: int,
+                offset: int, length: int, addr: int, rkey: int, data=None) -> int:
+        """Fill ``cmds`` (reused; grown with new :class:`IoCommand` objects of ``parent`` as
+        needed) with the Read or Write pieces of ``[offset, offset + length)`` at the
+        transfer limit (MDTS), and return how many there are: the first that many of
+        ``cmds`` are to be issued.  ``addr``/``rkey``: registered memory of the data;
+        ``data``: a view of it, for writes whose pieces may travel in-capsule."""
         bs = ns.block_size
-        what = "Read" if opcode == IOOpcode.READ else "Write"
-        pieces = list(_chunks(offset, length, self.max_transfer))
-        left = [len(pieces)]
-        failed: list[BaseException] = []
-        lock = threading.Lock()     # pieces may end on the reactor and the recovery thread
-
-        def done(cqe, _data, error) -> None:
-            if error is None and cqe.status != StatusCode.SUCCESS:
-                error = NvmeError(what, cqe.status, cqe.dnr, cqe.result)
-            with lock:
-                if error is not None and not failed:
-                    failed.append(error)
-                left[0] -= 1
-                last = not left[0]
-            if last:
-                callback(failed[0] if failed else None)
-
+        most = self.max_transfer
         nsid = ns.nsid
-        for start, count in pieces:
-            rel = start - offset
-            def make_sqe(slba: int = start // bs, nlb: int = count // bs - 1) -> SQE:
-                # the Read/Write layout (protocol.io.ReadWrite), built directly: per I/O
-                return SQE(opcode, PSDT_SGL, 0, nsid, 0, 0, 0, NULL_SGL, slba & 0xFFFFFFFF,
-                           slba >> 32, nlb, 0, 0, 0)
+        if length <= most:                      # the common case: one command
+            if not cmds:
+                cmds.append(IoCommand(self, parent))
+            cmd = cmds[0]
+            cmd.opcode = opcode
+            cmd.nsid = nsid
+            cmd.slba = offset // bs
+            cmd.nlb = length // bs - 1
+            cmd.addr = addr
+            cmd.length = length
+            cmd.rkey = rkey
+            cmd.data = data
+            return 1
+        n = 0
+        for start, count in _chunks(offset, length, most):
             if count // bs > 0x10000:
                 raise ValueError(f"{count} bytes is more blocks than one command carries")
-            piece_out = data_out[rel:rel + count] if data_out is not None else None
-            self._dispatch(_Request(make_sqe, done, data_out=piece_out,
-                                    inline=piece_out is not None,
-                                    sgl=KeyedSGL(addr + rel, count, rkey, False)))
-        return len(pieces)
+            if n == len(cmds):
+                cmds.append(IoCommand(self, parent))
+            cmd = cmds[n]
+            rel = start - offset
+            cmd.opcode = opcode
+            cmd.nsid = nsid
+            cmd.slba = start // bs
+            cmd.nlb = count // bs - 1
+            cmd.addr = addr + rel
+            cmd.length = count
+            cmd.rkey = rkey
+            cmd.data = None if data is None else data[rel:rel + count]
+            n += 1
+        return n
+
+    def issue(self, cmd: IoCommand, queue: HostQueue | None = None) -> None:
+        """Send ``cmd`` on ``queue`` (default: the next I/O queue, round robin), or hold it
+        while the controller reconnects.  The live controller's path takes no lock."""
+        if self.state is CtrlState.LIVE:
+            cmd.gen = self._gen
+            if queue is None:
+                queues = self.io_queues
+                if queues:
+                    queue = queues[next(self._rr) % len(queues)]
+            if queue is not None:
+                try:
+                    queue.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
+                                    cmd.length, cmd.rkey, cmd.data)
+                except ConnectionError as exc:
+                    self._hold(cmd, str(exc))
+                return
+        self._dispatch(cmd)
 
     # -- reconnecting (nvme-cli semantics: reconnect_delay, ctrl_loss_tmo) ---------------
-    def _dispatch(self, req: _Request) -> None:
+    def _dispatch(self, req: _Request | IoCommand) -> None:
         """Send ``req`` on an I/O queue, or hold it while the controller reconnects."""
         with self._state_lock:
             state = self.state
@@ -927,18 +1066,30 @@ class Controller:
                 return
             req.gen = self._gen
         if state in (CtrlState.FAILED, CtrlState.CLOSED):
-            req.callback(None, None, ControllerLost(f"controller {state.value}: "
-                                                    f"{self.recovery.last_reason}"))
+            self._lose([req], ControllerLost(f"controller {state.value}: "
+                                             f"{self.recovery.last_reason}"))
             return
         try:
-            queue = self.io_queue()
-            inline = req.inline and req.data_out is not None \
-                and len(req.data_out) <= queue.inline_size
-            self.submit(queue, req.make_sqe(), lambda cqe, data, error: self._io_done(
-                req, cqe, data, error), data_out=req.data_out, data_in=req.data_in,
-                inline=inline, sgl=req.sgl)
+            req.send(self, self.io_queue())
         except ConnectionError as exc:
             self._hold(req, str(exc))
+
+    def _lose(self, reqs: list, exc: BaseException) -> None:
+        """Fail ``reqs`` for good with ``exc``, on the reactor thread while it runs (where
+        every other completion of theirs runs, so that their users need no lock)."""
+        if not reqs:
+            return
+
+        def fail() -> None:
+            for req in reqs:
+                try:
+                    req.lost(exc)
+                except Exception:  # one user's failure must not cost the others theirs
+                    log.exception("failing a held command")
+        try:
+            self.reactor.call_sync(fail, timeout=10)
+        except TimeoutError:
+            fail()
 
     def _io_done(self, req: _Request, cqe: CQE | None, data, error: str | None) -> None:
         if error is None:
@@ -946,9 +1097,10 @@ class Controller:
         else:
             self._hold(req, error)
 
-    def _hold(self, req: _Request, reason: str) -> None:
+    def _hold(self, req: _Request | IoCommand, reason: str) -> None:
         """A command lost with its queue: keep it for the reconnect (or fail it, if
         reconnecting is over)."""
+        req.held += 1
         with self._state_lock:
             state = self.state
             stale = state == CtrlState.LIVE and req.gen != self._gen
@@ -962,7 +1114,7 @@ class Controller:
                 self.recovery.retried += 1
             self._dispatch(req)
             return
-        req.callback(None, None, ControllerLost(f"controller {state.value}: {reason}"))
+        self._lose([req], ControllerLost(f"controller {state.value}: {reason}"))
 
     def _lost(self, reason: str) -> None:
         """Any sign the target is gone (keep-alive, a queue error): start reconnecting."""
@@ -1064,8 +1216,7 @@ class Controller:
             reason = self.recovery.last_reason
         if not self._closed:
             log.error("%s: %s: failing %d held commands", self.opts.subnqn, why, len(held))
-        for req in held:
-            req.callback(None, None, ControllerLost(f"controller lost: {reason}"))
+        self._lose(held, ControllerLost(f"controller lost: {reason}"))
 
     # -- information -----------------------------------------------------------------
     def queue_stats(self) -> dict[int, dict[str, int]]:
@@ -1131,8 +1282,7 @@ class Controller:
     def _give_up_held(self) -> None:
         with self._state_lock:
             held, self._held = self._held, []
-        for req in held:
-            req.callback(None, None, ControllerLost("controller closed"))
+        self._lose(held, ControllerLost("controller closed"))
 
     def __enter__(self) -> Controller:
         return self

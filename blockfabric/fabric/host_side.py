@@ -1,64 +1,123 @@
 """The host's end of an NVMe-oF RDMA queue.
 
 Each queue has ``depth`` command slots.  A slot owns a registered capsule buffer (64-byte SQE
-plus room for in-capsule data) and a command identifier: the slot index in the low 12 bits
+plus room for in-capsule data), the SEND work request and SGE that post it (made once, reused
+for every command of the slot) and a command identifier: the slot index in the low 12 bits
 and a 4-bit generation above it (as the Linux host does), so a stale or forged CQE for a
 reused slot is recognised and dropped.  A command completes when *both* its SEND has
 completed and its response capsule has arrived (the Linux host's two references), so a
 slot's buffer is never reused while the provider may still read it.
 
-Submission may come from any thread (the FUSE loop, benchmark workers); completions are
-serviced by the controller's reactor thread and reported through each command's callback.
+One callback shape: a command's *owner* (an object the submitter keeps) gets
+``owner.complete(raw, error)`` once, on the reactor thread: ``raw`` is the response capsule
+as the tuple ``(result, sq_head, sq_id, cid, status word)`` and ``error`` None, or ``raw``
+None and ``error`` a string when the queue died first.  :meth:`HostQueue.submit_rw` packs a
+Read or Write straight into the slot's send buffer (:mod:`blockfabric.protocol.rw`): nothing
+is built per command.  :meth:`HostQueue.submit` takes any :class:`SQE` and a plain callback,
+for everything that is not a read or a write.
+
+Threads: submission may come from any thread (the FUSE loop, benchmark workers, the
+namespace calls); completions are serviced by the controller's reactor thread.  The
+reactor's own path takes no lock: a slot is taken from the free list (a list pop), filled and
+posted by its taker alone, and completed by the reactor alone.  A submitter on another thread
+takes the queue lock, so that :meth:`HostQueue.fail` (which takes it too) never misses a slot
+being taken, and waits there for a free slot; the reactor signals it only when someone waits.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_SHIFT,
                                          Endpoint, wr_id)
-from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL, ProtocolError
-from blockfabric.protocol.status import StatusCode
+from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL
+from blockfabric.protocol.rw import pack_rw_into
+from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_OFFSET
+from blockfabric.protocol.status import status_code
 from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, SendFlags, SendWR, WcStatus,
                               WrOpcode)
 
 log = logging.getLogger(__name__)
 
 SLOT_BITS = 12
+SLOT_MASK = (1 << SLOT_BITS) - 1
 GEN_MASK = 0xF
+#: the status field's SCT/SC bits in the CQE's last u16 (bit 0 is the phase tag)
+STATUS_BITS = 0x7FF << 1
+_KEYED = TYPE_KEYED << 56
+_OFFSET = TYPE_OFFSET << 56
+_CQE_RAW = struct.Struct("<QHHHH")
+_get_ident = threading.get_ident
 
 Callback = Callable[[CQE | None, str | None], None]
 
 
-class Slot:
-    __slots__ = ("index", "gen", "cid", "callback", "sent", "cqe", "busy", "seq")
+def cqe_of(raw: tuple[int, int, int, int, int]) -> CQE:
+    """The :class:`CQE` of a raw response tuple (for callers that want the object)."""
+    result, sq_head, sq_id, cid, word = raw
+    return CQE(result, sq_head, sq_id, cid, status_code(word >> 1), bool(word & 0x8000),
+               bool(word & 0x4000), (word >> 12) & 3, word & 1)
 
-    def __init__(self, index: int) -> None:
+
+class _CallbackOwner:
+    """The owner of a command submitted with a plain ``callback(cqe, error)``."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callback) -> None:
+        self.callback = callback
+
+    def complete(self, raw: tuple | None, error: str | None) -> None:
+        self.callback(None if raw is None else cqe_of(raw), error)
+
+
+class Slot:
+    __slots__ = ("index", "gen", "cid", "owner", "sent", "raw", "busy", "seq", "view", "sge",
+                 "wrs")
+
+    def __init__(self, index: int, view: memoryview, wr: SendWR) -> None:
         self.index = index
         self.gen = 0
         self.cid = index
-        self.callback: Callback | None = None
+        self.owner: Any = None      # what gets complete(raw, error)
         self.sent = False
-        self.cqe: CQE | None = None
+        self.raw: tuple | None = None
         self.busy = False
         self.seq = 0            # submission order on this queue, to count overtakes
+        self.view = view        # the slot's registered send buffer (capsule)
+        self.wrs = [wr]         # its SEND (as post_send's list), reused: only the SGE's
+        self.sge = wr.sg_list[0]    # length changes
 
 
 class QueueStats:
-    """Counters a caller can read to see what the queue did."""
+    """Counters a caller can read to see what the queue did.  Each is written by one
+    thread only (the reactor, or a submitter holding the queue lock), so none is lost."""
 
-    __slots__ = ("submitted", "completed", "inflight", "max_inflight", "out_of_order",
-                 "errors", "_last_seq")
+    __slots__ = ("submitted_loop", "submitted_other", "completed", "max_inflight",
+                 "out_of_order", "errors", "_last_seq", "_depth", "_free")
 
-    def __init__(self) -> None:
-        self.submitted = self.completed = self.inflight = self.max_inflight = 0
-        self.out_of_order = self.errors = 0
+    def __init__(self, depth: int, free: list[int]) -> None:
+        self.submitted_loop = self.submitted_other = self.completed = 0
+        self.max_inflight = self.out_of_order = self.errors = 0
         self._last_seq = -1
+        self._depth = depth
+        self._free = free
+
+    @property
+    def submitted(self) -> int:
+        return self.submitted_loop + self.submitted_other
+
+    @property
+    def inflight(self) -> int:
+        return self._depth - len(self._free)
 
     def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")}
+        return {"submitted": self.submitted, "completed": self.completed,
+                "inflight": self.inflight, "max_inflight": self.max_inflight,
+                "out_of_order": self.out_of_order, "errors": self.errors}
 
 
 class HostQueue(Endpoint):
@@ -74,14 +133,24 @@ class HostQueue(Endpoint):
         super().__init__(cmid, pd, recv_count=depth, recv_size=CQE_SIZE,
                          send_count=depth, send_size=SQE_SIZE + inline_size,
                          max_send_wr=depth, max_send_sge=2, name=name or f"q{qid}")
-        self.slots = [Slot(i) for i in range(depth)]
+        pool = self.send_pool
+        self.slots = [Slot(i, pool.views[i],
+                           SendWR(wr_id(KIND_SEND, i), WrOpcode.SEND, [pool.sge(i, SQE_SIZE)],
+                                  SendFlags.SIGNALED))
+                      for i in range(depth)]
         self._free = list(range(depth - 1, -1, -1))
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
-        self.stats = QueueStats()
-        self._next_seq = 0
+        self._waiters = 0           # submitters waiting for a slot (under the lock)
+        self._loop_ident: int | None = None     # the reactor thread, once attached
+        self.stats = QueueStats(depth, self._free)
         self.dead_reason: str | None = None
         self.on_cm_event = self._on_cm_event
+
+    def attach(self, reactor) -> None:
+        super().attach(reactor)
+        thread = getattr(reactor, "thread", None)
+        self._loop_ident = thread.ident if thread is not None else None
 
     def _on_cm_event(self) -> None:
         """The target ended the connection (DREQ) or the device went away: fail what is
@@ -99,19 +168,51 @@ class HostQueue(Endpoint):
                 return
 
     # -- submission ------------------------------------------------------------------
+    def submit_rw(self, owner: Any, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
+                  length: int, rkey: int, data: Any = None) -> int:
+        """Send a Read (0x02) or Write (0x01) of ``nlb + 1`` blocks at ``slba``: the data
+        moves by RDMA to or from ``length`` bytes at ``addr`` under ``rkey`` (memory the
+        caller registered), or, for a write whose ``data`` (a view of those bytes) fits,
+        travels in the capsule.  ``owner.complete(raw, error)`` runs once, on the reactor.
+        Returns the cid.  Nothing is allocated for it: the SQE is packed into the slot's
+        send buffer and the slot's own SEND is posted again."""
+        if _get_ident() != self._loop_ident:
+            with self._lock:
+                slot = self._take_locked(owner, None)
+                return self._post_rw(slot, opcode, nsid, slba, nlb, addr, length, rkey, data,
+                                     True)
+        if self.dead_reason is not None:
+            raise ConnectionError(self.dead_reason)
+        if not self._free:
+            raise self._full()
+        slot = self._take(self._free.pop(), owner)
+        return self._post_rw(slot, opcode, nsid, slba, nlb, addr, length, rkey, data, False)
+
+    def _post_rw(self, slot: Slot, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
+                 length: int, rkey: int, data: Any, locked: bool) -> int:
+        cid = slot.cid
+        view = slot.view
+        if data is not None and length <= self.inline_size:
+            view[SQE_SIZE:SQE_SIZE + length] = data
+            pack_rw_into(view, opcode, cid, nsid, slba, nlb, 0, length | _OFFSET)
+            return self._post(slot, SQE_SIZE + length, locked)
+        pack_rw_into(view, opcode, cid, nsid, slba, nlb, addr, length | rkey << 24 | _KEYED)
+        return self._post(slot, SQE_SIZE, locked)
+
     def submit(self, sqe: SQE, callback: Callback, *, inline: bytes | memoryview | None = None,
                timeout: float | None = None) -> int:
         """Send ``sqe`` (its cid is assigned here); ``callback(cqe, error)`` runs on the
         reactor thread when the command completes, or with an error string when the queue
         dies first.  With ``inline``, the bytes travel in the capsule and the SGL is set to
-        an offset descriptor.  Blocks while every slot is in use."""
+        an offset descriptor.  Blocks while every slot is in use (except on the reactor
+        thread, which frees them: there a full queue raises TimeoutError)."""
         if inline is not None and len(inline) > self.inline_size:
             raise ValueError(f"{len(inline)} bytes of in-capsule data exceed "
                              f"{self.inline_size}")
-        with self._space:
-            slot = self._take_slot(callback, timeout)
+
+        def post(slot: Slot, locked: bool) -> int:
             sqe.cid = slot.cid
-            view = self.send_pool.views[slot.index]
+            view = slot.view
             length = SQE_SIZE
             if inline is not None:
                 n = len(inline)
@@ -119,133 +220,157 @@ class HostQueue(Endpoint):
                 view[SQE_SIZE:SQE_SIZE + n] = inline
                 length += n
             sqe.pack_into(view)
-            self._post(slot, length)
-            return slot.cid
+            return self._post(slot, length, locked)
+        return self._submit_with(_CallbackOwner(callback), post, timeout)
 
     def submit_raw(self, capsule: bytes, callback: Callback,
                    timeout: float | None = None) -> int:
         """Send ``capsule`` exactly as given (only bytes 2..3, the cid, are set), for tests
         and tools that must send malformed commands."""
-        with self._space:
-            slot = self._take_slot(callback, timeout)
-            view = self.send_pool.views[slot.index]
+        def post(slot: Slot, locked: bool) -> int:
+            view = slot.view
             n = min(len(capsule), len(view))
             view[:n] = capsule[:n]
             if n >= 4:
                 view[2:4] = slot.cid.to_bytes(2, "little")
-            self._post(slot, n)
-            return slot.cid
+            return self._post(slot, n, locked)
+        return self._submit_with(_CallbackOwner(callback), post, timeout)
 
-    def _take_slot(self, callback: Callback, timeout: float | None) -> Slot:
-        """With the lock held: wait for a free slot and give it a fresh cid."""
-        while not self._free and self.dead_reason is None:
-            if not self._space.wait(timeout):
-                raise TimeoutError(f"{self.name}: no free command slot")
+    def _submit_with(self, owner: Any, post: Callable[[Slot, bool], int],
+                     timeout: float | None) -> int:
+        if _get_ident() != self._loop_ident:
+            with self._lock:
+                return post(self._take_locked(owner, timeout), True)
         if self.dead_reason is not None:
             raise ConnectionError(self.dead_reason)
-        slot = self.slots[self._free.pop()]
-        slot.gen = (slot.gen + 1) & GEN_MASK
-        slot.cid = slot.gen << SLOT_BITS | slot.index
-        slot.callback = callback
+        if not self._free:
+            raise self._full()
+        return post(self._take(self._free.pop(), owner), False)
+
+    def _full(self) -> TimeoutError:
+        # Only the reactor frees slots: waiting for one here would wait for itself.
+        return TimeoutError(f"{self.name}: no free command slot (all {self.depth} in "
+                            "flight, and the reactor thread cannot wait for one)")
+
+    def _take_locked(self, owner: Any, timeout: float | None) -> Slot:
+        """With the lock held (a submitter off the reactor): wait for a free slot."""
+        while not self._free and self.dead_reason is None:
+            self._waiters += 1
+            try:
+                if not self._space.wait(timeout):
+                    raise TimeoutError(f"{self.name}: no free command slot")
+            finally:
+                self._waiters -= 1
+        if self.dead_reason is not None:
+            raise ConnectionError(self.dead_reason)
+        return self._take(self._free.pop(), owner)
+
+    def _take(self, index: int, owner: Any) -> Slot:
+        slot = self.slots[index]
+        gen = (slot.gen + 1) & GEN_MASK
+        slot.gen = gen
+        slot.cid = gen << SLOT_BITS | index
+        slot.owner = owner
         slot.sent = False
-        slot.cqe = None
+        slot.raw = None
         slot.busy = True
         return slot
 
-    def _post(self, slot: Slot, length: int) -> None:
-        """With the lock held: count the command and SEND its capsule."""
+    def _count(self, slot: Slot, locked: bool) -> None:
         stats = self.stats
-        stats.submitted += 1
-        stats.inflight += 1
-        if stats.inflight > stats.max_inflight:
-            stats.max_inflight = stats.inflight
-        slot.seq = self._next_seq
-        self._next_seq += 1
-        try:
-            self.post_send(SendWR(wr_id(KIND_SEND, slot.index), WrOpcode.SEND,
-                                  [self.send_pool.sge(slot.index, length)],
-                                  SendFlags.SIGNALED))
-        except Exception:
-            self._free_slot(slot)
-            raise
+        seq = stats.submitted_loop + stats.submitted_other
+        slot.seq = seq
+        if locked:
+            stats.submitted_other += 1
+        else:
+            stats.submitted_loop += 1
+        inflight = self.depth - len(self._free)
+        if inflight > stats.max_inflight:
+            stats.max_inflight = inflight
 
-    # -- completions -----------------------------------------------------------------
+    def _post(self, slot: Slot, length: int, locked: bool) -> int:
+        """Count the command and SEND its capsule (``length`` bytes of the slot's buffer)."""
+        slot.sge.length = length
+        self._count(slot, locked)
+        try:
+            self.post_send(slot.wrs)
+        except Exception:
+            self._free_slot(slot, locked)
+            raise
+        return slot.cid
+
+    # -- completions (reactor thread) ---------------------------------------------------
     def on_completion(self, wc: WC) -> None:
-        kind = wc.wr_id >> KIND_SHIFT
-        index = wc.wr_id & INDEX_MASK
-        if wc.status != WcStatus.SUCCESS:
+        wid = wc.wr_id
+        if wc.status:
             status = WcStatus(wc.status).name if wc.status in WcStatus._value2member_map_ \
                 else str(wc.status)
             self.fail(f"work completion {status}", expected=self.closed)
             return
+        kind = wid >> KIND_SHIFT
         if kind == KIND_RECV:
-            self._on_response(index, wc.byte_len)
+            self._on_response(wid & INDEX_MASK, wc.byte_len)
         elif kind == KIND_SEND:
-            slot = self.slots[index]
-            with self._lock:
-                slot.sent = True
-                done = slot.busy and slot.cqe is not None
-            if done:
+            slot = self.slots[wid & INDEX_MASK]
+            slot.sent = True
+            if slot.busy and slot.raw is not None:
                 self._complete(slot)
 
     def on_fault(self, reason: str) -> None:
         self.fail(reason, expected=self.closed)
 
     def _on_response(self, recv_index: int, length: int) -> None:
-        view = self.recv_views[recv_index]
-        try:
-            cqe = CQE.unpack_from(view[:length])
-        except ProtocolError as exc:
+        if length < CQE_SIZE:
+            # a host that gets a short response capsule has lost the transfer
             self.repost(recv_index)
-            self.fail(f"malformed response capsule: {exc}")
+            self.fail(f"malformed response capsule: {length} bytes, a CQE is {CQE_SIZE}")
             return
+        raw = _CQE_RAW.unpack_from(self.recv_views[recv_index])
         self.repost(recv_index)
-        index = cqe.cid & ((1 << SLOT_BITS) - 1)
+        cid = raw[3]
+        index = cid & SLOT_MASK
         if index >= self.depth:
-            log.warning("%s: response for unknown cid %#x dropped", self.name, cqe.cid)
+            log.warning("%s: response for unknown cid %#x dropped", self.name, cid)
             return
         slot = self.slots[index]
-        with self._lock:
-            if not slot.busy or slot.cid != cqe.cid or slot.cqe is not None:
-                log.warning("%s: stale or duplicate response for cid %#x dropped", self.name,
-                            cqe.cid)
-                return
-            slot.cqe = cqe
-            done = slot.sent
-        if done:
+        if not slot.busy or slot.cid != cid or slot.raw is not None:
+            log.warning("%s: stale or duplicate response for cid %#x dropped", self.name, cid)
+            return
+        slot.raw = raw
+        if slot.sent:
             self._complete(slot)
 
     def _complete(self, slot: Slot) -> None:
-        callback, cqe = slot.callback, slot.cqe
+        owner, raw = slot.owner, slot.raw
         stats = self.stats
-        with self._space:
-            seq = slot.seq
-            if seq < stats._last_seq:
-                stats.out_of_order += 1
-            else:
-                stats._last_seq = seq
-            stats.completed += 1
-            if cqe is not None and cqe.status != StatusCode.SUCCESS:
-                stats.errors += 1
-            self._free_slot(slot)
-        if callback is not None:
-            self._call(callback, cqe, None)
-
-    def _call(self, callback: Callback, cqe: CQE | None, error: str | None) -> None:
-        """A command's callback is its submitter's code: one that raises costs neither the
-        other completions of its batch nor this queue."""
+        seq = slot.seq
+        if seq < stats._last_seq:
+            stats.out_of_order += 1
+        else:
+            stats._last_seq = seq
+        stats.completed += 1
+        if raw[4] & STATUS_BITS:
+            stats.errors += 1
+        self._free_slot(slot)
         try:
-            callback(cqe, error)
+            owner.complete(raw, None)
         except Exception:
-            log.exception("%s: completion callback %r failed", self.name, callback)
+            # A command's owner is its submitter's code: one that raises costs neither the
+            # other completions of its batch nor this queue.
+            log.exception("%s: completion of %r failed", self.name, owner)
 
-    def _free_slot(self, slot: Slot) -> None:
-        """With the lock held."""
+    def _free_slot(self, slot: Slot, locked: bool = False) -> None:
+        """Give the slot back; wake a waiting submitter only if there is one (``locked``:
+        the caller holds the lock)."""
         slot.busy = False
-        slot.callback = None
-        self.stats.inflight -= 1
+        slot.owner = None
         self._free.append(slot.index)
-        self._space.notify()
+        if self._waiters:
+            if locked:
+                self._space.notify()
+            else:
+                with self._space:
+                    self._space.notify()
 
     def fail(self, reason: str, *, expected: bool = False) -> None:
         """The queue is dead: fail every outstanding command once, wake waiters."""
@@ -255,18 +380,21 @@ class HostQueue(Endpoint):
                 log.log(logging.DEBUG if expected else logging.WARNING, "%s: %s", self.name,
                         reason)
             pending = [s for s in self.slots if s.busy]
+            owners = []
             for slot in pending:
+                owners.append(slot.owner)
                 slot.busy = False
-            self._space.notify_all()
-        for slot in pending:
-            callback, slot.callback = slot.callback, None
-            with self._space:
-                self.stats.inflight -= 1
+                slot.owner = None
                 self._free.append(slot.index)
-            if callback is not None:
-                self._call(callback, None, reason)
+            self._space.notify_all()
+        for owner in owners:
+            if owner is None:
+                continue
+            try:
+                owner.complete(None, reason)
+            except Exception:
+                log.exception("%s: completion of %r failed", self.name, owner)
 
     @property
     def outstanding(self) -> int:
         return self.stats.inflight
-

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from blockfabric.initiator.host import connect
+from blockfabric.initiator.host import HostMemory, IoCommand, NvmeError, connect
+from blockfabric.protocol import IOOpcode, StatusCode
 from blockfabric.net import can_create_netns, netns_pair
 
 from .conftest import HOSTNQN, NQN, free_port, ram_config
@@ -134,3 +136,100 @@ def test_a_failing_completion_callback_does_not_lose_other_completions(ram_targe
         for fut in futures:
             assert len(fut.result(timeout=10)) == 4096
     assert "callback bug" in caplog.text
+
+
+class _Parent:
+    """An IoCommand parent that records where and how each completion arrived."""
+
+    def __init__(self) -> None:
+        self.errors: list = []
+        self.threads: set = set()
+        self.done = threading.Event()
+        self.expect = 0
+
+    def io_done(self, _cmd, error) -> None:
+        self.errors.append(error)
+        self.threads.add(threading.get_ident())
+        if len(self.errors) == self.expect:
+            self.done.set()
+
+
+def test_reused_io_commands_split_at_mdts_and_complete_on_the_reactor(ram_target):
+    """The lean path: one list of IoCommand objects, filled again by plan_io for every I/O
+    (pieces at the transfer limit included) and sent by issue(); the data moves straight
+    from and into the caller's registered memory, and every completion runs on the
+    reactor thread."""
+    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=2, queue_size=32) as ctrl:
+        ns = ctrl.namespaces[1]
+        length = 3 * ctrl.max_transfer + 4096            # four pieces, the last one short
+        mem = HostMemory(ctrl.pd, length)
+        try:
+            payload = os.urandom(length)
+            mem.view[:length] = payload
+            cmds: list[IoCommand] = []
+            for opcode, offset in ((IOOpcode.WRITE, 8192), (IOOpcode.READ, 8192)):
+                if opcode == IOOpcode.READ:
+                    mem.view[:length] = bytes(length)
+                parent = _Parent()
+                n = ctrl.plan_io(cmds, parent, ns, opcode, offset, length, mem.addr,
+                                 mem.rkey, mem.view[:length] if opcode == IOOpcode.WRITE
+                                 else None)
+                assert n == 4 and len(cmds) == 4
+                for cmd in cmds:
+                    cmd.parent = parent
+                parent.expect = n
+                first = cmds[0]
+                for cmd in cmds[:n]:
+                    ctrl.issue(cmd)
+                assert parent.done.wait(20)
+                assert parent.errors == [None] * n
+                assert parent.threads == {ctrl.reactor.thread.ident}
+                assert cmds[0] is first          # the same objects, filled again
+            assert bytes(mem.view[:length]) == payload
+            for cmd in cmds:
+                cmd.data = None
+            # a status error reaches the parent as NvmeError, with the command's status
+            parent = _Parent()
+            parent.expect = 1
+            ctrl.plan_io(cmds, parent, ns, IOOpcode.READ, ns.size, 4096, mem.addr, mem.rkey)
+            cmds[0].parent = parent
+            ctrl.issue(cmds[0])
+            assert parent.done.wait(20)
+            assert isinstance(parent.errors[0], NvmeError)
+            assert parent.errors[0].status == StatusCode.LBA_OUT_OF_RANGE
+        finally:
+            mem.close()
+
+
+def test_a_full_queue_on_the_reactor_thread_raises_instead_of_waiting_for_itself(
+        ram_target):
+    """Only the reactor frees command slots: a submission there that finds none raises at
+    once (the old queue waited for itself, for ever)."""
+    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+                 nr_io_queues=1, queue_size=4) as ctrl:
+        ns = ctrl.namespaces[1]
+        queue = ctrl.io_queues[0]
+        mem = HostMemory(ctrl.pd, 4096)
+        parent = _Parent()
+        parent.expect = queue.depth
+        outcome: list = []
+
+        def fill() -> None:
+            cmds = [IoCommand(ctrl, parent) for _ in range(queue.depth + 1)]
+            for cmd in cmds:
+                ctrl.plan_io([cmd], parent, ns, IOOpcode.READ, 0, 4096, mem.addr, mem.rkey)
+            try:
+                for cmd in cmds:
+                    queue.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
+                                    cmd.length, cmd.rkey)
+            except TimeoutError as exc:
+                outcome.append(exc)
+        try:
+            ctrl.reactor.call_sync(fill)
+            assert len(outcome) == 1 and "no free command slot" in str(outcome[0])
+            assert parent.done.wait(20) and parent.errors == [None] * queue.depth
+            assert queue.stats.as_dict()["inflight"] == 0
+            assert queue.stats.max_inflight == queue.depth
+        finally:
+            mem.close()

@@ -69,8 +69,7 @@ SYSTEMS = {
     "libnbd": ("libnbd Python on nbdkit memory", "libnbd", None),
 }
 DEFAULT_SYSTEMS = "floor,mount-poll,bench-poll,nbd-memory,nbd-python,libnbd"
-#: Issue 14: target+host CPU per 4 KiB read through the mount <= this times the floor's.
-CPU_GOAL_VS_FLOOR = 2.0
+CPU_GOAL_VS_FLOOR = report.CPU_GOAL_VS_FLOOR   # issue 14: mount target+host <= 2x the floor
 
 
 def fio_argv(path: pathlib.Path, w: Workload, runtime: float) -> list[str]:
@@ -112,7 +111,7 @@ def result_of(out: dict) -> dict[str, float]:
     return res
 
 
-def measure(argv: list[str], pids: dict[str, int | None],
+def measure(argv: list[str], pids: dict[str, int | None], runtime: float,
             env: dict[str, str] | None = None) -> tuple[dict[str, float], cpu.Span]:
     """Run the load ``argv`` while sampling the CPU of ``pids`` and of the load itself
     ("host" unless a pid is already called that; not fio, which forks its job: its CPU comes
@@ -132,7 +131,7 @@ def measure(argv: list[str], pids: dict[str, int | None],
         raise systems.SetupError(f"{' '.join(argv)}: {err}")
     data = json.loads(out[out.index("{"):])
     if "jobs" in data:
-        t0, t1, ios = cpu.counted_span(data)
+        t0, t1, ios = cpu.counted_span(data, runtime)
     else:                                   # nbd_qd.py
         t1 = data["timestamp_ms"] / 1e3
         t0, ios = t1 - data["seconds"], data["ios"]
@@ -178,14 +177,15 @@ class Fleet:
         rt = self.runtime
         if kind == "bench":
             port, pid = self.ports[progress]
-            return measure(bench_argv(port, w, rt, "-i", "1"), {"server": pid},
+            return measure(bench_argv(port, w, rt, "-i", "1"), {"server": pid}, rt,
                            {"BLOCKFABRIC_SOFT_PROGRESS": progress})
         if kind == "libnbd":
             mem = self.nbd["memory"]
-            return measure(nbd_argv(mem.port, w, rt), {"server": mem.server_pid})
+            return measure(nbd_argv(mem.port, w, rt), {"server": mem.server_pid}, rt)
         s = {"floor": self.floor, "mount": self.mounts.get(progress),
              "nbd-memory": self.nbd.get("memory"), "nbd-python": self.nbd.get("python")}[kind]
-        return measure(fio_argv(s.path, w, rt), {"server": s.server_pid, "host": s.client_pid})
+        return measure(fio_argv(s.path, w, rt), {"server": s.server_pid, "host": s.client_pid},
+                       rt)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

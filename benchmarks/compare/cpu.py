@@ -129,13 +129,16 @@ class Span:
         return {k: c / self.seconds for k, c in self.cpu.items()}
 
 
-def counted_span(out: dict) -> tuple[float, float, float]:
+def counted_span(out: dict, runtime: float | None = None) -> tuple[float, float, float]:
     """(start, end, I/Os) of the counted run that fio's (or blockfabric bench's) JSON
-    ``out`` reports: it ends at ``timestamp_ms`` and lasted ``job_runtime`` ms."""
+    ``out`` reports: it ends at ``timestamp_ms`` and lasted ``job_runtime`` ms, or at most
+    ``runtime`` s (with group_reporting, fio adds up its jobs' runtimes)."""
     job = out["jobs"][0]
     end = out["timestamp_ms"] / 1e3
-    return end - job["job_runtime"] / 1e3, end, \
-        job["read"]["total_ios"] + job["write"]["total_ios"]
+    seconds = job["job_runtime"] / 1e3
+    if runtime is not None:
+        seconds = min(seconds, runtime)
+    return end - seconds, end, job["read"]["total_ios"] + job["write"]["total_ios"]
 
 
 def _cpu_or_none(pid: int) -> float | None:

@@ -94,6 +94,8 @@ def cpu_cell(runs: list[dict[str, float]]) -> str:
         return "-"
     m = cpu_median(runs)
     parts = " / ".join(f"{m[k]:.1f}" if k in m else "-" for k in CPU_PARTS)
+    if "server" not in m and "host" not in m:     # tmpfs: no server, no FUSE daemon
+        return parts
     return f"{parts} (t+h {m['server+host']:.1f})"
 
 

@@ -114,7 +114,8 @@ def test_cpu_cell_and_median_per_part():
             {"server": 2.0, "host": 9.0, "fio": 4.0}]
     assert report.cpu_median(runs) == {"server": 2.0, "host": 4.0, "fio": 4.0,
                                        "server+host": 7.0}
-    assert report.cpu_cell([{"fio": 2.0}]) == "- / - / 2.0 (t+h 0.0)"
+    assert report.cpu_cell([{"fio": 2.0}]) == "- / - / 2.0"
+    assert report.cpu_cell(runs) == "2.0 / 4.0 / 4.0 (t+h 7.0)"
     assert report.cpu_cell([]) == "-"
 
 

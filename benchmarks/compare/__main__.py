@@ -60,6 +60,8 @@ class Runner:
         #: job -> system -> per round {"server", "host", "fio"} CPU us per I/O
         self.cpu: dict[str, dict[str, list[dict[str, float]]]] = {}
         self.lib: dict[str, dict[str, list[float]]] = {}    # workload -> side -> values
+        #: workload -> side -> per round {"server", "host"} CPU us per I/O
+        self.lib_cpu: dict[str, dict[str, list[dict[str, float]]]] = {}
         self.load: list[float] = [report.loadavg()]
         self.fio_cmd = ""
         self.lib_cmds: dict[str, str] = {}
@@ -125,29 +127,49 @@ class Runner:
                             *systems.connect_flags(bf.port), "--runtime", runtime,
                             "--ramp_time", ramp, "--eta", "never", "-o", "json", *bf_flags]
                     self.lib_cmds[f"{bf.key} {key}"] = systems.shell(argv, env)
-                    out = run_json(argv, env)["jobs"][0]["read"]
-                    self._lib(key, bf.key, out["bw_bytes"] if metric == "bw"
-                              else out["iops"], metric)
+                    out, per = self.run_json(argv, bf.server_pid, env)
+                    read = out["jobs"][0]["read"]
+                    self._lib(key, bf.key, read["bw_bytes"] if metric == "bw"
+                              else read["iops"], metric, per)
                 argv = [sys.executable, str(pathlib.Path(__file__).parent / "nbd_qd.py"),
                         "--port", str(nbd.port), "--runtime", runtime, "--ramp", ramp,
                         *nbd_flags]
                 self.lib_cmds[f"libnbd {key}"] = systems.shell(argv)
-                out = run_json(argv)
+                out, per = self.run_json(argv, nbd.server_pid)
                 self._lib(key, "libnbd", out["bw_bytes"] if metric == "bw" else out["iops"],
-                          metric)
+                          metric, per)
 
-    def _lib(self, key: str, side: str, value: float, metric: str) -> None:
+    def _lib(self, key: str, side: str, value: float, metric: str,
+             per: dict[str, float]) -> None:
         self.lib.setdefault(key, {}).setdefault(side, []).append(value)
+        self.lib_cpu.setdefault(key, {}).setdefault(side, []).append(per)
         self.load.append(report.loadavg())
-        say(f"  {key:<26}{side:<26}{report.fmt(metric, value):>12}")
+        say(f"  {key:<26}{side:<26}{report.fmt(metric, value):>12}  CPU us/IO "
+            + " ".join(f"{k} {v:.1f}" for k, v in per.items()))
 
-
-def run_json(argv: list[str], env: dict[str, str] | None = None) -> dict:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
-    if done.returncode != 0:
-        raise systems.SetupError(f"{' '.join(argv)} failed: {done.stderr}")
-    return json.loads(done.stdout)
+    def run_json(self, argv: list[str], server_pid: int | None,
+                 env: dict[str, str] | None = None) -> tuple[dict, dict[str, float]]:
+        """Run a library-level load (blockfabric bench or nbd_qd.py, the host); its JSON and
+        the server's and its own CPU us per I/O over the span it counted."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, **(env or {})))
+        try:
+            with cpu.Sampler({"server": server_pid, "host": proc.pid}) as smp:
+                stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0:
+            raise systems.SetupError(f"{' '.join(argv)} failed: {stderr}")
+        out = json.loads(stdout)
+        if "jobs" in out:
+            t0, t1, ios = cpu.counted_span(out, self.args.runtime)
+        else:                                   # nbd_qd.py
+            t1 = out["timestamp_ms"] / 1e3
+            t0, ios = t1 - out["seconds"], out["ios"]
+        return out, smp.span(t0, t1).us_per_io(ios)
 
 
 def say(text: str) -> None:
@@ -284,6 +306,14 @@ def library(r: Runner) -> list[str]:
         cells += [report.verdict(report.ratio(d.get(s, []), d.get("libnbd", [])), None)
                   for s in ("bf-thread", "bf-poll")]
         out.append(f"| {title} | " + " | ".join(cells) + " |")
+    out += ["", "CPU us per I/O there, target / host (the bench process or the libnbd script) "
+            "(t+h), medians:", "", "| workload | blockfabric bench (thread) | "
+            "blockfabric bench (poll) | libnbd (Python) |", "|---|---|---|---|"]
+    for key, title, _bf, _nbd, _metric in LIBRARY:
+        d = r.lib_cpu.get(key, {})
+        out.append(f"| {title} | " + " | ".join(
+            report.cpu_cell(d.get(s, [])).replace(" / -", "", 1)
+            for s in ("bf-thread", "bf-poll", "libnbd")) + " |")
     return out
 
 
@@ -326,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         order = [ws.blockfabric("thread"), ws.blockfabric("poll"), ws.nbd_memory(),
                  ws.nbd_python()]
         if args.floor_dir:
-            order.append(ws.floor(args.floor_dir))
+            try:
+                order.append(ws.floor(args.floor_dir))
+            except systems.SetupError as exc:     # a yardstick, not the thing measured
+                args.floor_note = f"floor: skipped (did not start: {' '.join(str(exc).split())})"
+                say(args.floor_note)
         order.append(ws.tmpfs())
         runner = Runner(args, ws)
         runner.fio_rounds(order)
@@ -342,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{stem}.md").write_text(text)
         (args.out / f"{stem}.json").write_text(json.dumps(
             {"fio": runner.fio, "p99_us": runner.p99, "p50_us": runner.p50,
-             "cpu_us_per_io": runner.cpu, "library": runner.lib, "load": runner.load,
+             "cpu_us_per_io": runner.cpu, "library": runner.lib,
+             "library_cpu_us_per_io": runner.lib_cpu, "load": runner.load,
              "floor": str(args.floor_dir) if args.floor_dir else None,
              "acceptance": {bf.key: [{"goal": t, "pass": ok} for t, ok in report.acceptance(
                  runner.fio, runner.p99, runner.cpu, bf.key, bf.label)]

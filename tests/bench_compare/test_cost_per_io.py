@@ -36,9 +36,12 @@ def test_unknown_names_and_nothing_left_are_refused(monkeypatch, tmp_path, capsy
 
 def test_libnbd_only_reads():
     fleet = cost.Fleet.__new__(cost.Fleet)
+    fleet.floor = object()
     assert fleet.supports("libnbd", cost.WORKLOADS["randread-4k-qd1"])
     assert not fleet.supports("libnbd", cost.WORKLOADS["randwrite-4k-qd16"])
     assert fleet.supports("floor", cost.WORKLOADS["randwrite-4k-qd16"])
+    fleet.floor = None                      # it did not start: measured without it
+    assert not fleet.supports("floor", cost.WORKLOADS["randread-4k-qd1"])
 
 
 def _row(system, workload, iops, server, host):

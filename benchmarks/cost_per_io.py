@@ -158,7 +158,8 @@ class Fleet:
                 try:
                     self.floor = ws.floor(floor)
                 except systems.SetupError as exc:     # a yardstick, not the thing measured
-                    self.note = f"floor: skipped (did not start: {' '.join(str(exc).split())})"
+                    self.note = ("floor: skipped (did not start: "
+                                 f"{' '.join(str(exc).split())})")
                     print(self.note, flush=True)
             elif kind == "mount" and progress not in self.mounts:
                 bf = ws.blockfabric(progress)
@@ -290,7 +291,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, when: str) -> str:
     if args.floor_note:
         out += [args.floor_note, ""]
     out += ["| system | workload | IOPS | clat p50 / p99 us | target us/IO | host us/IO | "
-            "target+host us/IO | fio us/IO | machine busy |", "|---|---|---|---|---|---|---|---|---|"]
+            "target+host us/IO | fio us/IO | machine busy |", "|---" * 9 + "|"]
     for w in args.workloads:
         for key in args.systems:
             g = med.get((key, w.key))

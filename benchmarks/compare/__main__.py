@@ -6,9 +6,10 @@ small memory plugin, memplugin.py) + nbdfuse, the pure-Python performance floor 
 + floor_host.py from --floor DIR, $BLOCKFABRIC_PERF_FLOOR or a shared/perf-floor above the
 project; skipped when not found) and a file on tmpfs.  Each fio run also gives every system's
 CPU us per I/O (target/server and host from /proc/PID/stat over the span fio counted, fio's
-own from its JSON), and the report ends with issue 14's acceptance, each goal PASS or FAIL.  Rounds are interleaved (each
-round runs every job on every system, rotating the system order), so a burst of load from
-other users of the machine hits all systems alike; the report gives medians and min-max.
+own from its JSON), and the report ends with issue 14's acceptance, each goal PASS or FAIL.
+Rounds are interleaved (each round runs every job on every system, rotating the system order),
+so a burst of load from other users of the machine hits all systems alike; the report gives
+medians and min-max.
 Then the library level: ``blockfabric bench`` against libnbd's Python bindings (no FUSE).
 
     python benchmarks/compare [--rounds 3] [--runtime 5] [--out benchmarks/results]
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 order.append(ws.floor(args.floor_dir))
             except systems.SetupError as exc:     # a yardstick, not the thing measured
-                args.floor_note = f"floor: skipped (did not start: {' '.join(str(exc).split())})"
+                args.floor_note = ("floor: skipped (did not start: "
+                                   f"{' '.join(str(exc).split())})")
                 say(args.floor_note)
         order.append(ws.tmpfs())
         runner = Runner(args, ws)

@@ -327,6 +327,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one round, 0.3 s jobs, a 32 MiB volume")
     p.add_argument("--no-install", action="store_true", help="do not apt-get missing peers")
+    p.add_argument("--tag", help="added to the results' file names, e.g. baseline")
     p.add_argument("--floor", help="the perf-floor directory (default: "
                                    f"${systems.FLOOR_ENV}, else a shared/perf-floor above the "
                                    "project)")
@@ -350,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "compare-quick" if args.quick else f"{started:%Y-%m-%d}"
+    stem = ("compare-quick" if args.quick else f"{started:%Y-%m-%d}") \
+        + (f"-{args.tag}" if args.tag else "")
     with systems.Workspace() as ws:
         say(f"workspace {ws.tmp}: starting the systems")
         say(args.floor_note)

@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -370,4 +371,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so that the workspace stops its processes and unmounts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

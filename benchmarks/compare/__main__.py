@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -391,4 +392,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so that the workspace stops its processes and unmounts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

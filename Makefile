@@ -33,7 +33,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
 .PHONY: all deps venv test demo lab lab-auth lab-systemd install install-venv install-units \
-        uninstall bench bench-rdma bench-rdma-lab soak fuzz clean help
+        uninstall bench bench-cost bench-rdma bench-rdma-lab soak fuzz clean help
 
 all: help
 
@@ -45,7 +45,8 @@ help:
 	@echo "make lab-systemd   the units under a real systemd (PID 1 in a lab guest), verbs on rxe0"
 	@echo "make install   (root) /opt/blockfabric, /usr/local/bin links, units, a default config"
 	@echo "make uninstall (root) the reverse; /etc/blockfabric and /var/lib/blockfabric stay"
-	@echo "make bench  fio side by side with nbdkit+nbdfuse and tmpfs -> benchmarks/results/"
+	@echo "make bench  fio side by side with nbdkit+nbdfuse, the Python floor and tmpfs -> benchmarks/results/"
+	@echo "make bench-cost   CPU us per I/O, poll mount vs the Python floor, ~1 min (COST_ARGS=...)"
 	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
 	@echo "make soak   long verify run with faults injected (SOAK_DURATION=600)"
 	@echo "make fuzz   the soft-wire and capsule fuzzers with fresh seeds (FUZZ_SECONDS=300 each)"
@@ -208,9 +209,17 @@ lab-auth: venv
 bench: venv
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/compare $(BENCH_ARGS)
-	$(PY) benchmarks/cost_per_io.py
+	$(PY) benchmarks/cost_per_io.py --systems all --rounds 3 --runtime 5
 	$(PY) benchmarks/scaling.py --progress thread
 	$(PY) benchmarks/scaling.py --progress poll
+
+# bench-cost: the developer's loop, about a minute: target/host/fio CPU us per 4 KiB read
+# through the poll mount and the pure-Python floor (found as benchmarks/compare finds it),
+# interleaved rounds, medians, and issue 14's CPU goal as PASS/FAIL.  COST_ARGS="--systems
+# mount-poll,nbd-memory --workloads randwrite-4k-qd16" and so on (see --help).
+COST_ARGS ?= --systems mount-poll,floor --rounds 3 --runtime 3
+bench-cost: venv
+	$(PY) benchmarks/cost_per_io.py $(COST_ARGS) --out $(or $(COST_OUT),/tmp/blockfabric-cost)
 
 # soak: several hosts x queues verifying crc32c for SOAK_DURATION seconds, a fault a minute.
 SOAK_DURATION ?= 600

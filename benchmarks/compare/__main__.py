@@ -2,9 +2,14 @@
 
 Systems: blockfabric (soft provider, ramdisk target, FUSE mount) with the soft engine on its own
 thread and driven by the reactors (poll), nbdkit memory + nbdfuse, nbdkit's Python plugin (a
-small memory plugin, memplugin.py) + nbdfuse, and a file on tmpfs.  Rounds are interleaved (each
-round runs every job on every system, rotating the system order), so a burst of load from
-other users of the machine hits all systems alike; the report gives medians and min-max.
+small memory plugin, memplugin.py) + nbdfuse, the pure-Python performance floor (floor_target.py
++ floor_host.py from --floor DIR, $BLOCKFABRIC_PERF_FLOOR or a shared/perf-floor above the
+project; skipped when not found) and a file on tmpfs.  Each fio run also gives every system's
+CPU us per I/O (target/server and host from /proc/PID/stat over the span fio counted, fio's
+own from its JSON), and the report ends with issue 14's acceptance, each goal PASS or FAIL.
+Rounds are interleaved (each round runs every job on every system, rotating the system order),
+so a burst of load from other users of the machine hits all systems alike; the report gives
+medians and min-max.
 Then the library level: ``blockfabric bench`` against libnbd's Python bindings (no FUSE).
 
     python benchmarks/compare [--rounds 3] [--runtime 5] [--out benchmarks/results]
@@ -19,6 +24,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +32,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import cpu  # noqa: E402
 import report  # noqa: E402
 import systems  # noqa: E402
 from report import JOBS, Job  # noqa: E402
@@ -51,7 +58,12 @@ class Runner:
         self.ws = ws
         self.fio: dict[str, dict[str, list[float]]] = {}    # job -> system -> values
         self.p99: dict[str, dict[str, list[float]]] = {}    # job -> system -> clat p99 (us)
+        self.p50: dict[str, dict[str, list[float]]] = {}    # job -> system -> clat p50 (us)
+        #: job -> system -> per round {"server", "host", "fio"} CPU us per I/O
+        self.cpu: dict[str, dict[str, list[dict[str, float]]]] = {}
         self.lib: dict[str, dict[str, list[float]]] = {}    # workload -> side -> values
+        #: workload -> side -> per round {"server", "host"} CPU us per I/O
+        self.lib_cpu: dict[str, dict[str, list[dict[str, float]]]] = {}
         self.load: list[float] = [report.loadavg()]
         self.fio_cmd = ""
         self.lib_cmds: dict[str, str] = {}
@@ -69,21 +81,32 @@ class Runner:
         argv = ["fio", f"--filename={system.path}", "--output-format=json",
                 str(self.job_file(job))]
         self.fio_cmd = "fio --filename=FILE --output-format=json JOBFILE"
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                              stdin=subprocess.DEVNULL, cwd=self.ws.tmp)
+        with cpu.Sampler({"server": system.server_pid, "host": system.client_pid}) as smp:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                                  stdin=subprocess.DEVNULL, cwd=self.ws.tmp)
         if done.returncode != 0:
             raise systems.SetupError(f"fio {job.key} on {system.label}: {done.stderr}")
-        res = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+        out = json.loads(done.stdout[done.stdout.index("{"):])
+        res = out["jobs"][0]
         rd, wr = res["read"], res["write"]
         value = (rd["bw_bytes"] + wr["bw_bytes"]) if job.metric == "bw" \
             else rd["iops"] + wr["iops"]
         side = rd if rd["io_bytes"] else wr
-        p99 = side["clat_ns"]["percentile"]["99.000000"] / 1000
-        self.fio.setdefault(job.key, {}).setdefault(system.key, []).append(value)
-        self.p99.setdefault(job.key, {}).setdefault(system.key, []).append(p99)
+        pct = side["clat_ns"]["percentile"]
+        p99 = pct["99.000000"] / 1000
+        # CPU of the server and host over the span fio counted; fio's own from its JSON
+        # (usr/sys % of its job runtime, summed over its jobs with group_reporting)
+        t0, t1, ios = cpu.counted_span(out, self.args.runtime)
+        per = smp.span(t0, t1).us_per_io(ios)
+        per["fio"] = ((res["usr_cpu"] + res["sys_cpu"]) / 100 * res["job_runtime"] / 1e3
+                      / max(1, ios) * 1e6)
+        for store, v in ((self.fio, value), (self.p99, p99), (self.p50, pct["50.000000"] / 1e3),
+                         (self.cpu, per)):
+            store.setdefault(job.key, {}).setdefault(system.key, []).append(v)
         self.load.append(report.loadavg())
         say(f"  {job.key:<26}{system.label:<26}{report.fmt(job.metric, value):>12}"
-            f"  p99 {p99:.0f} us")
+            f"  p99 {p99:.0f} us  CPU us/IO "
+            + " ".join(f"{k} {v:.1f}" for k, v in per.items()))
 
     def fio_rounds(self, order: list[systems.System]) -> None:
         for rnd in range(self.args.rounds):
@@ -106,29 +129,49 @@ class Runner:
                             *systems.connect_flags(bf.port), "--runtime", runtime,
                             "--ramp_time", ramp, "--eta", "never", "-o", "json", *bf_flags]
                     self.lib_cmds[f"{bf.key} {key}"] = systems.shell(argv, env)
-                    out = run_json(argv, env)["jobs"][0]["read"]
-                    self._lib(key, bf.key, out["bw_bytes"] if metric == "bw"
-                              else out["iops"], metric)
+                    out, per = self.run_json(argv, bf.server_pid, env)
+                    read = out["jobs"][0]["read"]
+                    self._lib(key, bf.key, read["bw_bytes"] if metric == "bw"
+                              else read["iops"], metric, per)
                 argv = [sys.executable, str(pathlib.Path(__file__).parent / "nbd_qd.py"),
                         "--port", str(nbd.port), "--runtime", runtime, "--ramp", ramp,
                         *nbd_flags]
                 self.lib_cmds[f"libnbd {key}"] = systems.shell(argv)
-                out = run_json(argv)
+                out, per = self.run_json(argv, nbd.server_pid)
                 self._lib(key, "libnbd", out["bw_bytes"] if metric == "bw" else out["iops"],
-                          metric)
+                          metric, per)
 
-    def _lib(self, key: str, side: str, value: float, metric: str) -> None:
+    def _lib(self, key: str, side: str, value: float, metric: str,
+             per: dict[str, float]) -> None:
         self.lib.setdefault(key, {}).setdefault(side, []).append(value)
+        self.lib_cpu.setdefault(key, {}).setdefault(side, []).append(per)
         self.load.append(report.loadavg())
-        say(f"  {key:<26}{side:<26}{report.fmt(metric, value):>12}")
+        say(f"  {key:<26}{side:<26}{report.fmt(metric, value):>12}  CPU us/IO "
+            + " ".join(f"{k} {v:.1f}" for k, v in per.items()))
 
-
-def run_json(argv: list[str], env: dict[str, str] | None = None) -> dict:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
-    if done.returncode != 0:
-        raise systems.SetupError(f"{' '.join(argv)} failed: {done.stderr}")
-    return json.loads(done.stdout)
+    def run_json(self, argv: list[str], server_pid: int | None,
+                 env: dict[str, str] | None = None) -> tuple[dict, dict[str, float]]:
+        """Run a library-level load (blockfabric bench or nbd_qd.py, the host); its JSON and
+        the server's and its own CPU us per I/O over the span it counted."""
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, **(env or {})))
+        try:
+            with cpu.Sampler({"server": server_pid, "host": proc.pid}) as smp:
+                stdout, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0:
+            raise systems.SetupError(f"{' '.join(argv)} failed: {stderr}")
+        out = json.loads(stdout)
+        if "jobs" in out:
+            t0, t1, ios = cpu.counted_span(out, self.args.runtime)
+        else:                                   # nbd_qd.py
+            t1 = out["timestamp_ms"] / 1e3
+            t0, ios = t1 - out["seconds"], out["ios"]
+        return out, smp.span(t0, t1).us_per_io(ios)
 
 
 def say(text: str) -> None:
@@ -150,6 +193,8 @@ def markdown(r: Runner, order: list[systems.System], started: str, elapsed: floa
            "",
            busy_note(load, int(m["cores"])),
            "",
+           a.floor_note,
+           "",
            f"- machine: {m['cores']} cores, {m['cpu']}, {m['memory']} RAM, Linux {m['kernel']}",
            f"- load average (1 min) during the run: min {min(load):.2f}, median "
            f"{statistics.median(load):.2f}, max {max(load):.2f} (sampled after every job)",
@@ -167,14 +212,17 @@ def markdown(r: Runner, order: list[systems.System], started: str, elapsed: floa
             "| " + " | ".join(f"{statistics.median(r.p99['randread-4k-qd1'][k]):.0f}"
                               if r.p99.get("randread-4k-qd1", {}).get(k) else "-"
                               for k in labels) + " |", ""]
+    out += cpu_table(r, labels)
     out += ratios(r, [s for s in order if s.key.startswith("bf-")], labels)
+    out += acceptance(r, [s for s in order if s.key.startswith("bf-")])
     out += library(r)
     out += ["", f"![bars per job and system]({png})", "", "## Exact commands", "",
             "Servers and mounts:", "", "```"]
     out += [c for s in order for c in s.commands]
     out += ["```", "", f"Each fio job: `{r.fio_cmd}`, JOBFILE being benchmarks/fio/<job>.fio "
             f"with runtime={a.runtime_text} and ramp_time={a.ramp_text}; FILE is n1 in the "
-            "blockfabric mounts, nbd in the nbdfuse mounts, and a 256 MiB file on the tmpfs.",
+            "blockfabric and floor mounts, nbd in the nbdfuse mounts, and a 256 MiB file on "
+            "the tmpfs.",
             "", "Library level (one round):", "", "```"]
     out += list(r.lib_cmds.values()) + ["```", ""]
     return "\n".join(out)
@@ -193,7 +241,7 @@ def busy_note(load: list[float], cores: int) -> str:
 
 def ratios(r: Runner, bfs: list[systems.System], labels: dict[str, str]) -> list[str]:
     peers = [k for k in labels if not k.startswith("bf-")]
-    out = ["## Ratios blockfabric / peer (medians), against issue 7's goals", "",
+    out = ["## Ratios blockfabric / peer (medians), against issue 14's goals", "",
            "| fio job | blockfabric | " + " | ".join(f"/ {labels[p]}" for p in peers) + " |",
            "|---|---|" + "---|" * len(peers)]
     for job in JOBS:
@@ -216,6 +264,39 @@ def ratios(r: Runner, bfs: list[systems.System], labels: dict[str, str]) -> list
     return out + [""]
 
 
+def cpu_table(r: Runner, labels: dict[str, str]) -> list[str]:
+    """Per job and system: the rate, clat p50/p99 and CPU us per I/O (target / host / fio,
+    and target+host), medians over the rounds."""
+    out = ["## CPU per I/O, next to rate and latency (medians)", "",
+           "CPU us per I/O: target (server: blockfabric-target, nbdkit, floor_target.py) / host "
+           "(the FUSE daemon: blockfabric mount, nbdfuse, floor_host.py) / fio, and t+h = "
+           "target+host; from /proc/PID/stat (utime+stime, all threads) sampled every 25 ms "
+           "over the span fio counted, divided by fio's I/O count; fio's from its JSON. An I/O "
+           "of the 1M jobs is one 1 MiB request.", "",
+           "| fio job | system | rate | clat p50 / p99 us | CPU us/IO target / host / fio |",
+           "|---|---|---|---|---|"]
+    for job in JOBS:
+        for k, label in labels.items():
+            vals = r.fio.get(job.key, {}).get(k, [])
+            if not vals:
+                continue
+            p50 = statistics.median(r.p50[job.key][k])
+            p99 = statistics.median(r.p99[job.key][k])
+            out.append(f"| {job.title} | {label} | {report.spread(vals, job.metric)} | "
+                       f"{p50:.0f} / {p99:.0f} | {report.cpu_cell(r.cpu[job.key][k])} |")
+    return out + [""]
+
+
+def acceptance(r: Runner, bfs: list[systems.System]) -> list[str]:
+    out = ["## Issue 14's acceptance (ratios of medians)", ""]
+    for bf in bfs:
+        out += [f"{bf.label}:", ""]
+        out += [report.verdict_line(text, ok)
+                for text, ok in report.acceptance(r.fio, r.p99, r.cpu, bf.key, bf.label)]
+        out.append("")
+    return out
+
+
 def library(r: Runner) -> list[str]:
     out = ["## Library level, no FUSE: blockfabric bench vs libnbd Python bindings "
            "(nbdkit memory)", "",
@@ -227,6 +308,14 @@ def library(r: Runner) -> list[str]:
         cells += [report.verdict(report.ratio(d.get(s, []), d.get("libnbd", [])), None)
                   for s in ("bf-thread", "bf-poll")]
         out.append(f"| {title} | " + " | ".join(cells) + " |")
+    out += ["", "CPU us per I/O there, target / host (the bench process or the libnbd script) "
+            "(t+h), medians:", "", "| workload | blockfabric bench (thread) | "
+            "blockfabric bench (poll) | libnbd (Python) |", "|---|---|---|---|"]
+    for key, title, _bf, _nbd, _metric in LIBRARY:
+        d = r.lib_cpu.get(key, {})
+        out.append(f"| {title} | " + " | ".join(
+            report.cpu_cell(d.get(s, [])).replace(" / -", "", 1)
+            for s in ("bf-thread", "bf-poll", "libnbd")) + " |")
     return out
 
 
@@ -239,8 +328,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: one round, 0.3 s jobs, a 32 MiB volume")
     p.add_argument("--no-install", action="store_true", help="do not apt-get missing peers")
+    p.add_argument("--tag", help="added to the results' file names, e.g. baseline")
+    p.add_argument("--floor", help="the perf-floor directory (default: "
+                                   f"${systems.FLOOR_ENV}, else a shared/perf-floor above the "
+                                   "project)")
     a = p.parse_args(argv)
     a.argv = argv
+    a.floor_dir = systems.find_floor(a.floor)
+    a.floor_note = (f"floor: {a.floor_dir} (the same interpreter as blockfabric)"
+                    if a.floor_dir else "floor: skipped (not found)")
     if a.quick:
         a.rounds, a.runtime, a.ramp = 1, 0.3, 0.0
         systems.VOLUME = 32 << 20
@@ -256,11 +352,21 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "compare-quick" if args.quick else f"{started:%Y-%m-%d}"
+    stem = ("compare-quick" if args.quick else f"{started:%Y-%m-%d}") \
+        + (f"-{args.tag}" if args.tag else "")
     with systems.Workspace() as ws:
         say(f"workspace {ws.tmp}: starting the systems")
+        say(args.floor_note)
         order = [ws.blockfabric("thread"), ws.blockfabric("poll"), ws.nbd_memory(),
-                 ws.nbd_python(), ws.tmpfs()]
+                 ws.nbd_python()]
+        if args.floor_dir:
+            try:
+                order.append(ws.floor(args.floor_dir))
+            except systems.SetupError as exc:     # a yardstick, not the thing measured
+                args.floor_note = ("floor: skipped (did not start: "
+                                   f"{' '.join(str(exc).split())})")
+                say(args.floor_note)
+        order.append(ws.tmpfs())
         runner = Runner(args, ws)
         runner.fio_rounds(order)
         runner.library_rounds(order[:2], order[2])
@@ -269,15 +375,23 @@ def main(argv: list[str] | None = None) -> int:
         labels = {s.key: s.label for s in order}
         report.chart(args.out / png, runner.fio, labels,
                      f"fio --direct=1, {systems.VOLUME >> 20} MiB, loopback, "
-                     f"{started:%Y-%m-%d}: median, min-max whiskers (log scale)")
+                     f"{started:%Y-%m-%d}: median, min-max whiskers (log scale); below, CPU "
+                     "us per I/O (medians)", runner.cpu)
         text = markdown(runner, order, f"{started:%Y-%m-%d %H:%M} UTC", elapsed, png)
         (args.out / f"{stem}.md").write_text(text)
         (args.out / f"{stem}.json").write_text(json.dumps(
-            {"fio": runner.fio, "p99_us": runner.p99, "library": runner.lib,
-             "load": runner.load}, indent=1))
+            {"fio": runner.fio, "p99_us": runner.p99, "p50_us": runner.p50,
+             "cpu_us_per_io": runner.cpu, "library": runner.lib,
+             "library_cpu_us_per_io": runner.lib_cpu, "load": runner.load,
+             "floor": str(args.floor_dir) if args.floor_dir else None,
+             "acceptance": {bf.key: [{"goal": t, "pass": ok} for t, ok in report.acceptance(
+                 runner.fio, runner.p99, runner.cpu, bf.key, bf.label)]
+                 for bf in order if bf.key.startswith("bf-")}}, indent=1))
     say(f"wrote {args.out / (stem + '.md')}")
     return 0
 
 
 if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so that the workspace stops its processes and unmounts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

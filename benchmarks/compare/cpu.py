@@ -1,7 +1,9 @@
 """CPU time of processes from /proc/<pid>/stat (utime + stime, all threads), and py-spy.
 
-Costs are measured over a window in the middle of a fixed run, so that start-up (imports,
-connect) and teardown do not count: µs per I/O = CPU seconds in the window / (IOPS * window).
+Costs are measured over the counted run a load reports (fio's and bench's end time and
+job_runtime, so that start-up, ramp and teardown do not count): a :class:`Sampler` follows the
+pids meanwhile, and µs per I/O = CPU seconds in that span / the I/Os counted in it.  (The older
+:class:`Window` takes a fixed window in the middle of a run instead.)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -63,6 +66,101 @@ class Window:
     def share(self) -> dict[str, float]:
         """Each pid's CPU as a fraction of one core."""
         return {k: c / self.seconds for k, c in self.cpu.items()}
+
+
+class Sampler:
+    """CPU seconds of some pids and the machine's busy share, sampled on a thread every
+    ``interval`` s with wall-clock (time.time()) stamps, so that the CPU spent between two
+    instants a load reports afterwards (fio's and bench's ``timestamp_ms`` minus
+    ``job_runtime``: exactly the counted run, ramp and start-up excluded) can be read off by
+    linear interpolation.  ``with Sampler(pids):`` samples for the block's duration."""
+
+    def __init__(self, pids: dict[str, int | None], interval: float = 0.025) -> None:
+        self.pids = {k: v for k, v in pids.items() if v}
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, float | None], tuple[float, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        self.samples.append((time.time(), {k: _cpu_or_none(p) for k, p in self.pids.items()},
+                             machine_busy()))
+
+    def span(self, t0: float, t1: float) -> Span:
+        """CPU seconds of each pid between wall-clock instants t0 and t1 (clamped to the
+        samples taken; a pid's samples after it ended are ignored)."""
+        cpu = {}
+        for k in self.pids:
+            pts = [(t, v[k]) for t, v, _ in self.samples if v[k] is not None]
+            cpu[k] = _interp(pts, t1) - _interp(pts, t0) if pts else 0.0
+        busy = [(t, m[0]) for t, _, m in self.samples]
+        total = [(t, m[1]) for t, _, m in self.samples]
+        whole = _interp(total, t1) - _interp(total, t0)
+        machine = (_interp(busy, t1) - _interp(busy, t0)) / whole if whole > 0 else 0.0
+        return Span(cpu, max(1e-9, t1 - t0), machine)
+
+
+class Span:
+    """What :meth:`Sampler.span` found: CPU seconds per pid over ``seconds``, and the share
+    of all CPUs that were busy."""
+
+    def __init__(self, cpu: dict[str, float], seconds: float, machine: float) -> None:
+        self.cpu, self.seconds, self.machine = cpu, seconds, machine
+
+    def us_per_io(self, ios: float) -> dict[str, float]:
+        return {k: 1e6 * c / max(1.0, ios) for k, c in self.cpu.items()}
+
+    def share(self) -> dict[str, float]:
+        """Each pid's CPU as a fraction of one core."""
+        return {k: c / self.seconds for k, c in self.cpu.items()}
+
+
+def counted_span(out: dict, runtime: float | None = None) -> tuple[float, float, float]:
+    """(start, end, I/Os) of the counted run that fio's (or blockfabric bench's) JSON
+    ``out`` reports: it ends at ``timestamp_ms`` and lasted ``job_runtime`` ms, or at most
+    ``runtime`` s (with group_reporting, fio adds up its jobs' runtimes)."""
+    job = out["jobs"][0]
+    end = out["timestamp_ms"] / 1e3
+    seconds = job["job_runtime"] / 1e3
+    if runtime is not None:
+        seconds = min(seconds, runtime)
+    return end - seconds, end, job["read"]["total_ios"] + job["write"]["total_ios"]
+
+
+def _cpu_or_none(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] == "Z":       # exited, not yet reaped: its times are final but unreliable
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _interp(pts: list[tuple[float, float]], t: float) -> float:
+    """The value at ``t`` on the piecewise-linear curve through ``pts`` (sorted by time),
+    held flat beyond its ends."""
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (ta, va), (tb, vb) in zip(pts, pts[1:]):
+        if t <= tb:
+            return va + (vb - va) * (t - ta) / (tb - ta) if tb > ta else vb
+    return pts[-1][1]
 
 
 def py_spy() -> str:

@@ -2,9 +2,10 @@
 libnbd's Python bindings (no FUSE), at a fixed queue depth.
 
 ``python nbd_qd.py --port P --rw randread --bs 4096 --iodepth 16 --runtime 5`` prints one JSON
-object: ios, seconds, iops, bw_bytes and clat percentiles in microseconds.  Buffers are
-allocated once; completions are collected by callback and resubmitted after each poll (libnbd
-forbids calls on the handle from inside its callbacks).
+object: ios, seconds (the counted run, which ended at timestamp_ms), iops, bw_bytes and clat
+percentiles in microseconds.  Buffers are allocated once; completions are collected by
+callback and resubmitted after each poll (libnbd forbids calls on the handle from inside its
+callbacks).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def run(port: int, rw: str, bs: int, iodepth: int, runtime: float, ramp: float,
         while not ready:
             h.poll(-1)
     seconds = time.perf_counter() - counted
+    end_ms = time.time() * 1000    # the counted run: the seconds before this wall-clock instant
     while h.aio_in_flight():
         h.poll(-1)
     h.shutdown()
@@ -68,7 +70,8 @@ def run(port: int, rw: str, bs: int, iodepth: int, runtime: float, ramp: float,
     pct = {p: lat[min(n - 1, int(n * p / 100))] / 1000 for p in (50, 99, 99.9)} if n else {}
     if errors:
         raise SystemExit(f"{errors} libnbd reads failed")
-    return {"ios": n, "seconds": seconds, "iops": n / seconds, "bw_bytes": n * bs / seconds,
+    return {"ios": n, "seconds": seconds, "timestamp_ms": end_ms, "iops": n / seconds,
+            "bw_bytes": n * bs / seconds,
             "p50_us": pct.get(50, 0), "p99_us": pct.get(99, 0), "p99.9_us": pct.get(99.9, 0)}
 
 

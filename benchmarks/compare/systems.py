@@ -39,6 +39,27 @@ PEER_FILES = {"/usr/lib/x86_64-linux-gnu/nbdkit/plugins/nbdkit-python-plugin.so"
 PEER_MODULES = {"nbd": "python3-libnbd", "matplotlib": "python3-matplotlib"}
 
 
+#: The pure-Python performance floor (floor_target.py + floor_host.py): the environment
+#: variable that points at its directory, and the files it must hold.  It is not part of the
+#: project and is never copied into it; see :func:`find_floor`.
+FLOOR_ENV = "BLOCKFABRIC_PERF_FLOOR"
+FLOOR_FILES = ("floor_target.py", "floor_host.py")
+
+
+def find_floor(explicit: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """The perf-floor directory: ``explicit`` (a --floor flag), else $BLOCKFABRIC_PERF_FLOOR,
+    else ``shared/perf-floor`` next to the project root or next to any directory above it
+    (../shared/perf-floor from a checkout, ../../shared/perf-floor from a worktree under
+    wt/).  None when it is not there (or lacks floor_target.py / floor_host.py)."""
+    given = explicit or os.environ.get(FLOOR_ENV)
+    candidates = [pathlib.Path(given)] if given else \
+        [d / "shared" / "perf-floor" for d in ROOT.parents]
+    for path in candidates:
+        if all((path / f).is_file() for f in FLOOR_FILES):
+            return path.resolve()
+    return None
+
+
 class SetupError(Exception):
     """A system could not be started; the message says which and shows its log."""
 
@@ -206,6 +227,23 @@ class Workspace:
     def nbd_python(self) -> System:
         return self.nbdfuse("nbd-python", "nbdkit python + nbdfuse",
                             ["python", PLUGIN, f"size={VOLUME}"])
+
+    # -- the performance floor ---------------------------------------------------------
+    def floor(self, floor_dir: pathlib.Path) -> System:
+        """floor_target.py (a 256 MiB mmap, one connection) and floor_host.py, which mounts
+        its own FUSE file n1 with mount(2); the same interpreter as blockfabric.  Stopped by
+        pid and unmounted on the way out, also when starting fails half way."""
+        port = free_port()
+        argv = [sys.executable, floor_dir / "floor_target.py", str(port)]
+        target, log = self.spawn(f"floor-target-{port}", argv)
+        wait_for(lambda: log.read_text().startswith("ready"), target, "floor_target.py", log)
+        mnt = self.mountpoint("floor")
+        host_argv = [sys.executable, floor_dir / "floor_host.py", mnt, str(port)]
+        host, host_log = self.spawn("floor-host", host_argv)
+        self._undo.append(lambda: unmount(mnt))     # unmount before the host is stopped
+        wait_for(lambda: (mnt / "n1").exists(), host, "floor_host.py", host_log)
+        return System("floor", "floor (pure Python)", mnt / "n1",
+                      [shell(argv), shell(host_argv)], target.pid, host.pid, port)
 
     # -- tmpfs ---------------------------------------------------------------------------
     def tmpfs(self) -> System:

@@ -19,8 +19,10 @@ import report  # noqa: E402
 import systems  # noqa: E402
 from demo import processes_naming  # noqa: E402  (systems puts scripts/ on the path)
 
+FLOOR = systems.find_floor()
+FLOOR_LABEL = "floor (pure Python)"
 SYSTEM_LABELS = ("blockfabric (thread)", "blockfabric (poll)", "nbdkit memory + nbdfuse",
-                 "nbdkit python + nbdfuse", "tmpfs file")
+                 "nbdkit python + nbdfuse", "tmpfs file") + ((FLOOR_LABEL,) if FLOOR else ())
 
 
 def _why_not() -> str | None:
@@ -68,6 +70,47 @@ def test_quick_run_reports_every_system_and_job(quick):
     for side in numbers["library"].values():
         assert all(v[0] > 0 for v in side.values())
     assert (out / "compare-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_run_reports_cpu_per_io_for_every_system(quick):
+    done, _work, out = quick
+    assert done.returncode == 0, done.stdout + done.stderr
+    numbers = json.loads((out / "compare-quick.json").read_text())
+    for job in report.JOBS:
+        per_system = numbers["cpu_us_per_io"][job.key]
+        assert len(per_system) == len(SYSTEM_LABELS), job.key
+        for key, rounds in per_system.items():
+            parts = set(rounds[0])
+            assert parts == ({"fio"} if key == "tmpfs" else {"server", "host", "fio"}), key
+            assert all(v >= 0 for v in rounds[0].values()), (key, rounds)
+    text = (out / "compare-quick.md").read_text()
+    assert "## CPU per I/O, next to rate and latency" in text
+    assert "## Issue 14's acceptance" in text
+    # every goal vs the peers has a verdict (the quick numbers mean nothing)
+    verdicts = re.findall(r"blockfabric \(poll\) / nbdkit memory \+ nbdfuse = "
+                          r".*\*\*(PASS|FAIL)\*\*", text)
+    assert len(verdicts) == len(report.GOALS_VS_MEMORY)
+
+
+def test_quick_run_measures_the_floor(quick):
+    done, _work, out = quick
+    if FLOOR is None:
+        assert "floor: skipped (not found)" in done.stdout
+        pytest.skip("the perf floor is not present (no ../shared/perf-floor above the project "
+                    f"and no ${systems.FLOOR_ENV}): compare ran without it, as it should")
+    assert done.returncode == 0, done.stdout + done.stderr
+    numbers = json.loads((out / "compare-quick.json").read_text())
+    assert numbers["floor"] == str(FLOOR)
+    for job in report.JOBS:
+        assert numbers["fio"][job.key]["floor"][0] > 0, job.key
+        cpu = numbers["cpu_us_per_io"][job.key]["floor"][0]
+        assert cpu["server"] + cpu["host"] > 0, job.key
+    text = (out / "compare-quick.md").read_text()
+    for key in report.CPU_JOBS:
+        title = next(j.title for j in report.JOBS if j.key == key)
+        assert re.search(rf"- {re.escape(title)}: CPU target\+host per I/O, blockfabric "
+                         r"\(poll\) [\d.]+ us / floor [\d.]+ us = [\d.]+x \(goal <= 2x\): "
+                         r"\*\*(PASS|FAIL)\*\*", text), title
 
 
 def test_quick_run_leaves_nothing_behind(quick):

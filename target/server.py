@@ -694,7 +694,8 @@ class Target:
         return any(rl.listener_key(x) == key for x in self.config.listeners_for(subsystem.conf))
 
     def _alloc_cntlid(self) -> int:
-        gw = self.config.gateway
+        # a gateway's range as it joined its group with (a reload does not change it)
+        gw = self.ana.gw if self.ana is not None else None
         lo, hi = (gw.cntlid_min, gw.cntlid_max) if gw is not None else (1, MAX_CNTLID)
         for _ in range(hi - lo + 1):
             cntlid = self._next_cntlid if lo <= self._next_cntlid <= hi else lo

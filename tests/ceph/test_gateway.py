@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import threading
 import time
 import uuid
 
@@ -133,7 +132,7 @@ def test_two_gateways_identify_ana_failover_and_failback(two_gateways):
         gw["procs"][0].proc.send_signal(signal.SIGKILL)
         gw["procs"][0].proc.wait(5)
         took = wait_for(lambda: any(e[1].get(1) == opt for e in events), 2 * BOUND,
-                        "failover AEN") 
+                        "failover AEN")
         t_aen = next(t for t, s in events if s.get(1) == opt) - killed
         assert t_aen <= BOUND, t_aen
         assert states(b) == {1: opt, 2: opt}

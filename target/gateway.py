@@ -165,12 +165,17 @@ class Coordinator:
 
     # -- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
+        due = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._step()
             except Exception as exc:
                 log.warning("gateway %s: %s", self.gw.name, exc)
-            self._wake.wait(self.gw.renew_interval)
+            # at a fixed rate (a slow step does not stretch the failover bound), or at once
+            # on a notify
+            due = max(due + self.gw.renew_interval, time.monotonic())
+            if self._wake.wait(due - time.monotonic()):
+                due = time.monotonic()
             self._wake.clear()
         self._release_all()
 

@@ -52,6 +52,9 @@ from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DY
 from blockfabric.protocol.auth import (CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, DHGROUP_NAMES,
                                        HASH_NAMES, AuthError, AuthReceive, AuthSend, Secret,
                                        host_authenticate)
+from blockfabric.protocol.admin import OAES_ANA_CHANGE
+from blockfabric.protocol.identify import CMIC_ANA
+from blockfabric.protocol.logpages import ANA_LSP_RGO, unpack_ana_log
 from blockfabric.protocol.opcodes import FeatureId
 from blockfabric.rdma import PD, Access, CMId, get_provider
 
@@ -453,6 +456,11 @@ class ConnectOptions:
     paths: list[tuple[str, int]] = field(default_factory=list)
 
 
+#: Bytes of ANA log read: the header, 128 group descriptors and 1024 NSIDs (what the
+#: Linux host sizes its buffer to: 16 + NANAGRPID * 32 + MNAN * 4).
+ANA_LOG_READ = 16 + 128 * 32 + 1024 * 4
+
+
 class Controller:
     """A connected controller: its queues, namespaces and reactor.  Use as a context
     manager, or call :meth:`close`."""
@@ -487,6 +495,10 @@ class Controller:
         #: Called as ``fn(controller, changed_nsids)`` after namespaces were added, removed
         #: or changed (resized, read-only flipped); on the event worker thread.
         self.namespace_listeners: list[Callable[[Controller, set[int]], None]] = []
+        #: ANA (a gateway group): the last ANA log read, as (chgcnt, groups), and who wants
+        #: to hear of a change: ``fn(controller, (chgcnt, groups))`` on the event worker.
+        self.ana_log: tuple[int, list] | None = None
+        self.ana_listeners: list[Callable[[Controller, tuple[int, list]], None]] = []
         self._events: concurrent.futures.ThreadPoolExecutor | None = None
         self.paths = [(opts.traddr, int(opts.trsvcid))] + [(a, int(p)) for a, p in opts.paths]
         self.path_index = 0
@@ -714,9 +726,12 @@ class Controller:
     # -- asynchronous events -------------------------------------------------------------
     def _start_events(self) -> None:
         """Ask for namespace attribute notices and keep an AER outstanding."""
-        self.wait(self.admin, SetFeatures(fid=FeatureId.ASYNC_EVENT,
-                                          value=OAES_NS_ATTR).to_sqe(),
+        ana = bool(self.identify and self.identify.cmic & CMIC_ANA)
+        self.wait(self.admin, SetFeatures(fid=FeatureId.ASYNC_EVENT, value=OAES_NS_ATTR | (
+            OAES_ANA_CHANGE if ana else 0)).to_sqe(),
                   "Set Features (asynchronous event configuration)")
+        if ana:
+            self.read_ana_log()
         if self._events is None:
             self._events = concurrent.futures.ThreadPoolExecutor(1, "nvme-aen")
         self._submit_aer()
@@ -751,6 +766,16 @@ class Controller:
                     self.get_log_page(LogPageId.CHANGED_NS, 4096))   # re-arms the event
                 changed = self.rescan(None if page.overflowed else page.nsids)
                 log.info("namespaces changed: %s", sorted(changed) or "none")
+            elif event.event_type == AsyncEventType.NOTICE \
+                    and event.info == AsyncNotice.ANA_CHANGE:
+                ana = self.read_ana_log()                          # re-arms the event
+                log.info("ANA change: chgcnt=%d %s", ana[0],
+                         {g.grpid: g.state.name.lower() for g in ana[1]})
+                for listener in list(self.ana_listeners):
+                    try:
+                        listener(self, ana)
+                    except Exception:
+                        log.exception("ANA listener %r failed", listener)
             else:
                 log.info("asynchronous event %s ignored", event)
         except (BlockfabricError, ConnectionError, TimeoutError) as exc:
@@ -764,6 +789,15 @@ class Controller:
                 listener(self, changed)
             except Exception:  # one subscriber must not starve the others
                 log.exception("namespace listener %r failed", listener)
+
+    def read_ana_log(self, rgo: bool = False) -> tuple[int, list]:
+        """Read the ANA log page (LID 0x0C): (chgcnt, [AnaGroupDescriptor])."""
+        _, data = self.wait(self.admin, GetLogPage(
+            nsid=0xFFFFFFFF, lid=LogPageId.ANA, lsp=ANA_LSP_RGO if rgo else 0,
+            numd=GetLogPage.numd_for(ANA_LOG_READ)).to_sqe(), "Get Log Page 0xc",
+            data_in=ANA_LOG_READ)
+        self.ana_log = unpack_ana_log(data)
+        return self.ana_log
 
     def _identify(self, cns: int, nsid: int = 0) -> bytes:
         _, data = self.wait(self.admin, Identify(nsid=nsid, cns=cns).to_sqe(),

@@ -43,6 +43,12 @@ Semantics that are not obvious from the schema:
 - ``backend: rbd`` takes its volume from the ``rbd`` section (a Ceph RBD image) and its size
   from the image, so it has no ``size``; two namespaces may not share one image.  See
   docs/ceph.md.
+- ``gateway`` makes this target one gateway of a group that exports the same subsystems and
+  RBD images: identifiers derive from the NQN and nsid (the same on every gateway), controller
+  ids come from ``cntlid_min``..``cntlid_max`` (checked disjoint from the other gateways' at
+  start, through Ceph), and each namespace's ``ana_group`` (default derived from the nsid) is
+  optimized on the gateway holding that group's lease in ``gateway.ceph.pool`` (default: the
+  first rbd namespace's cluster and pool).  See target/gateway.py and docs/ceph.md.
 - ``subsystems[].hosts`` entries are host NQNs, or mappings with the ``nqn`` and the host's
   DH-HMAC-CHAP settings (``dhchap_secret`` makes that host authenticate on every queue;
   ``dhchap_ctrl_secret`` lets it authenticate the controller too; ``dhchap_hash`` and
@@ -76,6 +82,12 @@ NVME_RDMA_PORT = 4420
 DISCOVERY_PORT = 8009
 MAX_NSID = 1024          # nvmet's default NN; also the length of the active namespace list
 BACKENDS = ("ramdisk", "file", "null", "rbd")
+#: ANA group ids run 1..ANA_GROUP_MAX (Identify ANAGRPMAX and NANAGRPID, as nvmet's 128).
+ANA_GROUP_MAX = 128
+#: Controller ids a target may hand out (nvmet's range; 0xFFF0.. are reserved).
+MAX_CNTLID = 0xFFEF
+#: What a gateway reports for the ANA groups it does not own.
+ANA_OTHERS = ("non-optimized", "inaccessible")
 PROVIDERS = ("auto", "soft", "verbs")
 DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
 #: The embedded default configuration, shipped inside the package (same text as
@@ -467,6 +479,9 @@ class Namespace(Model):
                                    normalize=str.lower), None)
     nguid: str | None = _field(Text("an NGUID (32 hex digits, not all zero)", _NGUID_RE,
                                     normalize=str.lower), None)
+    #: The ANA group this namespace belongs to (with a ``gateway`` section); unset: derived
+    #: from the nsid, 1 + (nsid - 1) % 128, so every gateway of a group derives the same.
+    ana_group: int | None = _field(Int(1, ANA_GROUP_MAX), None)
 
     def _finish(self, where: Where) -> Namespace:
         if self.backend == "file" and self.path is None:
@@ -498,6 +513,11 @@ class Namespace(Model):
     @property
     def nblocks(self) -> int:
         return (self.size or 0) // self.block_size
+
+    @property
+    def ana_group_id(self) -> int:
+        """The ANA group: as configured, else derived from the nsid."""
+        return self.ana_group or 1 + (self.nsid - 1) % ANA_GROUP_MAX
 
     @property
     def rbd_image(self) -> str | None:
@@ -698,6 +718,77 @@ class Metrics(Model):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatewayCeph(Model):
+    """Where the gateways of a group coordinate: RADOS objects in a pool of the cluster
+    that holds their images (docs/ceph.md)."""
+
+    WHAT: ClassVar[str] = "the Ceph pool a gateway group coordinates in"
+
+    pool: str = _field(Text("a Ceph pool name", _CEPH_NAME_RE))
+    namespace: str | None = _field(Text("a RADOS namespace name", _CEPH_NAME_RE), None)
+    ceph_conf: str = _field(AbsPath(), "/etc/ceph/ceph.conf")
+    client: str = _field(Text("client.NAME (a Ceph user)", _CEPH_CLIENT_RE), "client.admin")
+    keyring: str | None = _field(AbsPath(), None)
+    #: Seconds to reach the monitors at start, and the longest any one RADOS call may take.
+    connect_timeout: int = _field(Int(1, 3600, unit="seconds"), 10)
+    op_timeout: int = _field(Int(1, 3600, unit="seconds"), 5)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gateway(Model):
+    """This target as one gateway of a group that exports the same subsystems and images:
+    the others have the same subsystems, namespaces and ANA groups and other names and
+    controller id ranges.  Ownership of each ANA group is a lease (a RADOS lock) in
+    ``ceph.pool``; see docs/ceph.md for the failover it gives and how long it takes."""
+
+    WHAT: ClassVar[str] = "this target's place in a gateway group"
+
+    #: Unique in the group (the RADOS lock cookie, the log lines).
+    name: str = _field(Text("a gateway name (letters, digits, . _ -)",
+                            re.compile(r"[A-Za-z0-9_.-]{1,64}")))
+    #: The group's name: gateways with the same group coordinate (its RADOS objects).
+    group: str = _field(Text("a gateway group name (letters, digits, . _ -)",
+                             re.compile(r"[A-Za-z0-9_.-]{1,64}")))
+    #: Controller ids this gateway hands out; disjoint from every other gateway's of the
+    #: group (hosts refuse a second controller with the same id in one subsystem).
+    cntlid_min: int = _field(Int(1, MAX_CNTLID))
+    cntlid_max: int = _field(Int(1, MAX_CNTLID))
+    #: The ANA groups this gateway serves optimized when it is up (its home groups); it
+    #: takes others' only while their home gateway is down, and hands them back.
+    ana_groups: tuple[int, ...] = _field(ListOf(Int(1, ANA_GROUP_MAX)), ())
+    #: The state reported for the groups this gateway does not own: non-optimized (I/O is
+    #: still served: both paths reach the same image) or inaccessible (I/O gets ANA
+    #: Inaccessible and the host uses another path).
+    others: str = _field(Choice(*ANA_OTHERS), "non-optimized")
+    #: Seconds an owner's lease on an ANA group lasts without renewal: a gateway that dies
+    #: loses its groups this long after its last renewal.
+    lease: int = _field(Int(2, 3600, unit="seconds"), 6)
+    #: Seconds between renewals (and between looks at groups nobody owns).
+    renew_interval: int = _field(Int(1, 600, unit="seconds"), 2)
+    ceph: GatewayCeph | None = _field(Nested(GatewayCeph), None)
+
+    def _finish(self, where: Where) -> Gateway:
+        if self.cntlid_max < self.cntlid_min:
+            where.at("cntlid_max").fail(f"at least cntlid_min ({self.cntlid_min})",
+                                        self.cntlid_max)
+        if 2 * self.renew_interval >= self.lease:
+            where.at("renew_interval").fail(f"less than half the lease ({self.lease} s), so "
+                                            "an owner renews at least twice per lease",
+                                            self.renew_interval)
+        _unique(((where.at("ana_groups").index(i), g, g)
+                 for i, g in enumerate(self.ana_groups)), "an ANA group")
+        return self
+
+    @property
+    def anatt(self) -> int:
+        """Identify ANATT: the longest an ANA group may stay in transition, seconds."""
+        return min(255, self.lease + 2 * int(self.renew_interval) + 2)
+
+    def overlaps(self, other: tuple[int, int]) -> bool:
+        return self.cntlid_min <= other[1] and other[0] <= self.cntlid_max
+
+
+@dataclass(frozen=True, kw_only=True)
 class TargetConfig(Model):
     """The whole target configuration."""
 
@@ -708,6 +799,9 @@ class TargetConfig(Model):
     limits: Limits = _field(Nested(Limits), Limits())
     keep_alive: KeepAlive = _field(Nested(KeepAlive), KeepAlive())
     metrics: Metrics | None = _field(Nested(Metrics), None)
+    #: This target as a member of a gateway group (ANA, failover through Ceph); unset: a
+    #: standalone target.
+    gateway: Gateway | None = _field(Nested(Gateway), None)
     control_socket: str = _field(AbsPath(), DEFAULT_CONTROL_SOCKET)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
@@ -741,6 +835,17 @@ class TargetConfig(Model):
                      for i, s in enumerate(self.subsystems)
                      for j, ns in enumerate(s.namespaces) if getattr(ns, attr) is not None),
                     f"a namespace {attr}")
+        if self.gateway is not None and self.gateway.ceph is None:
+            rbd = next((ns.rbd for s in self.subsystems for ns in s.namespaces if ns.rbd), None)
+            if rbd is None:
+                where.at("gateway").at("ceph").fail(
+                    "a mapping (no rbd namespace to take the pool and cluster from)")
+            ceph = GatewayCeph(pool=rbd.pool, namespace=rbd.namespace, ceph_conf=rbd.ceph_conf,
+                               client=rbd.client, keyring=rbd.keyring,
+                               connect_timeout=rbd.connect_timeout,
+                               op_timeout=min(rbd.op_timeout, 5))
+            self = dataclasses.replace(self, gateway=dataclasses.replace(self.gateway,
+                                                                         ceph=ceph))
         return dataclasses.replace(self, source=where.file)
 
     @classmethod

@@ -22,7 +22,8 @@ from blockfabric.protocol import identify as idn
 from blockfabric.protocol import io as nio
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol import auth as au
-from blockfabric.protocol.admin import (OAES_DISCOVERY_CHANGE, OAES_NS_ATTR, AsyncEvent,
+from blockfabric.protocol.admin import (OAES_ANA_CHANGE, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR,
+                                        AsyncEvent,
                                         AsyncEventType, AsyncNotice, GetFeatures, GetLogPage,
                                         Identify, NumberOfQueues, SetFeatures)
 from blockfabric.protocol.errors import ProtocolError
@@ -463,15 +464,16 @@ class Controller:
         limits = self.target.config.limits
         sub = self.subsystem
         inline = limits.inline_data_size
+        ana = self.target.ana.identify() if self.target.ana and sub else {}
         return idn.IdentifyController(
             vid=0, ssvid=0,
             sn=sub.serial if sub else self.target.discovery_serial,
             mn=sub.model if sub else "blockfabric discovery",
             fr=self.target.firmware_revision,
-            rab=6, cmic=0,
+            rab=6,
             mdts=(self.mdts_bytes // 4096).bit_length() - 1,
             cntlid=self.cntlid, ver=NVME_VERSION,
-            oaes=(OAES_DISCOVERY_CHANGE if self.is_discovery else OAES_NS_ATTR),
+            oaes=self._oaes(),
             ctratt=0,
             cntrltype=idn.CNTRLTYPE_DISCOVERY if self.is_discovery else idn.CNTRLTYPE_IO,
             acl=3, aerl=AERL, frmw=3, lpa=0, elpe=0,
@@ -483,7 +485,13 @@ class Controller:
             sgls=idn.SGLS_SUPPORTED | idn.SGLS_KEYED | idn.SGLS_OFFSET,
             subnqn=sub.nqn if sub else self.target.discovery_nqn,
             ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0, fcatt=0, msdbd=1,
-        )
+            **ana)
+
+    def _oaes(self) -> int:
+        """The asynchronous events this controller can send (Identify OAES)."""
+        if self.is_discovery:
+            return OAES_DISCOVERY_CHANGE
+        return OAES_NS_ATTR | (OAES_ANA_CHANGE if self.target.ana else 0)
 
     def _namespace(self, nsid: int) -> Namespace:
         ns = self.subsystem.namespaces.get(nsid) if self.subsystem else None
@@ -499,7 +507,7 @@ class Controller:
             return bytes(idn.IDENTIFY_SIZE)  # an inactive NSID: the all-zero page
         return idn.IdentifyNamespace(
             nsze=ns.nblocks, ncap=ns.nblocks, nuse=ns.nblocks, nlbaf=0, flbas=0,
-            nmic=1, anagrpid=0, dlfeat=1, nsattr=idn.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
+            nmic=1, anagrpid=ns.ana_group, dlfeat=1, nsattr=idn.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
             nguid=ns.nguid, eui64=bytes(8),
             lbaf=(idn.LBAFormat(ms=0, ds=ns.block_size.bit_length() - 1, rp=0),),
         ).pack()
@@ -532,6 +540,9 @@ class Controller:
             page = lp.ChangedNamespaceList(nsids=tuple(nsids[:1024])).pack()
         elif lid == LogPageId.FW_SLOT:
             page = bytes(512)
+        elif lid == LogPageId.ANA and self.target.ana is not None:
+            page = self.target.ana.log_page(self, rgo=bool(glp.lsp & lp.ANA_LSP_RGO),
+                                            retain=glp.rae)
         else:
             raise ProtocolError(f"log page {lid:#x} not supported", StatusCode.INVALID_LOG_PAGE)
         if glp.lpo > len(page):
@@ -555,8 +566,7 @@ class Controller:
             self.start_keep_alive()
             cmd.respond()
         elif sf.fid == FeatureId.ASYNC_EVENT:
-            supported = OAES_DISCOVERY_CHANGE if self.is_discovery else OAES_NS_ATTR
-            self.aec = sf.value & supported
+            self.aec = sf.value & self._oaes()
             cmd.respond()
         elif sf.fid == FeatureId.HOST_ID:
             raise ProtocolError("host identifier is set by Connect", StatusCode.CMD_SEQ_ERROR)
@@ -589,6 +599,7 @@ class Controller:
     def notify(self, info: int, log_page: int, nsids: tuple[int, ...] = ()) -> None:
         """Queue a notice event (and the namespaces it is about); deliver if an AER waits."""
         enabled = {AsyncNotice.NS_ATTR_CHANGED: OAES_NS_ATTR,
+                   AsyncNotice.ANA_CHANGE: OAES_ANA_CHANGE,
                    AsyncNotice.DISCOVERY_CHANGE: OAES_DISCOVERY_CHANGE}.get(info, 0)
         if not self.aec & enabled:
             return
@@ -638,6 +649,9 @@ class Controller:
         sqe = cmd.sqe
         op = sqe.opcode
         nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
+        if nss[0].ana_status:       # this path may not serve it now (ANA): try another
+            raise ProtocolError(f"namespace {sqe.nsid}: ANA group {nss[0].ana_group} is "
+                                "inaccessible on this gateway", nss[0].ana_status, dnr=False)
         if any(ns.paused for ns in nss):
             # A namespace is being resized: run the command once it is done.
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))

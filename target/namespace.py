@@ -39,6 +39,10 @@ class Namespace:
         # here and re-dispatched afterwards.
         self.paused = False
         self.held: list[Callable[[], None]] = []
+        # ANA (a gateway group: blockfabric.target.ana sets them): the group, and 0 when
+        # this path may serve I/O, else the path-related status the I/O is answered with.
+        self.ana_group = 0
+        self.ana_status = 0
 
     @property
     def size(self) -> int:

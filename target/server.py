@@ -45,10 +45,12 @@ from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, Access, CMEventType, CM
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
+from blockfabric.target.ana import Ana
 from blockfabric.target.backoff import PeerBackoff
 from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
+from blockfabric.target.gateway import Coordinator
 from blockfabric.target.namespace import Namespace, Subsystem
 from blockfabric.target.rbdvolume import VolumeWatch
 
@@ -246,9 +248,13 @@ class Target:
         self.control_server: ControlServer | None = None
         self._closing: list[Namespace] = []     # removed, closed once their I/O is done
         self.volumes = VolumeWatch(self)        # RBD volumes: availability and size
+        self.ana: Ana | None = None             # a member of a gateway group: its ANA state
+        self.coordinator: Coordinator | None = None
         try:
             for sub in config.subsystems:
                 self.subsystems[sub.nqn] = Subsystem(sub)
+            if config.gateway is not None:
+                self.ana = Ana(self, config.gateway)
         except BaseException:
             self.close()
             raise
@@ -264,12 +270,18 @@ class Target:
         """Open every listener (all or nothing), then the metrics listener and the control
         socket: when this returns, every listener accepts."""
         try:
+            if self.ana is not None:        # join the group first: it may refuse us
+                self.coordinator = Coordinator(self, self.ana, self.config.gateway)
+                self.coordinator.connect()
             for lconf in self.config.listeners:
                 self._add_listener(self._open_listener(lconf))
             self._start_metrics()
         except BaseException:
             self.close()
             raise
+        if self.coordinator is not None:
+            self.ana.start()
+            self.coordinator.start()
         self._start_control()
         self._start_watchdog()
         self.volumes.start()
@@ -683,9 +695,12 @@ class Target:
         return any(rl.listener_key(x) == key for x in self.config.listeners_for(subsystem.conf))
 
     def _alloc_cntlid(self) -> int:
-        for _ in range(MAX_CNTLID):
-            cntlid = self._next_cntlid
-            self._next_cntlid = cntlid % MAX_CNTLID + 1
+        # a gateway's range as it joined its group with (a reload does not change it)
+        gw = self.ana.gw if self.ana is not None else None
+        lo, hi = (gw.cntlid_min, gw.cntlid_max) if gw is not None else (1, MAX_CNTLID)
+        for _ in range(hi - lo + 1):
+            cntlid = self._next_cntlid if lo <= self._next_cntlid <= hi else lo
+            self._next_cntlid = cntlid + 1 if cntlid < hi else lo
             if cntlid not in self.controllers:
                 return cntlid
         raise ProtocolError("no controller id free", StatusCode.CONNECT_CTRL_BUSY)
@@ -927,6 +942,8 @@ class Target:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.metrics_server = metrics.start() if metrics is not None else None
+        if self.ana is not None:
+            self.ana.refresh()      # new namespaces: their ANA group and path state
         if plan.discovery_changed:
             self.genctr += 1
             for ctrl in list(self.controllers.values()):
@@ -1085,6 +1102,7 @@ class Target:
                            "controllers": per_listener.get(rl.listener_key(lc), 0)}
                           for lc, p, _li in self.listeners],
             "subsystems": subsystems, "controllers": controllers,
+            "gateway": self.ana.snapshot() if self.ana is not None else None,
             # What hosts hold right now: a host that vanished must leave all of it at rest.
             "resources": {
                 "connections": len(self.sessions),
@@ -1115,6 +1133,15 @@ class Target:
                 server.close()
         self.control_server = self.metrics_server = None
         self.volumes.stop()
+        if self.ana is not None:
+            # A planned stop hands the groups over: no longer optimized here first, then
+            # the leases are released for the survivors to take at once.
+            self.ana.stop()
+            for group in list(self.ana.owned):
+                self.ana.set_owned(group, False, why="gateway stopping")
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            self.coordinator = None
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None

@@ -17,6 +17,9 @@ from blockfabric.protocol.status import StatusCode
 IDENTIFY_SIZE = 4096
 _SHORT = StatusCode.SGL_DATA_LENGTH_INVALID  # a host handed a buffer shorter than 4096
 
+CMIC_MULTI_PORT = 1 << 0
+CMIC_MULTI_CTRL = 1 << 1
+CMIC_ANA = 1 << 3
 SGLS_SUPPORTED = 1 << 0  # sgls bit 0 (bits 1:0 = 01: SGLs, no alignment requirement)
 SGLS_KEYED = 1 << 2  # keyed SGL data block descriptor
 SGLS_OFFSET = 1 << 20  # offset addressing (in-capsule data)
@@ -55,6 +58,10 @@ class IdentifyController(Packed):
     elpe: int = u8(262)  # @262 error log page entries, 0-based
     npss: int = u8(263)  # @263 power states, 0-based
     kas: int = u16(320)  # @320 keep-alive support, units of 100 ms
+    anatt: int = u8(342)  # @342 ANA transition time, seconds
+    anacap: int = u8(343)  # @343 ANA capabilities (bits 0-4: states reported)
+    anagrpmax: int = u32(344)  # @344 highest ANA group id
+    nanagrpid: int = u32(348)  # @348 number of ANA group ids
     sqes: int = u8(512, 0x66)  # @512 SQ entry size max:min (log2)
     cqes: int = u8(513, 0x44)  # @513 CQ entry size max:min (log2)
     maxcmd: int = u16(514)  # @514 max outstanding commands per queue

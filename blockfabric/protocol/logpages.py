@@ -5,6 +5,8 @@ nvme_error_slot)."""
 from __future__ import annotations
 
 import enum
+import struct
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from blockfabric.protocol._wire import (Buffer, Packed, array, nested, packed, text, u8, u16,
@@ -189,3 +191,51 @@ class ChangedNamespaceList(Packed):
         """More namespaces changed than the list holds: rescan them all."""
         return self.nsids[:1] == (CHANGED_NS_OVERFLOW,)
 
+
+
+class AnaState(enum.IntEnum):
+    """An ANA group's state on one controller (the ANA log's per-group state byte)."""
+
+    OPTIMIZED = 0x1
+    NON_OPTIMIZED = 0x2
+    INACCESSIBLE = 0x3
+    PERSISTENT_LOSS = 0x4
+    CHANGE = 0xF
+
+
+ANA_LOG_HEADER = struct.Struct("<QH6x")        # chgcnt @0, ngrps @8
+ANA_GROUP_HEADER = struct.Struct("<IIQB15x")   # grpid @0, nnsids @4, chgcnt @8, state @16
+ANA_LSP_RGO = 0x1  # Get Log Page LSP bit 0: return groups only (no NSID lists)
+
+
+@dataclass(frozen=True, slots=True)
+class AnaGroupDescriptor:
+    grpid: int
+    state: AnaState
+    chgcnt: int = 0
+    nsids: tuple[int, ...] = ()
+
+
+def pack_ana_log(chgcnt: int, groups: Sequence[AnaGroupDescriptor],
+                 rgo: bool = False) -> bytes:
+    """The ANA log page (LID 0x0C): a 16-byte header, then per group 32 bytes and (without
+    RGO) its NSIDs as u32s, ascending (the Linux host merges them in order)."""
+    out = bytearray(ANA_LOG_HEADER.pack(chgcnt, len(groups)))
+    for g in groups:
+        nsids = () if rgo else tuple(sorted(g.nsids))
+        out += ANA_GROUP_HEADER.pack(g.grpid, len(nsids), g.chgcnt, int(g.state))
+        out += struct.pack(f"<{len(nsids)}I", *nsids)
+    return bytes(out)
+
+
+def unpack_ana_log(buf: bytes) -> tuple[int, list[AnaGroupDescriptor]]:
+    """(chgcnt, groups) from an ANA log page."""
+    chgcnt, ngrps = ANA_LOG_HEADER.unpack_from(buf, 0)
+    at, groups = ANA_LOG_HEADER.size, []
+    for _ in range(ngrps):
+        grpid, n, gchg, state = ANA_GROUP_HEADER.unpack_from(buf, at)
+        at += ANA_GROUP_HEADER.size
+        nsids = struct.unpack_from(f"<{n}I", buf, at)
+        at += 4 * n
+        groups.append(AnaGroupDescriptor(grpid, AnaState(state), gchg, nsids))
+    return chgcnt, groups

@@ -61,6 +61,11 @@ class StatusCode(enum.IntEnum):
     COMPARE_FAILED = 0x285
     ACCESS_DENIED = 0x286
     DEALLOCATED_OR_UNWRITTEN = 0x287
+    # SCT 3: path related status (a host retries these on another path)
+    PATH_INTERNAL_ERROR = 0x300
+    ANA_PERSISTENT_LOSS = 0x301
+    ANA_INACCESSIBLE = 0x302
+    ANA_TRANSITION = 0x303
 
     @classmethod
     def _missing_(cls, value: object) -> StatusCode | None:

@@ -1,0 +1,153 @@
+"""Asymmetric Namespace Access on a gateway: which ANA groups this gateway owns, what that
+makes every namespace's path state, the ANA log page, and the ANA change events.
+
+Everything here runs on the reactor.  Ownership changes come from the Ceph coordinator
+(:mod:`blockfabric.target.gateway`) through ``reactor.call_soon_threadsafe``; a lease that is
+not renewed in time ends ownership here, on a reactor timer, whatever the coordinator thread
+is doing (a Ceph call that hangs cannot keep a group optimized past its lease).
+
+The per-I/O cost is one attribute read: each runtime namespace carries ``ana_status``, 0 when
+this path may serve I/O, else the path-related status (ANA Inaccessible) to answer with.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from blockfabric.protocol import StatusCode
+from blockfabric.protocol import identify as idn
+from blockfabric.protocol import logpages as lp
+from blockfabric.protocol.admin import AsyncNotice
+from blockfabric.protocol.opcodes import LogPageId
+from blockfabric.target import config as cfg
+
+if TYPE_CHECKING:
+    from blockfabric.target.controller import Controller
+    from blockfabric.target.server import Target
+
+log = logging.getLogger(__name__)
+
+#: ANACAP: optimized, non-optimized, inaccessible, persistent loss and change reportable
+#: (bits 0-4, nvmet's 0x1F), plus bit 6: a namespace's ANAGRPID does not change while it
+#: is attached (only a reload moves it).
+ANACAP = 0x1F | 1 << 6
+
+_STATUS = {lp.AnaState.INACCESSIBLE: StatusCode.ANA_INACCESSIBLE,
+           lp.AnaState.PERSISTENT_LOSS: StatusCode.ANA_PERSISTENT_LOSS,
+           lp.AnaState.CHANGE: StatusCode.ANA_TRANSITION}
+
+
+class Ana:
+    """This gateway's ANA state (one per target with a ``gateway`` section)."""
+
+    def __init__(self, target: Target, gw: cfg.Gateway) -> None:
+        self.target = target
+        self.gw = gw
+        self.others = (lp.AnaState.INACCESSIBLE if gw.others == "inaccessible"
+                       else lp.AnaState.NON_OPTIMIZED)
+        self.chgcnt = 1
+        #: group -> monotonic deadline of this gateway's lease (the groups it owns)
+        self.owned: dict[int, float] = {}
+        self.takeovers = 0          # groups taken (at start, failover, failback)
+        self.releases = 0           # groups given up (hand-back, lost lease, shutdown)
+        self.last_change: float | None = None
+        #: Controllers told of an ANA change that have not read the ANA log since: no
+        #: second event until they do (as the NVMe spec's event masking).
+        self._told: weakref.WeakSet[Controller] = weakref.WeakSet()
+        self._timer = None
+        self.groups: frozenset[int] = frozenset(gw.ana_groups)
+        self.refresh()
+
+    # -- state ------------------------------------------------------------------------
+    def state(self, group: int) -> lp.AnaState:
+        return lp.AnaState.OPTIMIZED if group in self.owned else self.others
+
+    def refresh(self) -> None:
+        """Recompute every namespace's group and path flag (at start, after a change of
+        ownership, after a reload), and the set of groups the coordinator looks after."""
+        groups = set(self.gw.ana_groups)
+        for sub in self.target.subsystems.values():
+            for ns in sub.namespaces.values():
+                ns.ana_group = ns.conf.ana_group_id
+                groups.add(ns.ana_group)
+                ns.ana_status = _STATUS.get(self.state(ns.ana_group), 0)
+        self.groups = frozenset(groups)
+
+    def set_owned(self, group: int, owned: bool, deadline: float = 0.0,
+                  why: str = "") -> None:
+        """Take (optimized) or give up (``others``) ``group``; hosts hear of a change by
+        an ANA change event."""
+        if owned:
+            fresh = group not in self.owned
+            self.owned[group] = deadline
+            if not fresh:
+                return
+            self.takeovers += 1
+        else:
+            if self.owned.pop(group, None) is None:
+                return
+            self.releases += 1
+        self.chgcnt += 1
+        self.last_change = time.time()
+        log.warning("ana: gateway=%s group=%d -> %s (%s) chgcnt=%d", self.gw.name, group,
+                    self.state(group).name.lower(), why or "-", self.chgcnt)
+        self.refresh()
+        self._tell_hosts()
+
+    def renewed(self, group: int, deadline: float) -> None:
+        if group in self.owned:
+            self.owned[group] = max(self.owned[group], deadline)
+
+    def start(self) -> None:
+        self._timer = self.target.reactor.call_later(0.25, self._check_leases)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_leases(self) -> None:
+        now = time.monotonic()
+        for group, deadline in list(self.owned.items()):
+            if now >= deadline:
+                self.set_owned(group, False, why="lease not renewed in time")
+        self._timer = self.target.reactor.call_later(0.25, self._check_leases)
+
+    # -- hosts ------------------------------------------------------------------------
+    def _tell_hosts(self) -> None:
+        for ctrl in list(self.target.controllers.values()):
+            if ctrl.is_discovery or ctrl.dead or ctrl in self._told:
+                continue
+            self._told.add(ctrl)
+            ctrl.notify(AsyncNotice.ANA_CHANGE, LogPageId.ANA)
+
+    def log_page(self, ctrl: Controller, rgo: bool, retain: bool) -> bytes:
+        """The ANA log page as ``ctrl`` sees it; reading it (without RAE) re-arms the
+        ANA change event."""
+        if not retain:
+            self._told.discard(ctrl)
+        members: dict[int, list[int]] = {}
+        for ns in ctrl.subsystem.namespaces.values():
+            members.setdefault(ns.ana_group, []).append(ns.nsid)
+        groups = [lp.AnaGroupDescriptor(g, self.state(g), self.chgcnt, tuple(sorted(n)))
+                  for g, n in sorted(members.items())]
+        return lp.pack_ana_log(self.chgcnt, groups, rgo)
+
+    def identify(self) -> dict[str, int]:
+        """Identify Controller fields for a member of a gateway group."""
+        return {"cmic": idn.CMIC_MULTI_PORT | idn.CMIC_MULTI_CTRL | idn.CMIC_ANA,
+                "anatt": self.gw.anatt, "anacap": ANACAP,
+                "anagrpmax": cfg.ANA_GROUP_MAX, "nanagrpid": cfg.ANA_GROUP_MAX,
+                # the Linux host's ANA set-up requires 0 < MNAN <= NN
+                "mnan": cfg.MAX_NSID}
+
+    def snapshot(self) -> dict[str, object]:
+        return {"name": self.gw.name, "group": self.gw.group,
+                "cntlid_range": [self.gw.cntlid_min, self.gw.cntlid_max],
+                "home_groups": sorted(self.gw.ana_groups), "chgcnt": self.chgcnt,
+                "groups": {g: self.state(g).name.lower() for g in sorted(self.groups)},
+                "takeovers": self.takeovers, "releases": self.releases,
+                "last_change": self.last_change}

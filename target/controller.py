@@ -749,6 +749,10 @@ class Controller:
         if ns is None:
             self._refuse(cmd, StatusCode.INVALID_NS, f"namespace {cmd.nsid} is not active")
             return
+        if ns.ana_status:   # this path may not serve it now (ANA): the host tries another
+            self.io.errors += 1
+            cmd.queue.respond(cmd, ns.ana_status)
+            return
         if ns.paused:
             # A namespace is being resized: run the command once it is done.
             ns.held.append(lambda: self.handle(cmd))

@@ -107,7 +107,7 @@ class Endpoint:
         """Have ``reactor`` service this endpoint's completions (and CM events, through
         ``on_cm_event`` when the side defines it) from now on."""
         def register() -> None:
-            reactor.add_reader(self.cq.fileno(), self.service)
+            reactor.add_cq(self.cq, self.service)
             if self.on_cm_event is not None:
                 reactor.add_reader(self.cmid.fileno(), self.on_cm_event)
         self.arm()
@@ -119,7 +119,7 @@ class Endpoint:
         if reactor is None:
             return
         def unregister() -> None:
-            reactor.remove_reader(self.cq.fileno(), self.service)
+            reactor.remove_cq(self.cq, self.service)
             if self.on_cm_event is not None:
                 reactor.remove_reader(self.cmid.fileno(), self.on_cm_event)
         try:

@@ -14,10 +14,10 @@ import heapq
 import itertools
 import logging
 import os
-import selectors
+import select
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,15 @@ class Reactor:
 
     def __init__(self, name: str = "reactor") -> None:
         self.name = name
-        self._sel = selectors.DefaultSelector()
+        self._ep = select.epoll()
+        #: fd -> its callbacks (a list object per registration: a stale event for an fd
+        #: unregistered and registered again earlier in the same batch is told apart by it)
+        self._readers: dict[int, list[Callable[[], None]]] = {}
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, [self._drain_wake])
+        self.add_reader(self._wake_r, self._drain_wake)
         self._running = False
         self._stopping = False
         self.thread: threading.Thread | None = None
@@ -56,27 +59,46 @@ class Reactor:
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever ``fd`` is readable.  Several callbacks may share one fd
         (a provider may serve many CQs through one completion channel); each runs."""
-        try:
-            key = self._sel.get_key(fd)
-        except KeyError:
-            self._sel.register(fd, selectors.EVENT_READ, [callback])
-            return
-        key.data.append(callback)
+        callbacks = self._readers.get(fd)
+        if callbacks is None:
+            self._ep.register(fd, select.EPOLLIN)
+            self._readers[fd] = [callback]
+        else:
+            callbacks.append(callback)
 
     def remove_reader(self, fd: int, callback: Callable[[], None] | None = None) -> None:
         """Stop calling ``callback`` (or every callback) for ``fd``; unknown ones are fine."""
-        try:
-            key = self._sel.get_key(fd)
-        except (KeyError, ValueError):
+        callbacks = self._readers.get(fd)
+        if callbacks is None:
             return
         if callback is not None:
             try:
-                key.data.remove(callback)
+                callbacks.remove(callback)
             except ValueError:
                 return
-            if key.data:
+            if callbacks:
                 return
-        self._sel.unregister(fd)
+        del self._readers[fd]
+        try:
+            self._ep.unregister(fd)
+        except (OSError, ValueError):
+            pass        # already closed: the kernel dropped it from the epoll itself
+
+    def add_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``cq`` (a :class:`~blockfabric.rdma.CQ`) may have
+        completions.  A provider that serves many CQs through one engine (soft, in poll
+        mode) registers that engine once per reactor (``cq.attach_reactor``): each wake-up
+        then runs its progress once and calls back only the owners of CQs that got
+        completions; any other CQ is waited on through its ``fileno()``."""
+        attach = getattr(cq, "attach_reactor", None)
+        if attach is None or not attach(self, callback):
+            self.add_reader(cq.fileno(), callback)
+
+    def remove_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+        """Undo :meth:`add_cq`."""
+        detach = getattr(cq, "detach_reactor", None)
+        if detach is None or not detach(self, callback):
+            self.remove_reader(cq.fileno(), callback)
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(0.0, delay), callback)
@@ -135,14 +157,25 @@ class Reactor:
         elif self._timers:
             until = max(0.0, self._timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
-        ready = self._sel.select(timeout)
-        registered = self._sel.get_map()
-        for key, _ in ready:
-            # An earlier callback of this batch may have unregistered (and closed) this fd.
-            if registered.get(key.fd) is key:
-                for callback in tuple(key.data):
-                    if callback in key.data:
-                        self._run(callback)
+        try:
+            ready = self._ep.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            ready = ()
+        readers = self._readers
+        if len(ready) == 1:
+            callbacks = readers.get(ready[0][0])
+            if callbacks is not None:
+                if len(callbacks) == 1:
+                    self._run(callbacks[0])
+                else:
+                    self._run_all(callbacks)
+        elif ready:
+            batch = [readers.get(fd) for fd, _ in ready]
+            for (fd, _), callbacks in zip(ready, batch):
+                # An earlier callback of this batch may have unregistered (and closed) this
+                # fd, and the number may even be registered again for something else.
+                if callbacks is not None and readers.get(fd) is callbacks:
+                    self._run_all(callbacks)
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)
@@ -153,6 +186,11 @@ class Reactor:
         calls = self._calls
         for _ in range(len(calls)):
             self._run(calls.popleft())
+
+    def _run_all(self, callbacks: list[Callable[[], None]]) -> None:
+        for callback in tuple(callbacks):
+            if callback in callbacks:
+                self._run(callback)
 
     def _run(self, callback: Callable[[], None]) -> None:
         try:
@@ -183,7 +221,8 @@ class Reactor:
             self.thread.join(timeout)
 
     def close(self) -> None:
-        self._sel.close()
+        self._readers.clear()
+        self._ep.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

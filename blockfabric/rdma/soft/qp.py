@@ -49,7 +49,9 @@ _decode = wire.decode
 _now = time.monotonic
 _get_ident = threading.get_ident
 IOV_BATCH = 512                 # below IOV_MAX (1024)
-SCRATCH = 1 << 16               # where discarded payloads go
+STAGE = 1 << 16                 # per connection: received frames (and discarded payloads)
+STRAIGHT_IN = 1 << 16           # a payload with this much still to come skips staging
+READ_ROUNDS = 2                 # receives per connection per readable event, at most
 RNR_FIRST, RNR_MAX = 0.001, 0.05  # RNR timer: 1 ms, doubling per retry up to 50 ms
 DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (retry_count+1)x
 DEFAULT_MAX_UNSENT = 1 << 30    # bytes a peer may leave unread, unless the owner says
@@ -87,6 +89,22 @@ def _advance(views: list, n: int) -> list:
     if n:
         rest[0] = rest[0][n:]
     return rest
+
+
+def _place(views: list, data: memoryview) -> list:
+    """Copy ``data`` into the start of ``views``; the views left after it."""
+    n = len(data)
+    at = 0
+    i = 0
+    while at < n:
+        v = views[i]
+        k = min(len(v), n - at)
+        v[:k] = data[at:at + k]
+        at += k
+        if k < len(v):
+            return [v[k:], *views[i + 1:]]
+        i += 1
+    return views[i:]
 
 
 def _cut(views: list, n: int) -> list:
@@ -149,15 +167,14 @@ class SoftQP(QP):
         self._ack_due = False
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
-        self._hdr = bytearray(HDR)
-        self._hmv = memoryview(self._hdr)
-        self._hgot = 0
+        self._stage = bytearray(STAGE)   # frames as they arrive; [_spos, _sfill) unparsed
+        self._smv = memoryview(self._stage)
+        self._spos = self._sfill = 0
         self._rviews: list | None = None
         self._rleft = 0
         self._rkind = RX_DISCARD
         self._rwc: WC | None = None
         self._rentry: _Entry | None = None
-        self._scratch = memoryview(bytearray(SCRATCH))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -539,38 +556,86 @@ class SoftQP(QP):
 
     # ------------------------------------------------------------------ receive
     def on_readable(self) -> None:
+        """Read what arrived: one ``recv_into`` the staging buffer (again only while it came
+        back full), every complete frame parsed from it and small payloads copied from it
+        into their registered memory; a large payload not yet staged (STRAIGHT_IN bytes or
+        more left) is received straight into its memory."""
         with self._lock:
             if self._dead:
                 return
             sock = self.sock
+            stage = self._smv
             try:
-                for _ in range(256):
-                    if self._rleft:
-                        self._recv_payload(sock)
+                for _ in range(READ_ROUNDS):    # then the other connections get their turn
+                    if self._rleft >= STRAIGHT_IN and self._spos == self._sfill:
+                        if not self._recv_payload(sock):
+                            return          # the socket is drained
                         continue
-                    n = sock.recv_into(self._hmv[self._hgot:])
+                    fill = self._sfill
+                    if self._spos:          # keep only the unparsed tail, at the front
+                        left = fill - self._spos
+                        if left:
+                            stage[:left] = stage[self._spos:fill]
+                        self._spos = 0
+                        fill = self._sfill = left
+                    room = STAGE - fill
+                    n = sock.recv_into(stage[fill:], room)
                     if n == 0:
                         raise ConnectionResetError("peer closed the connection")
-                    self._hgot += n
-                    if self._hgot < HDR:
-                        break
-                    self._hgot = 0
-                    self._on_header()
-                    if self._dead:
+                    self._sfill = fill + n
+                    self._parse()
+                    if self._dead or n < room:
                         return
             except BlockingIOError:
                 pass
             except OSError as exc:
                 self._die(exc)
-                return
             except wire.WireError as exc:
                 self._die(f"protocol violation: {exc}", loud=True)
-                return
 
-    def _recv_payload(self, sock: socket.socket) -> None:
+    def _parse(self) -> None:
+        """Consume every complete frame (and the staged part of a payload) from staging."""
+        stage = self._smv
+        pos, end = self._spos, self._sfill
+        try:
+            while pos < end:
+                left = self._rleft
+                if left:
+                    take = end - pos
+                    if take > left:
+                        take = left
+                    views = self._rviews
+                    if views is not None:
+                        v = views[0]
+                        if len(v) >= take and len(views) == 1:
+                            v[:take] = stage[pos:pos + take]
+                            if len(v) > take:
+                                self._rviews = [v[take:]]
+                        else:
+                            self._rviews = _place(views, stage[pos:pos + take])
+                    pos += take
+                    self._rleft = left = left - take
+                    if left:
+                        break               # the rest of it is still on its way
+                    self._end_payload()
+                    continue
+                if end - pos < HDR:
+                    break
+                self._on_header(pos)
+                pos += HDR
+                if self._dead:
+                    return
+        finally:
+            self._spos = pos
+
+    def _recv_payload(self, sock: socket.socket) -> bool:
+        """Receive the payload in progress straight into its memory (or, discarded, into
+        staging); False when the socket had less than asked."""
         views = self._rviews
+        want = self._rleft
         if views is None:
-            n = sock.recv_into(self._scratch, min(self._rleft, SCRATCH))
+            want = min(want, STAGE)
+            n = sock.recv_into(self._smv, want)
         elif len(views) == 1:
             n = sock.recv_into(views[0])
         else:
@@ -582,6 +647,7 @@ class SoftQP(QP):
             self._end_payload()
         elif views is not None:
             self._rviews = _advance(views, n)
+        return n == want
 
     def _expect(self, views: list | None, length: int, kind: int) -> None:
         self._rviews, self._rleft, self._rkind = views, length, kind
@@ -591,8 +657,8 @@ class SoftQP(QP):
     def _discard(self, length: int) -> None:
         self._expect(None, length, RX_DISCARD)
 
-    def _on_header(self) -> None:
-        ftype, flags, psn, length, key, extra, addr, ack = _decode(self._hdr)
+    def _on_header(self, at: int) -> None:
+        ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
         if flags & _F_ACK and self._state != QPState.ERR:
             # the peer's request carries its ACK of ours (validated like an ACK frame)
             self._ack_upto(ack)

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from blockfabric.rdma.base import PASS_HOOKS as _pass_hooks
+
 log = logging.getLogger(__name__)
 
 
@@ -151,7 +153,9 @@ class Reactor:
 
     def run_once(self, timeout: float | None = None) -> None:
         """Wait for at most ``timeout`` seconds (None: until something happens), then run
-        every ready callback, due timer and queued call."""
+        every ready callback, due timer and queued call: one pass, for the providers that
+        batch per pass (``blockfabric.rdma.base.PASS_HOOKS``: the soft provider sends what
+        the pass posted on each connection in one sendmsg at its end)."""
         if self._calls:
             timeout = 0
         elif self._timers:
@@ -161,6 +165,19 @@ class Reactor:
             ready = self._ep.poll(-1 if timeout is None else timeout)
         except InterruptedError:
             ready = ()
+        if not _pass_hooks:
+            self._serve(ready)
+            return
+        tid = threading.get_ident()
+        opened = [end for begin, end in tuple(_pass_hooks) if begin(tid)]
+        try:
+            self._serve(ready)
+        finally:
+            for end in opened:
+                self._run(lambda: end(tid))
+
+    def _serve(self, ready: list) -> None:
+        """Every ready callback, due timer and queued call: one pass."""
         readers = self._readers
         if len(ready) == 1:
             callbacks = readers.get(ready[0][0])

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from blockfabric.rdma.base import Context
+from blockfabric.rdma.base import PASS_HOOKS, Context
 from blockfabric.rdma.soft.cq import SoftCQ
 from blockfabric.rdma.soft.memory import KeyAllocator, SoftMR, SoftPD
 
@@ -171,6 +171,8 @@ class SoftContext(Context):
         self._groups: dict[int, Group] = {}
         #: thread id -> the QPs with frames queued in that thread's pass (see end_pass)
         self.corks: dict[int, list] = {}
+        self._hook = (self.begin_pass, self.end_pass)
+        PASS_HOOKS.append(self._hook)
         self.closed = False
 
     # ------------------------------------------------------------------ resources
@@ -204,6 +206,13 @@ class SoftContext(Context):
         if self._groups.get(id(group.reactor)) is group:
             del self._groups[id(group.reactor)]
         group.close()
+
+    def begin_pass(self, tid: int) -> bool:
+        """Cork thread ``tid``'s sends until :meth:`end_pass` (False: a pass is open)."""
+        if tid in self.corks:
+            return False
+        self.corks[tid] = []
+        return True
 
     def end_pass(self, tid: int) -> None:
         """The pass of thread ``tid`` is over: every QP it queued frames on sends them
@@ -333,6 +342,10 @@ class SoftContext(Context):
         if self.closed:
             return
         self.closed = True
+        try:
+            PASS_HOOKS.remove(self._hook)
+        except ValueError:
+            pass
         for qp in list(self._qps):
             qp.close()
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -24,6 +24,24 @@ from blockfabric.rdma.base import PASS_HOOKS as _pass_hooks
 log = logging.getLogger(__name__)
 
 
+SPIN_ENV = "BLOCKFABRIC_REACTOR_SPIN_US"
+#: The default busy-poll before sleeping, in microseconds (see Reactor.spin_us).
+DEFAULT_SPIN_US = 0.0
+
+
+def spin_default() -> float:
+    """BLOCKFABRIC_REACTOR_SPIN_US if set (microseconds, >= 0), else DEFAULT_SPIN_US."""
+    raw = os.environ.get(SPIN_ENV)
+    if not raw:
+        return DEFAULT_SPIN_US
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        log.warning("%s=%r is not a number of microseconds: using %s", SPIN_ENV, raw,
+                    DEFAULT_SPIN_US)
+        return DEFAULT_SPIN_US
+
+
 class Timer:
     """A handle for :meth:`Reactor.call_later`; :meth:`cancel` is idempotent."""
 
@@ -42,8 +60,12 @@ class Reactor:
     """One thread's event loop.  Not thread-safe except :meth:`call_soon_threadsafe`
     and :meth:`stop`."""
 
-    def __init__(self, name: str = "reactor") -> None:
+    def __init__(self, name: str = "reactor", spin_us: float | None = None) -> None:
         self.name = name
+        #: Adaptive polling: before sleeping, poll the providers' engines (``add_poller``)
+        #: for up to this many microseconds while they have work outstanding (0: never).
+        self.spin_us = spin_default() if spin_us is None else max(0.0, float(spin_us))
+        self._pollers: list[Callable[[], bool | None]] = []
         self._ep = select.epoll()
         #: fd -> its callbacks (a list object per registration: a stale event for an fd
         #: unregistered and registered again earlier in the same batch is told apart by it)
@@ -101,6 +123,39 @@ class Reactor:
         detach = getattr(cq, "detach_reactor", None)
         if detach is None or not detach(self, callback):
             self.remove_reader(cq.fileno(), callback)
+
+    def add_poller(self, poller: Callable[[], bool | None]) -> None:
+        """A provider engine to busy-poll before sleeping (``spin_us``): ``poller()`` runs
+        a pass if there is work and returns True, False if it found none yet, None when
+        nothing is outstanding (no point in spinning for it)."""
+        self._pollers.append(poller)
+
+    def remove_poller(self, poller: Callable[[], bool | None]) -> None:
+        try:
+            self._pollers.remove(poller)
+        except ValueError:
+            pass
+
+    def _spin(self) -> bool:
+        """Busy-poll for up to ``spin_us`` while some poller has work outstanding; True
+        once one did some."""
+        pollers = self._pollers
+        now = time.monotonic
+        deadline = now() + self.spin_us * 1e-6
+        while True:
+            waiting = False
+            for poller in tuple(pollers):
+                try:
+                    got = poller()
+                except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                    log.exception("%s: unhandled error in poller %r", self.name, poller)
+                    got = None
+                if got:
+                    return True
+                if got is not None:
+                    waiting = True
+            if not waiting or now() >= deadline:
+                return False
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(0.0, delay), callback)
@@ -161,6 +216,8 @@ class Reactor:
         elif self._timers:
             until = max(0.0, self._timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
+        if self.spin_us and self._pollers and timeout != 0 and self._spin():
+            timeout = 0             # a poller ran a pass: serve the rest without sleeping
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
         except InterruptedError:

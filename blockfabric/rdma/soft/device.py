@@ -61,6 +61,20 @@ class Group:
         self._ctx_fd = ctx.fileno()
         reactor.add_reader(self._ctx_fd, self.dispatch)
         reactor.add_reader(self._efd, self.dispatch)
+        add_poller = getattr(reactor, "add_poller", None)
+        if add_poller is not None:
+            add_poller(self.poll)
+
+    def poll(self) -> bool | None:
+        """The reactor's busy-poll: a pass if the engine has something (True), False if
+        not yet, None when no work request waits for the peer."""
+        ctx = self.ctx
+        if ctx.closed or not ctx.outstanding():
+            return None
+        if not self.ready and not ctx.peek():
+            return False
+        self.dispatch()
+        return True
 
     def add(self, cq: SoftCQ) -> None:
         self.cqs += 1
@@ -130,6 +144,9 @@ class Group:
         reactor = self.reactor
 
         def unregister() -> None:
+            remove_poller = getattr(reactor, "remove_poller", None)
+            if remove_poller is not None:
+                remove_poller(self.poll)
             reactor.remove_reader(self._ctx_fd, self.dispatch)
             reactor.remove_reader(self._efd, self.dispatch)
             os.close(self._efd)
@@ -206,6 +223,20 @@ class SoftContext(Context):
         if self._groups.get(id(group.reactor)) is group:
             del self._groups[id(group.reactor)]
         group.close()
+
+    def outstanding(self) -> bool:
+        """Some QP waits for its peer (work requests posted and not yet answered)."""
+        for qp in self._qps:
+            if qp.waiting:
+                return True
+        return False
+
+    def peek(self) -> bool:
+        """Whether the engine has anything to do now (one epoll_wait, no waiting)."""
+        try:
+            return bool(self._ep.poll(0, 1))
+        except (OSError, ValueError):
+            return False
 
     def begin_pass(self, tid: int) -> bool:
         """Cork thread ``tid``'s sends until :meth:`end_pass` (False: a pass is open)."""

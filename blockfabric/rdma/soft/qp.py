@@ -178,6 +178,11 @@ class SoftQP(QP):
 
     # ------------------------------------------------------------------ lifecycle
     @property
+    def waiting(self) -> bool:
+        """Work requests wait for the peer's answer (for the reactor's busy-poll)."""
+        return bool(self._sq) and not self._dead
+
+    @property
     def state(self) -> QPState:
         return self._state
 

@@ -140,8 +140,9 @@ class Endpoint:
             return 0
         done = 0
         limit = self.pass_limit
+        cq = self.cq
         try:
-            self.cq.ack_events()
+            cq.ack_events()
             while not self.closed:
                 if limit:
                     if done >= limit:
@@ -153,18 +154,19 @@ class Endpoint:
                             self.reactor.call_soon(self._service_again)
                         break
                     budget = min(budget, limit - done)
-                wcs = self.cq.poll(budget)
+                wcs = cq.poll(budget)
                 if not wcs:
-                    self.cq.req_notify()
-                    wcs = self.cq.poll(budget)
+                    cq.req_notify()
+                    wcs = cq.poll(budget)
                     if not wcs:
                         break
+                on_completion = self.on_completion
                 for wc in wcs:
                     if self.closed:
                         break
                     done += 1
                     try:
-                        self.on_completion(wc)
+                        on_completion(wc)
                     except Exception as exc:
                         # A bug, or a completion that makes no sense: this queue's state can
                         # no longer be trusted, and only this queue's

@@ -313,7 +313,7 @@ class SoftQP(QP):
             mr = lkeys.get(sge.lkey)
             addr, length = sge.addr, sge.length
             if (mr is None or mr.pd is not pd or addr < mr.addr or addr + length > mr.end
-                    or length < 0 or (local_write and not int(mr.access) & _LOCAL_WRITE)):
+                    or length < 0 or (local_write and not mr.bits & _LOCAL_WRITE)):
                 return [], 0, WcStatus.LOC_PROT_ERR
             if length:
                 off = addr - mr.addr
@@ -752,7 +752,7 @@ class SoftQP(QP):
     def _rkey_mr(self, key: int, addr: int, length: int, need: int):
         """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
         mr = self.ctx.rkeys.get(key)
-        if (mr is None or mr.pd is not self.pd or not int(mr.access) & need or addr < mr.addr
+        if (mr is None or mr.pd is not self.pd or not mr.bits & need or addr < mr.addr
                 or addr + length > mr.end):
             return None
         return mr

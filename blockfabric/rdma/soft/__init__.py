@@ -105,12 +105,15 @@ Semantics, and where a choice was made (as an IB HCA does it unless said otherwi
   ``ack_timeout * (retry_count + 1)`` (2 s per retry by default).
 * Posting to a QP in ERR completes the WRs with WR_FLUSH_ERR.
 
-Progress: ``SoftProvider(progress="poll")`` (default) runs the engine inside ``CQ.poll()``
-and CQ fds are the device's epoll fd, so the reactor that owns the queues drives the network
-with no thread hand-off (measured 1.4x QD1 and 2.3x QD16 IOPS at library level, see
-docs/performance.md); ``progress="thread"`` runs it in a daemon thread and CQ fds are
-eventfds, for owners that do not poll.  Posting transmits from the caller's thread whenever
-the socket accepts.
+Progress: ``SoftProvider(progress="poll")`` (default) runs the engine on the thread that owns
+the queues, with no thread hand-off (measured 1.4x QD1 and 2.3x QD16 IOPS at library level,
+see docs/performance.md): a reactor (``Reactor.add_cq``) registers the device once and each
+wake-up is one pass, the engine once and then only the owners of CQs that got completions
+(see :mod:`blockfabric.rdma.soft.device`); a CQ no reactor serves runs the engine inside
+``CQ.poll()``, and its fd is the device's epoll fd.  ``progress="thread"`` runs the engine
+in a daemon thread and CQ fds are eventfds, for owners that do not poll.  Within a pass
+(the engine's, or a reactor's ``run_once``) a thread's frames for one connection leave
+together in one sendmsg at its end; other posts transmit from the caller's thread at once.
 """
 
 from blockfabric.rdma.soft.cm import SoftCMId, SoftListener, SoftProvider

@@ -125,9 +125,11 @@ class SoftCQ(CQ):
         return True
 
     def detach_reactor(self, reactor, callback: Callable[[], None]) -> bool:
+        """Undo :meth:`attach_reactor`: True if it had attached through a group; False
+        otherwise (the reactor then removes its reader of this CQ's fd)."""
         group = self.group
         if group is None or group.reactor is not reactor:
-            return not self._poll_mode
+            return False
         self._detach()
         return True
 

@@ -51,6 +51,7 @@ _get_ident = threading.get_ident
 IOV_BATCH = 512                 # below IOV_MAX (1024)
 STAGE = 1 << 16                 # per connection: received frames (and discarded payloads)
 STRAIGHT_IN = 1 << 16           # a payload with this much still to come skips staging
+CORK_BYTES = 1 << 15            # a pass sends early once this much waits for its end
 READ_ROUNDS = 2                 # receives per connection per readable event, at most
 RNR_FIRST, RNR_MAX = 0.001, 0.05  # RNR timer: 1 ms, doubling per retry up to 50 ms
 DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (retry_count+1)x
@@ -455,6 +456,8 @@ class SoftQP(QP):
                 if not self._dirty:
                     self._dirty = True
                     dirty.append(self)
+                if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
+                    self._flush()       # a long pass: let the peer start on this much
                 self._check_unsent()
                 return
         if not q and len(bufs) <= IOV_BATCH:

@@ -107,7 +107,7 @@ class Endpoint:
         """Have ``reactor`` service this endpoint's completions (and CM events, through
         ``on_cm_event`` when the side defines it) from now on."""
         def register() -> None:
-            reactor.add_reader(self.cq.fileno(), self.service)
+            reactor.add_cq(self.cq, self.service)
             if self.on_cm_event is not None:
                 reactor.add_reader(self.cmid.fileno(), self.on_cm_event)
         self.arm()
@@ -119,7 +119,7 @@ class Endpoint:
         if reactor is None:
             return
         def unregister() -> None:
-            reactor.remove_reader(self.cq.fileno(), self.service)
+            reactor.remove_cq(self.cq, self.service)
             if self.on_cm_event is not None:
                 reactor.remove_reader(self.cmid.fileno(), self.on_cm_event)
         try:
@@ -140,8 +140,9 @@ class Endpoint:
             return 0
         done = 0
         limit = self.pass_limit
+        cq = self.cq
         try:
-            self.cq.ack_events()
+            cq.ack_events()
             while not self.closed:
                 if limit:
                     if done >= limit:
@@ -153,18 +154,19 @@ class Endpoint:
                             self.reactor.call_soon(self._service_again)
                         break
                     budget = min(budget, limit - done)
-                wcs = self.cq.poll(budget)
+                wcs = cq.poll(budget)
                 if not wcs:
-                    self.cq.req_notify()
-                    wcs = self.cq.poll(budget)
+                    cq.req_notify()
+                    wcs = cq.poll(budget)
                     if not wcs:
                         break
+                on_completion = self.on_completion
                 for wc in wcs:
                     if self.closed:
                         break
                     done += 1
                     try:
-                        self.on_completion(wc)
+                        on_completion(wc)
                     except Exception as exc:
                         # A bug, or a completion that makes no sense: this queue's state can
                         # no longer be trusted, and only this queue's

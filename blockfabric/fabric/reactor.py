@@ -14,12 +14,32 @@ import heapq
 import itertools
 import logging
 import os
-import selectors
+import select
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+from blockfabric.rdma.base import PASS_HOOKS as _pass_hooks
 
 log = logging.getLogger(__name__)
+
+
+SPIN_ENV = "BLOCKFABRIC_REACTOR_SPIN_US"
+#: The default busy-poll before sleeping, in microseconds (see Reactor.spin_us).
+DEFAULT_SPIN_US = 0.0
+
+
+def spin_default() -> float:
+    """BLOCKFABRIC_REACTOR_SPIN_US if set (microseconds, >= 0), else DEFAULT_SPIN_US."""
+    raw = os.environ.get(SPIN_ENV)
+    if not raw:
+        return DEFAULT_SPIN_US
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        log.warning("%s=%r is not a number of microseconds: using %s", SPIN_ENV, raw,
+                    DEFAULT_SPIN_US)
+        return DEFAULT_SPIN_US
 
 
 class Timer:
@@ -40,14 +60,21 @@ class Reactor:
     """One thread's event loop.  Not thread-safe except :meth:`call_soon_threadsafe`
     and :meth:`stop`."""
 
-    def __init__(self, name: str = "reactor") -> None:
+    def __init__(self, name: str = "reactor", spin_us: float | None = None) -> None:
         self.name = name
-        self._sel = selectors.DefaultSelector()
+        #: Adaptive polling: before sleeping, poll the providers' engines (``add_poller``)
+        #: for up to this many microseconds while they have work outstanding (0: never).
+        self.spin_us = spin_default() if spin_us is None else max(0.0, float(spin_us))
+        self._pollers: list[Callable[[], bool | None]] = []
+        self._ep = select.epoll()
+        #: fd -> its callbacks (a list object per registration: a stale event for an fd
+        #: unregistered and registered again earlier in the same batch is told apart by it)
+        self._readers: dict[int, list[Callable[[], None]]] = {}
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, [self._drain_wake])
+        self.add_reader(self._wake_r, self._drain_wake)
         self._running = False
         self._stopping = False
         self.thread: threading.Thread | None = None
@@ -56,27 +83,79 @@ class Reactor:
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever ``fd`` is readable.  Several callbacks may share one fd
         (a provider may serve many CQs through one completion channel); each runs."""
-        try:
-            key = self._sel.get_key(fd)
-        except KeyError:
-            self._sel.register(fd, selectors.EVENT_READ, [callback])
-            return
-        key.data.append(callback)
+        callbacks = self._readers.get(fd)
+        if callbacks is None:
+            self._ep.register(fd, select.EPOLLIN)
+            self._readers[fd] = [callback]
+        else:
+            callbacks.append(callback)
 
     def remove_reader(self, fd: int, callback: Callable[[], None] | None = None) -> None:
         """Stop calling ``callback`` (or every callback) for ``fd``; unknown ones are fine."""
-        try:
-            key = self._sel.get_key(fd)
-        except (KeyError, ValueError):
+        callbacks = self._readers.get(fd)
+        if callbacks is None:
             return
         if callback is not None:
             try:
-                key.data.remove(callback)
+                callbacks.remove(callback)
             except ValueError:
                 return
-            if key.data:
+            if callbacks:
                 return
-        self._sel.unregister(fd)
+        del self._readers[fd]
+        try:
+            self._ep.unregister(fd)
+        except (OSError, ValueError):
+            pass        # already closed: the kernel dropped it from the epoll itself
+
+    def add_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``cq`` (a :class:`~blockfabric.rdma.CQ`) may have
+        completions.  A provider that serves many CQs through one engine (soft, in poll
+        mode) registers that engine once per reactor (``cq.attach_reactor``): each wake-up
+        then runs its progress once and calls back only the owners of CQs that got
+        completions; any other CQ is waited on through its ``fileno()``."""
+        attach = getattr(cq, "attach_reactor", None)
+        if attach is None or not attach(self, callback):
+            self.add_reader(cq.fileno(), callback)
+
+    def remove_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+        """Undo :meth:`add_cq`."""
+        detach = getattr(cq, "detach_reactor", None)
+        if detach is None or not detach(self, callback):
+            self.remove_reader(cq.fileno(), callback)
+
+    def add_poller(self, poller: Callable[[], bool | None]) -> None:
+        """A provider engine to busy-poll before sleeping (``spin_us``): ``poller()`` runs
+        a pass if there is work and returns True, False if it found none yet, None when
+        nothing is outstanding (no point in spinning for it)."""
+        self._pollers.append(poller)
+
+    def remove_poller(self, poller: Callable[[], bool | None]) -> None:
+        try:
+            self._pollers.remove(poller)
+        except ValueError:
+            pass
+
+    def _spin(self) -> bool:
+        """Busy-poll for up to ``spin_us`` while some poller has work outstanding; True
+        once one did some."""
+        pollers = self._pollers
+        now = time.monotonic
+        deadline = now() + self.spin_us * 1e-6
+        while True:
+            waiting = False
+            for poller in tuple(pollers):
+                try:
+                    got = poller()
+                except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                    log.exception("%s: unhandled error in poller %r", self.name, poller)
+                    got = None
+                if got:
+                    return True
+                if got is not None:
+                    waiting = True
+            if not waiting or now() >= deadline:
+                return False
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(0.0, delay), callback)
@@ -129,20 +208,48 @@ class Reactor:
 
     def run_once(self, timeout: float | None = None) -> None:
         """Wait for at most ``timeout`` seconds (None: until something happens), then run
-        every ready callback, due timer and queued call."""
+        every ready callback, due timer and queued call: one pass, for the providers that
+        batch per pass (``blockfabric.rdma.base.PASS_HOOKS``: the soft provider sends what
+        the pass posted on each connection in one sendmsg at its end)."""
         if self._calls:
             timeout = 0
         elif self._timers:
             until = max(0.0, self._timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
-        ready = self._sel.select(timeout)
-        registered = self._sel.get_map()
-        for key, _ in ready:
-            # An earlier callback of this batch may have unregistered (and closed) this fd.
-            if registered.get(key.fd) is key:
-                for callback in tuple(key.data):
-                    if callback in key.data:
-                        self._run(callback)
+        if self.spin_us and self._pollers and timeout != 0 and self._spin():
+            timeout = 0             # a poller ran a pass: serve the rest without sleeping
+        try:
+            ready = self._ep.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            ready = ()
+        if not _pass_hooks:
+            self._serve(ready)
+            return
+        tid = threading.get_ident()
+        opened = [end for begin, end in tuple(_pass_hooks) if begin(tid)]
+        try:
+            self._serve(ready)
+        finally:
+            for end in opened:
+                self._run(lambda: end(tid))
+
+    def _serve(self, ready: list) -> None:
+        """Every ready callback, due timer and queued call: one pass."""
+        readers = self._readers
+        if len(ready) == 1:
+            callbacks = readers.get(ready[0][0])
+            if callbacks is not None:
+                if len(callbacks) == 1:
+                    self._run(callbacks[0])
+                else:
+                    self._run_all(callbacks)
+        elif ready:
+            batch = [readers.get(fd) for fd, _ in ready]
+            for (fd, _), callbacks in zip(ready, batch):
+                # An earlier callback of this batch may have unregistered (and closed) this
+                # fd, and the number may even be registered again for something else.
+                if callbacks is not None and readers.get(fd) is callbacks:
+                    self._run_all(callbacks)
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             _, _, timer = heapq.heappop(self._timers)
@@ -153,6 +260,11 @@ class Reactor:
         calls = self._calls
         for _ in range(len(calls)):
             self._run(calls.popleft())
+
+    def _run_all(self, callbacks: list[Callable[[], None]]) -> None:
+        for callback in tuple(callbacks):
+            if callback in callbacks:
+                self._run(callback)
 
     def _run(self, callback: Callable[[], None]) -> None:
         try:
@@ -183,7 +295,8 @@ class Reactor:
             self.thread.join(timeout)
 
     def close(self) -> None:
-        self._sel.close()
+        self._readers.clear()
+        self._ep.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -140,6 +140,14 @@ CONNECTION_ENDED = frozenset((CMEventType.DISCONNECTED, CMEventType.DEVICE_REMOV
                               CMEventType.REJECTED))
 
 
+#: Providers that batch work per *pass* of a thread's event loop (the soft provider corks
+#: the thread's sends until the pass ends, then sends each connection's in one sendmsg):
+#: ``(begin, end)`` pairs, where ``begin(thread_id)`` returns True when it opened a pass
+#: that ``end(thread_id)`` then closes.  Event loops (``blockfabric.fabric.reactor``) call
+#: them around each wake-up; a thread that does not is simply not batched.
+PASS_HOOKS: list = []
+
+
 # --------------------------------------------------------------------------- plain data
 
 

@@ -119,3 +119,66 @@ def test_several_callbacks_may_share_one_fd():
     os.close(r)
     os.close(w)
     assert ran == ["a", "b", "b"]
+
+
+def test_a_cq_removed_and_closed_leaves_nothing_behind_for_the_next_one():
+    """Thread progress: the reactor waits on each CQ's own fd; one removed and closed must
+    leave no stale registration that would swallow the next CQ's (same-numbered) fd."""
+    from blockfabric.rdma import WC, WcOpcode, WcStatus
+    from blockfabric.rdma.soft import SoftProvider
+
+    provider = SoftProvider(progress="thread")
+    ctx = provider.context
+    reactor = Reactor()
+    ran: list[str] = []
+    try:
+        first = ctx.create_cq()
+        reactor.add_cq(first, lambda: ran.append("first"))
+        reactor.remove_cq(first, lambda: None)      # an unknown callback: nothing happens
+        reactor.remove_cq(first, reactor._readers[first.fileno()][0])
+        first.close()
+        second = ctx.create_cq()
+
+        def serve() -> None:
+            second.ack_events()
+            ran.append("second")
+            second.poll()
+        reactor.add_cq(second, serve)
+        second.req_notify()
+        second.push(WC(1, WcStatus.SUCCESS, WcOpcode.RECV))
+        reactor.run_once(2)
+        assert ran == ["second"]
+        reactor.remove_cq(second, serve)
+        second.close()
+    finally:
+        reactor.close()
+        provider.close()
+
+
+def test_poll_mode_cqs_are_served_through_one_registration():
+    """Poll progress: CQs of one device attached to a reactor share one registration; a
+    completion wakes only its own CQ's owner."""
+    from blockfabric.rdma import WC, WcOpcode, WcStatus
+    from blockfabric.rdma.soft import SoftProvider
+
+    provider = SoftProvider(progress="poll")
+    ctx = provider.context
+    reactor = Reactor()
+    ran: list[str] = []
+    try:
+        cqs = [ctx.create_cq() for _ in range(3)]
+        owners = [lambda i=i: (ran.append(i), cqs[i].poll()) for i in range(3)]
+        for cq, owner in zip(cqs, owners):
+            reactor.add_cq(cq, owner)
+        assert len(reactor._readers) == 3       # the wake pipe, the device, its eventfd
+        cqs[1].push(WC(7, WcStatus.SUCCESS, WcOpcode.RECV))   # as from another thread
+        reactor.run_once(2)
+        assert ran == [1]
+        for cq, owner in zip(cqs, owners):
+            reactor.remove_cq(cq, owner)
+            cq.close()
+        reactor.run_once(0)                     # the group's last CQ went: unregistered
+        assert len(reactor._readers) == 1
+    finally:
+        reactor.close()
+        provider.close()

@@ -201,17 +201,21 @@ class WireMachine(RuleBasedStateMachine):
         peer.send_bytes(wire.pack(kind, psn, len(body), key if kind == Frame.NAK else 0)
                         + body)
 
-    @rule(peer=peers, magic=st.one_of(st.just(wire.MAGIC), st.binary(min_size=4, max_size=4)),
+    @rule(peer=peers, magic=st.one_of(st.just(wire.MAGIC), st.integers(0, 255)),
           version=st.one_of(st.just(wire.VERSION), st.integers(0, 255)), ftype=types,
-          flags=st.one_of(st.sampled_from([0, 1, 2, 3]), st.integers(0, 0xFFFF)),
-          psn=u32, length=lengths, key=u32, extra=u32, addr=st.integers(0, (1 << 64) - 1),
-          sent=st.integers(0, 4096), cut=st.integers(0, 32))
-    def frame(self, peer: Peer, magic: bytes, version: int, ftype: int, flags: int, psn: int,
-              length: int, key: int, extra: int, addr: int, sent: int, cut: int) -> None:
-        """Any header at all, followed by up to ``sent`` bytes of its payload (so a huge
-        length is followed by little, a truncated frame by none); ``cut`` < 32 sends only
-        that much of the header."""
-        head = wire.HEADER.pack(magic, version, ftype, flags, psn, length, key, extra, addr)
+          flags=st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5]), st.integers(0, 0xFF)),
+          psn=u32, length=lengths, key=u32, extra=u32,
+          ack=st.one_of(st.just(0), deltas.map(lambda d: d & 0xFFFFFFFF), u32),
+          addr=st.integers(0, (1 << 64) - 1), sent=st.integers(0, 4096),
+          cut=st.integers(0, 32))
+    def frame(self, peer: Peer, magic: int, version: int, ftype: int, flags: int, psn: int,
+              length: int, key: int, extra: int, ack: int, addr: int, sent: int,
+              cut: int) -> None:
+        """Any header at all (a piggybacked ACK too), followed by up to ``sent`` bytes of its
+        payload (so a huge length is followed by little, a truncated frame by none); ``cut``
+        < 32 sends only that much of the header."""
+        head = wire.HEADER.pack(magic, version, ftype, flags, psn, length, key, extra, ack,
+                                addr)
         if cut < wire.HEADER_SIZE:
             peer.send_bytes(head[:cut])
             return

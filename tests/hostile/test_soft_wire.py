@@ -163,7 +163,7 @@ def parse_stream(data: bytes) -> tuple[list[bytes], int]:
     how many frames there were."""
     out, at, count = [], 0, 0
     while at + wire.HEADER_SIZE <= len(data):
-        _magic, _v, ftype, _fl, _psn, length, _key, _extra, _addr = \
+        _magic, _v, ftype, _fl, _psn, length, _key, _extra, _ack, _addr = \
             wire.HEADER.unpack_from(data, at)
         at += wire.HEADER_SIZE
         if ftype in wire.PAYLOAD_FRAMES and length:
@@ -264,9 +264,9 @@ def test_a_peer_that_never_reads_is_cut_off_at_the_unsent_bound(target, bystande
         peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         # built beforehand: making frames in this process during the attack would take the
         # GIL from the bystander, which runs here too
-        head = struct.Struct("<4sBBHIIIIQ")
+        head = wire.HEADER
         flood = memoryview(b"".join(head.pack(wire.MAGIC, wire.VERSION, Frame.READ_REQ, 0, psn,
-                                              0, 0, 0, 0) for psn in range(1 << 20)))
+                                              0, 0, 0, 0, 0) for psn in range(1 << 20)))
         with bystander.attack("ask for responses, never read"):
             cut = False
             for start in range(0, len(flood), 1 << 20):    # 1 M requests, 32 MiB

@@ -29,18 +29,39 @@ RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
 def test_header_is_32_bytes_and_round_trips():
     raw = wire.pack(Frame.WRITE, psn=0x1_0000_0005, length=7, key=0xAABBCCDD, extra=9,
-                    addr=0x7F00_0000_1234, flags=3)
+                    addr=0x7F00_0000_1234, flags=5, ack=0x1234)
     assert len(raw) == wire.HEADER_SIZE == 32
-    assert raw[:4] == b"BFRD" and raw[4] == 1
-    assert wire.unpack(raw) == (Frame.WRITE, 3, 5, 7, 0xAABBCCDD, 9, 0x7F00_0000_1234)
+    assert raw[0] == 0xBF and raw[1] == 2
+    assert wire.unpack(raw) == (Frame.WRITE, 5, 5, 7, 0xAABBCCDD, 9, 0x7F00_0000_1234)
+    assert wire.decode(raw) == (Frame.WRITE, 5, 5, 7, 0xAABBCCDD, 9, 0x7F00_0000_1234, 0x1234)
+    assert wire.unpack_ack(raw) == 0x1234 and wire.unpack_ack(wire.pack(Frame.SEND)) is None
 
 
-@pytest.mark.parametrize("offset,value", [(0, b"XFRD"), (4, b"\x02")])
+@pytest.mark.parametrize("offset,value", [(0, b"X"), (1, b"\x03"), (1, b"\x01")])
 def test_foreign_or_future_headers_are_refused(offset, value):
     raw = bytearray(wire.pack(Frame.ACK))
     raw[offset:offset + len(value)] = value
     with pytest.raises(wire.WireError):
         wire.unpack(raw)
+    with pytest.raises(wire.WireError):
+        wire.decode(raw)
+
+
+def test_a_version_1_header_is_named_as_such():
+    with pytest.raises(wire.VersionError, match="version 1") as info:
+        wire.decode(wire.pack_v1(Frame.CONN_REQ))
+    assert info.value.version == 1
+
+
+@pytest.mark.parametrize("header", [
+    wire.pack(Frame.SEND, ack=5),                               # an ack without its flag
+    wire.pack(Frame.ACK, 3, flags=int(wire.FrameFlags.ACK)),    # only requests carry one
+    wire.pack(Frame.READ_RESP, flags=int(wire.FrameFlags.ACK)),
+    wire.pack(Frame.SEND, extra=7, flags=int(wire.FrameFlags.ACK)),  # ACK gives extra no meaning
+])
+def test_piggybacked_ack_fields_are_checked(header):
+    with pytest.raises(wire.WireError):
+        wire.decode(header)
 
 
 def test_psn_comparison_wraps():
@@ -317,3 +338,154 @@ def test_killed_peer_process_is_a_disconnect():
         remote.close()
         local.close()
         p.close()
+
+
+# ---------------------------------------------------------------------- wire version 2
+
+
+def test_a_version_1_host_is_refused_with_a_version_1_rejection(caplog):
+    """A version-1 CONN_REQ gets a CONN_REJ the old peer can read (it reports a rejection,
+    not a reset), logged once per listener."""
+    p = SoftProvider(progress="poll")
+    lst = p.listen("127.0.0.1", 0)
+    try:
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", lst.local_address[1]), 5) as old:
+                old.sendall(wire.pack_v1(Frame.CONN_REQ, 4) + b"v1v1")
+                assert lst.get_request(0.5) is None
+                old.settimeout(5)
+                answer = b""
+                while len(answer) < wire.HEADER_SIZE:
+                    chunk = old.recv(64)
+                    assert chunk, "closed without the version-1 rejection"
+                    answer += chunk
+                assert wire.V1_HEADER.unpack(answer[:32])[:4] == (b"BFRD", 1, Frame.CONN_REJ, 0)
+                assert old.recv(64) == b""      # and then closed
+    finally:
+        lst.close()
+        p.close()
+    assert sum("wire version 1" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_connecting_to_a_version_1_target_names_the_version():
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    import threading
+
+    def old_target():
+        conn, _ = server.accept()
+        conn.recv(wire.HEADER_SIZE)
+        conn.sendall(wire.pack_v1(Frame.CONN_REP))
+        old_target.conn = conn
+
+    t = threading.Thread(target=old_target)
+    t.start()
+    p = SoftProvider(progress="poll")
+    cmid = p.create_id()
+    cmid.resolve("127.0.0.1", port)
+    pd, cq = cmid.context.alloc_pd(), cmid.context.create_cq()
+    cmid.create_qp(pd, cq, cq)
+    try:
+        with pytest.raises(RdmaError, match="wire version 1"):
+            cmid.connect(b"", timeout=5)
+    finally:
+        t.join()
+        old_target.conn.close()
+        server.close()
+        cmid.close()
+        p.close()
+
+
+@pytest.fixture
+def reactor_side():
+    """A poll-mode provider whose accepted queue is serviced by a Reactor, as a target's:
+    ``answer(n)`` decides whether the owner answers each SEND with a SEND of its own."""
+    from blockfabric.fabric.reactor import Reactor
+
+    p = SoftProvider(progress="poll")
+    lst = p.listen("127.0.0.1", 0)
+    reactor = Reactor("soft-test")
+    state = {"answer": True, "seen": 0}
+    made = {}
+
+    def accept():
+        cmid = lst.get_request(5)
+        pd = cmid.context.alloc_pd()
+        cq = cmid.context.create_cq()
+        qp = cmid.create_qp(pd, cq, cq, )
+        buf = bytearray(64 * 64)
+        mr = pd.reg_mr(buf, RW)
+        qp.post_recv([RecvWR(i, [SGE(mr.addr + 64 * i, 64, mr.lkey)]) for i in range(32)])
+        made.update(cmid=cmid, pd=pd, cq=cq, qp=qp, mr=mr)
+
+        def service():
+            for wc in cq.poll(64):
+                if wc.opcode == 128:                    # RECV: answer it in the same pass
+                    state["seen"] += 1
+                    if state["answer"]:
+                        qp.post_send(SendWR(wc.wr_id, WrOpcode.SEND,
+                                            [SGE(mr.addr + 64 * wc.wr_id, 16, mr.lkey)]))
+        cmid.accept(b"ok")
+        reactor.call_sync(lambda: reactor.add_cq(cq, service))
+        return made
+
+    reactor.start()
+    yield lst.local_address[1], accept, state
+    reactor.stop()
+    reactor.join(5)
+    lst.close()
+    if made:
+        made["cmid"].close()
+    reactor.close()
+    p.close()
+
+
+def _frames(peer: RawPeer, want: int, timeout: float = 5.0) -> list:
+    """Every frame the provider sent, until ``want`` of them (headers decoded with ack)."""
+    peer.sock.settimeout(timeout)
+    out = []
+    while len(out) < want:
+        hdr = peer._exact(wire.HEADER_SIZE)
+        fields = wire.decode(hdr)
+        if fields[0] in wire.PAYLOAD_FRAMES and fields[3]:
+            peer._exact(fields[3])
+        out.append(fields)
+    return out
+
+
+@pytest.mark.parametrize("depth", [1, 8])
+def test_acks_ride_on_the_answers(reactor_side, depth):
+    """QD-N: N SENDs in, N SENDs out, and no ACK frame: the first answer of each pass carries
+    the cumulative ACK in its header."""
+    port, accept, state = reactor_side
+    peer = RawPeer(port)
+    accept()
+    peer.established()
+    psn = 0
+    for _round in range(3):
+        peer.sock.sendall(b"".join(wire.pack(Frame.SEND, psn + i, 16) + bytes(16)
+                                   for i in range(depth)))
+        frames = _frames(peer, depth)
+        assert [f[0] for f in frames] == [Frame.SEND] * depth, frames
+        acks = [f[7] for f in frames if f[1] & wire.FrameFlags.ACK]
+        assert acks and max(acks) == psn + depth - 1
+        # the peer's own ACK for the answers (explicit: it has nothing else to send)
+        peer.sock.sendall(wire.pack(Frame.ACK, frames[-1][2]))
+        psn += depth
+    peer.sock.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        peer.sock.recv(64)                  # nothing more: no stray ACK frames
+
+
+def test_an_owner_that_does_not_answer_still_acknowledges(reactor_side):
+    port, accept, state = reactor_side
+    state["answer"] = False
+    peer = RawPeer(port)
+    accept()
+    peer.established()
+    peer.sock.sendall(b"".join(wire.pack(Frame.SEND, i, 16) + bytes(16) for i in range(4)))
+    frames = _frames(peer, 1)
+    while frames[-1][2] != 3:               # passes may have split the batch: ACKs coalesce
+        frames += _frames(peer, 1)
+    assert {f[0] for f in frames} == {Frame.ACK}
+    assert _wait(lambda: state["seen"] == 4)

@@ -6,25 +6,38 @@ every remote access is checked against rkey, bounds and access flags; payloads m
 the socket and registered memory with no intermediate copy; completions carry the real
 verbs statuses; an error moves the QP to ERR and flushes.
 
-Wire (one TCP connection per QP, both directions; little-endian; version 1)
+Wire (one TCP connection per QP, both directions; little-endian; version 2)
 ---------------------------------------------------------------------------
 Every frame starts with a 32-byte header (``wire.HEADER``)::
 
-    0  magic   4s   b"BFRD"
-    4  version u8   1 (a peer speaking another version is dropped)
-    5  type    u8   wire.Frame
-    6  flags   u16  bit 0 WITH_IMM, bit 1 WITH_INV
-    8  psn     u32  request sequence number (per direction, from 0, wraps)
-    12 length  u32  payload bytes that follow; READ_REQ: bytes asked for (nothing follows)
-    16 key     u32  WRITE/READ_REQ: rkey; NAK: the WcStatus the requester reports
-    20 extra   u32  SEND/WRITE: imm_data or the rkey to invalidate; CONN_*: sender's qp_num
+    0  magic   u8   0xBF
+    1  version u8   2 (a peer speaking another version is refused, see below)
+    2  type    u8   wire.Frame
+    3  flags   u8   bit 0 WITH_IMM, bit 1 WITH_INV, bit 2 ACK (the ack field is valid)
+    4  psn     u32  request sequence number (per direction, from 0, wraps)
+    8  length  u32  payload bytes that follow; READ_REQ: bytes asked for (nothing follows)
+    12 key     u32  WRITE/READ_REQ: rkey; NAK: the WcStatus the requester reports
+    16 extra   u32  SEND/WRITE: imm_data or the rkey to invalidate; CONN_*: sender's qp_num
+    20 ack     u32  with flag ACK (requests only): every request of the *other* direction up
+                    to and including this PSN was executed (a cumulative ACK riding along)
     24 addr    u64  WRITE/READ_REQ: remote virtual address
 
 CM: CONN_REQ (private data <= 56 B) -> CONN_REP or CONN_REJ (<= 196 B) -> CONN_RTU; DREQ
 ends a connection.  Requests (SEND, WRITE, READ_REQ) each take the next PSN; the responder
 executes them in PSN order and answers with READ_RESP (carries the data, and acknowledges
-everything before it), ACK (cumulative; one per batch of frames read, so ACKs coalesce),
-NAK (with the status) or RNR_NAK.
+everything before it), NAK (with the status) or RNR_NAK, and acknowledges the rest
+cumulatively: in the ack field of the first request it sends that peer in the same pass
+(flag ACK), or, when it sends no request by the end of the pass that executed them, in an
+explicit ACK frame (psn: the last request executed), one per pass, so an owner that stops
+posting is still acknowledged.  A pass is one run of the engine (and, under a reactor, its
+owners' work after it); everything a pass has for one connection goes out in one sendmsg.
+
+Version 1 (until 2026-12; headers began b"BFRD", a 16-bit flags field and no ack field, and
+every ACK was a frame of its own) is not spoken.  A listener answers a version-1 CONN_REQ
+with a version-1 CONN_REJ (so an old host reports a rejection, not a reset) and logs the
+first one at WARNING; an active side that gets a version-1 answer fails ``connect`` with an
+RdmaError naming the version (an old listener closes on a version-2 CONN_REQ without an
+answer: that error says a peer of another version may be why).
 
 Validation: the peer is not trusted
 -----------------------------------
@@ -33,19 +46,20 @@ both sides and in the CM exchange:
 
 * type: one of ``wire.Frame``; CM frames only during set-up (CONN_RTU once, as the passive
   side's first frame), never on a connected QP;
-* flags: only WITH_IMM or WITH_INV on SEND (not both), only WITH_IMM on WRITE, none
-  elsewhere;
+* flags: only WITH_IMM or WITH_INV on SEND (not both), only WITH_IMM on WRITE, ACK on
+  the three requests only, none elsewhere;
 * length: private data <= 56 B (CONN_REQ) or 196 B (CONN_REP, CONN_REJ); 0 for CONN_RTU,
   DREQ, ACK, NAK, RNR_NAK; at most MAX_MESSAGE (2 GiB) for the rest; a SEND no longer than
   its posted receive, a WRITE/READ_REQ inside the MR its rkey names (else the NAKs below);
   a READ_RESP exactly as long as its READ;
 * fields a type does not use are zero: psn and key of CM frames; key of SEND, READ_RESP,
   ACK, RNR_NAK; extra unless a flag gives it a meaning (CONN_REQ/CONN_REP: a 24-bit QP
-  number); addr of all but WRITE and READ_REQ;
+  number); ack unless flag ACK; addr of all but WRITE and READ_REQ;
 * NAK key: a remote error status (REM_INV_REQ_ERR, REM_ACCESS_ERR, REM_OP_ERR);
 * PSNs: a request must carry the next PSN (another only while go-back-N after an RNR NAK,
   when it is dropped, or once the QP is in ERR); an ACK, NAK, RNR_NAK or READ_RESP must name
-  a request that was sent (ACK, READ_RESP: sent *whole*, every byte taken by the kernel;
+  a request that was sent (ACK, a request's ack field, READ_RESP: sent *whole*, every byte
+  taken by the kernel; an older cumulative ACK than one already seen completes nothing;
   NAK, RNR_NAK: its header sent) and may not pass a READ still unanswered; a READ_RESP
   answers a READ, an RNR_NAK a request that consumes a receive.
 
@@ -91,12 +105,15 @@ Semantics, and where a choice was made (as an IB HCA does it unless said otherwi
   ``ack_timeout * (retry_count + 1)`` (2 s per retry by default).
 * Posting to a QP in ERR completes the WRs with WR_FLUSH_ERR.
 
-Progress: ``SoftProvider(progress="poll")`` (default) runs the engine inside ``CQ.poll()``
-and CQ fds are the device's epoll fd, so the reactor that owns the queues drives the network
-with no thread hand-off (measured 1.4x QD1 and 2.3x QD16 IOPS at library level, see
-docs/performance.md); ``progress="thread"`` runs it in a daemon thread and CQ fds are
-eventfds, for owners that do not poll.  Posting transmits from the caller's thread whenever
-the socket accepts.
+Progress: ``SoftProvider(progress="poll")`` (default) runs the engine on the thread that owns
+the queues, with no thread hand-off (measured 1.4x QD1 and 2.3x QD16 IOPS at library level,
+see docs/performance.md): a reactor (``Reactor.add_cq``) registers the device once and each
+wake-up is one pass, the engine once and then only the owners of CQs that got completions
+(see :mod:`blockfabric.rdma.soft.device`); a CQ no reactor serves runs the engine inside
+``CQ.poll()``, and its fd is the device's epoll fd.  ``progress="thread"`` runs the engine
+in a daemon thread and CQ fds are eventfds, for owners that do not poll.  Within a pass
+(the engine's, or a reactor's ``run_once``) a thread's frames for one connection leave
+together in one sendmsg at its end; other posts transmit from the caller's thread at once.
 """
 
 from blockfabric.rdma.soft.cm import SoftCMId, SoftListener, SoftProvider

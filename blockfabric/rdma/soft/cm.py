@@ -75,11 +75,13 @@ def _recv_frame(sock: socket.socket, deadline: float) -> tuple[int, int, bytes]:
             sock.settimeout(left)
             k = sock.recv_into(view[got:])
             if k == 0:
-                raise ConnectionResetError("peer closed during connection set-up")
+                raise ConnectionResetError("peer closed during connection set-up (a peer "
+                                           "of another soft-RDMA wire version closes "
+                                           "without an answer)")
             got += k
         return bytes(buf)
 
-    ftype, _flags, _psn, length, _key, extra, _addr = wire.decode(exact(wire.HEADER_SIZE))
+    ftype, _flags, _psn, length, _key, extra, _addr, _ack = wire.decode(exact(wire.HEADER_SIZE))
     return ftype, extra, exact(length) if length else b""
 
 
@@ -290,6 +292,7 @@ class SoftListener(Listener):
         self._shed = 0                              # connections shed this episode
         self._shed_since: float | None = None       # when the episode began
         self._short_at = 0.0                        # the last accept without a descriptor
+        self._versions_refused: set[int] = set()    # wire versions refused (logged once)
         self.closed = False
 
     def get_request(self, timeout: float | None = 0) -> SoftCMId | None:
@@ -411,13 +414,16 @@ class SoftListener(Listener):
             buf += chunk
             if len(buf) < want:
                 return
-            ftype, _fl, _psn, length, _key, _qpn, _addr = wire.decode(buf)
+            ftype, _fl, _psn, length, _key, _qpn, _addr, _ack = wire.decode(buf)
             if ftype != Frame.CONN_REQ or length > wire.MAX_REQ_PRIVATE_DATA:
                 raise wire.WireError(f"not a connect request (type {ftype}, {length} B)")
             if want == wire.HEADER_SIZE and length:
                 entry[2] = wire.HEADER_SIZE + length
                 return
         except BlockingIOError:
+            return
+        except wire.VersionError as exc:
+            self._refuse_version(self._drop(fd), exc)
             return
         except (OSError, wire.WireError):
             self._drop(fd).close()
@@ -434,6 +440,31 @@ class SoftListener(Listener):
             self._shed += 1
             return
         self._ready.append(cmid)
+
+    def _refuse_version(self, sock: socket.socket, exc: wire.VersionError) -> None:
+        """A connect request in another version of the wire: refused in a way that version
+        understands (a version-1 CONN_REJ, so an old host reports a rejection, not a reset),
+        logged once per listener and version."""
+        if exc.version not in self._versions_refused:
+            self._versions_refused.add(exc.version)
+            peer = "?"
+            try:
+                peer = "%s:%s" % tuple(sock.getpeername()[:2])
+            except OSError:
+                pass
+            log.warning("listener %s:%s: refused %s (%s); further ones are refused "
+                        "silently", *self.local_address[:2], peer, exc)
+        try:
+            sock.recv(4096)     # its private data: unread bytes would turn the close into a reset
+        except OSError:
+            pass
+        try:
+            if exc.version == 1:
+                sock.send(wire.pack_v1(Frame.CONN_REJ))     # 32 bytes: the buffer takes them
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     def fileno(self) -> int:
         return self._ep.fileno()

@@ -7,27 +7,160 @@ that connection and nothing else: it never reaches another connection's handling
 caller of ``CQ.poll`` whose call happened to run the engine.  It is driven either by a
 daemon thread (``progress="thread"``) or by the CQ owner through :meth:`CQ.poll`
 (``progress="poll"``), so a reactor can run the provider without thread hand-offs.
+
+One pass per wake-up (poll mode): a reactor that owns CQs of this device registers it once
+(a :class:`Group`, made by :meth:`SoftContext.group`): on each wake-up the group runs the
+engine once, then calls the owner of every CQ that got completions in it, and nothing else.
+
+Doorbell batching: a pass (the engine's, and a group's whole pass with its owners' posts) is
+*corked* for the thread that runs it: frames queue on their QP, and at the end of the pass
+each QP that has any sends them in one ``sendmsg`` (with the acknowledgement it owes, see
+:mod:`blockfabric.rdma.soft.qp`).  Posts from other threads are not corked: they go out at
+once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from blockfabric.rdma.base import Context
+from blockfabric.rdma.base import PASS_HOOKS, Context
 from blockfabric.rdma.soft.cq import SoftCQ
 from blockfabric.rdma.soft.memory import KeyAllocator, SoftMR, SoftPD
 
 if TYPE_CHECKING:
     from blockfabric.rdma.soft.qp import SoftQP
 
+log = logging.getLogger(__name__)
+_get_ident = threading.get_ident
 _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _READ_EVENTS = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 SWEEP_INTERVAL = 0.05   # how often transport (ack) timeouts are checked
+
+
+class Group:
+    """The CQs of this device that one reactor services, and that reactor's registration:
+    the device's epoll fd (its sockets) and an eventfd for completions that arrive from
+    other threads.  :meth:`dispatch` is the pass."""
+
+    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd")
+
+    def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
+        self.ctx = ctx
+        self.reactor = reactor
+        self.ready: list[SoftCQ] = []     # CQs with completions their owner has not seen
+        self.active = False               # a pass runs (on the reactor thread)
+        self.cqs = 0
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._signalled = False
+        self._ctx_fd = ctx.fileno()
+        reactor.add_reader(self._ctx_fd, self.dispatch)
+        reactor.add_reader(self._efd, self.dispatch)
+        add_poller = getattr(reactor, "add_poller", None)
+        if add_poller is not None:
+            add_poller(self.poll)
+
+    def poll(self) -> bool | None:
+        """The reactor's busy-poll: a pass if the engine has something (True), False if
+        not yet, None when no work request waits for the peer."""
+        ctx = self.ctx
+        if ctx.closed or not ctx.outstanding():
+            return None
+        if not self.ready and not ctx.peek():
+            return False
+        self.dispatch()
+        return True
+
+    def add(self, cq: SoftCQ) -> None:
+        self.cqs += 1
+
+    def remove(self, cq: SoftCQ) -> None:
+        try:
+            self.ready.remove(cq)
+        except ValueError:
+            pass
+        self.cqs -= 1
+        if self.cqs <= 0:
+            self.ctx.drop_group(self)
+
+    def wake(self) -> None:
+        """Completions were listed outside this group's pass: have the reactor come."""
+        if not self._signalled:
+            self._signalled = True
+            try:
+                os.eventfd_write(self._efd, 1)
+            except OSError:
+                pass                        # closed: the group is gone
+
+    def dispatch(self) -> None:
+        """One pass: the engine once (corked), then the owner of every CQ that got
+        completions, then every frame the pass produced goes out."""
+        if self._signalled:
+            self._signalled = False
+            try:
+                os.eventfd_read(self._efd)
+            except BlockingIOError:
+                pass
+        ctx = self.ctx
+        if ctx.closed:
+            return
+        tid = _get_ident()
+        corks = ctx.corks
+        outer = tid not in corks
+        if outer:
+            corks[tid] = []
+        self.active = True
+        try:
+            ctx.progress(0)
+            while True:
+                ready = self.ready
+                while ready:
+                    self.ready = []
+                    for cq in ready:
+                        cq.listed = False
+                        owner = cq.owner
+                        if owner is not None:
+                            owner()     # Endpoint.service: isolates its own faults
+                    ready = self.ready
+                if not outer:
+                    break
+                ctx.end_pass(tid)       # a failed send may complete work: look again
+                if not self.ready:
+                    break
+                corks[tid] = []
+        finally:
+            self.active = False
+            if outer:
+                ctx.end_pass(tid)
+        if self.ready:                  # listed from another thread as the pass ended
+            self.wake()
+
+    def close(self) -> None:
+        reactor = self.reactor
+
+        def unregister() -> None:
+            remove_poller = getattr(reactor, "remove_poller", None)
+            if remove_poller is not None:
+                remove_poller(self.poll)
+            reactor.remove_reader(self._ctx_fd, self.dispatch)
+            reactor.remove_reader(self._efd, self.dispatch)
+            os.close(self._efd)
+        thread = getattr(reactor, "thread", None)
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            try:
+                unregister()
+            except (OSError, ValueError):
+                pass
+        else:
+            try:
+                reactor.call_soon_threadsafe(unregister)
+            except OSError:
+                pass
 
 
 class SoftContext(Context):
@@ -52,6 +185,11 @@ class SoftContext(Context):
         self._ep.register(self._kick, _IN)
         self._kicked = False
         self._thread: threading.Thread | None = None
+        self._groups: dict[int, Group] = {}
+        #: thread id -> the QPs with frames queued in that thread's pass (see end_pass)
+        self.corks: dict[int, list] = {}
+        self._hook = (self.begin_pass, self.end_pass)
+        PASS_HOOKS.append(self._hook)
         self.closed = False
 
     # ------------------------------------------------------------------ resources
@@ -72,6 +210,52 @@ class SoftContext(Context):
 
     def fileno(self) -> int:
         return self._ep.fileno()
+
+    def group(self, reactor: Any) -> Group:
+        """The group through which ``reactor`` services this device's CQs (made on first
+        use; called on the reactor's thread)."""
+        group = self._groups.get(id(reactor))
+        if group is None or group.reactor is not reactor:
+            group = self._groups[id(reactor)] = Group(self, reactor)
+        return group
+
+    def drop_group(self, group: Group) -> None:
+        if self._groups.get(id(group.reactor)) is group:
+            del self._groups[id(group.reactor)]
+        group.close()
+
+    def outstanding(self) -> bool:
+        """Some QP waits for its peer (work requests posted and not yet answered)."""
+        for qp in self._qps:
+            if qp.waiting:
+                return True
+        return False
+
+    def peek(self) -> bool:
+        """Whether the engine has anything to do now (one epoll_wait, no waiting)."""
+        try:
+            return bool(self._ep.poll(0, 1))
+        except (OSError, ValueError):
+            return False
+
+    def begin_pass(self, tid: int) -> bool:
+        """Cork thread ``tid``'s sends until :meth:`end_pass` (False: a pass is open)."""
+        if tid in self.corks:
+            return False
+        self.corks[tid] = []
+        return True
+
+    def end_pass(self, tid: int) -> None:
+        """The pass of thread ``tid`` is over: every QP it queued frames on sends them
+        (one sendmsg each), with the acknowledgement it owes."""
+        dirty = self.corks.pop(tid, None)
+        if not dirty:
+            return
+        for qp in dirty:
+            try:
+                qp.end_pass()
+            except Exception as exc:  # noqa: BLE001  one connection's, and only its
+                qp.fail(exc)
 
     def watch_fd(self, fd: int) -> None:
         self._ep.register(fd, _IN)
@@ -117,6 +301,11 @@ class SoftContext(Context):
         number of ready sockets handled.  Re-entrant calls from other threads return 0."""
         if not self._plock.acquire(blocking=False):
             return 0
+        tid = _get_ident()
+        corks = self.corks
+        outer = tid not in corks
+        if outer:
+            corks[tid] = []
         try:
             if self.rnr_waiters:
                 timeout = min(timeout, self._fire_rnr(time.monotonic()))
@@ -155,6 +344,8 @@ class SoftContext(Context):
             return len(events)
         finally:
             self._plock.release()
+            if outer:
+                self.end_pass(tid)
 
     def _fire_rnr(self, now: float) -> float:
         """Replay QPs whose RNR timer expired; return seconds until the next one."""
@@ -176,16 +367,21 @@ class SoftContext(Context):
             try:
                 self.progress(SWEEP_INTERVAL)
             except Exception:  # noqa: BLE001  (the engine must outlive one bad QP)
-                import logging
-                logging.getLogger(__name__).exception("soft progress engine")
+                log.exception("soft progress engine")
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        try:
+            PASS_HOOKS.remove(self._hook)
+        except ValueError:
+            pass
         for qp in list(self._qps):
             qp.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(1.0)
+        for group in list(self._groups.values()):
+            self.drop_group(group)
         self._ep.close()
         os.close(self._kick)

@@ -42,6 +42,7 @@ class SoftMR(MR):
         self.end = self.addr + self.length
         self.buf = view
         self.access = access
+        self.bits = int(access)     # for the per-I/O checks: no enum arithmetic there
         self.lkey = lkey
         self.rkey = rkey
         self.closed = False

@@ -47,8 +47,12 @@ HDR = wire.HEADER_SIZE
 _pack = wire.pack
 _decode = wire.decode
 _now = time.monotonic
+_get_ident = threading.get_ident
 IOV_BATCH = 512                 # below IOV_MAX (1024)
-SCRATCH = 1 << 16               # where discarded payloads go
+STAGE = 1 << 16                 # per connection: received frames (and discarded payloads)
+STRAIGHT_IN = 1 << 16           # a payload with this much still to come skips staging
+CORK_BYTES = 1 << 15            # a pass sends early once this much waits for its end
+READ_ROUNDS = 2                 # receives per connection per readable event, at most
 RNR_FIRST, RNR_MAX = 0.001, 0.05  # RNR timer: 1 ms, doubling per retry up to 50 ms
 DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (retry_count+1)x
 DEFAULT_MAX_UNSENT = 1 << 30    # bytes a peer may leave unread, unless the owner says
@@ -61,7 +65,8 @@ _WC_OF = {WrOpcode.SEND: WcOpcode.SEND, WrOpcode.SEND_WITH_IMM: WcOpcode.SEND,
 _SIGNALED, _INLINE = int(SendFlags.SIGNALED), int(SendFlags.INLINE)
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
-_F_IMM, _F_INV = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV)
+_F_IMM, _F_INV, _F_ACK = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV), int(FrameFlags.ACK)
+_SEND, _WRITE, _READ_REQ = int(Frame.SEND), int(Frame.WRITE), int(Frame.READ_REQ)
 # what the payload in flight is for, when it has all arrived
 RX_DISCARD, RX_RECV, RX_WRITE, RX_READ = range(4)
 
@@ -85,6 +90,22 @@ def _advance(views: list, n: int) -> list:
     if n:
         rest[0] = rest[0][n:]
     return rest
+
+
+def _place(views: list, data: memoryview) -> list:
+    """Copy ``data`` into the start of ``views``; the views left after it."""
+    n = len(data)
+    at = 0
+    i = 0
+    while at < n:
+        v = views[i]
+        k = min(len(v), n - at)
+        v[:k] = data[at:at + k]
+        at += k
+        if k < len(v):
+            return [v[k:], *views[i + 1:]]
+        i += 1
+    return views[i:]
 
 
 def _cut(views: list, n: int) -> list:
@@ -123,6 +144,7 @@ class SoftQP(QP):
         self.closed = False
         self._outq: deque = deque()
         self._blocked = False
+        self._dirty = False      # on the dirty list of the pass that queued frames here
         self._tx_queued = 0      # bytes handed to the socket queue since the start ...
         self._tx_sent = 0        # ... and how many of them the kernel took
         self._last_ack: bytes | None = None     # the ACK at the tail of _outq, if any
@@ -146,17 +168,21 @@ class SoftQP(QP):
         self._ack_due = False
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
-        self._hdr = bytearray(HDR)
-        self._hmv = memoryview(self._hdr)
-        self._hgot = 0
+        self._stage = bytearray(STAGE)   # frames as they arrive; [_spos, _sfill) unparsed
+        self._smv = memoryview(self._stage)
+        self._spos = self._sfill = 0
         self._rviews: list | None = None
         self._rleft = 0
         self._rkind = RX_DISCARD
         self._rwc: WC | None = None
         self._rentry: _Entry | None = None
-        self._scratch = memoryview(bytearray(SCRATCH))
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def waiting(self) -> bool:
+        """Work requests wait for the peer's answer (for the reactor's busy-poll)."""
+        return bool(self._sq) and not self._dead
+
     @property
     def state(self) -> QPState:
         return self._state
@@ -179,7 +205,10 @@ class SoftQP(QP):
     def disconnect(self) -> None:
         with self._lock:
             if self.sock is not None and not self._dead:
-                self._xmit([_pack(Frame.DREQ)], HDR)
+                self._tx_queued += HDR
+                self._outq.append(_pack(Frame.DREQ))
+                if not self._blocked:
+                    self._flush()       # what a pass queued, then the DREQ
                 self._die("local disconnect")
             else:
                 self._to_error()
@@ -233,6 +262,10 @@ class SoftQP(QP):
         so that no completed WR's memory is sent later (after its owner reused it)."""
         if self._dead or not self._outq:
             return
+        if not self._blocked:
+            self._flush()               # frames a pass queued: out now, if the socket takes them
+            if self._dead or not self._outq:
+                return
         for buf in self._outq:
             if type(buf) is memoryview and type(buf.obj) is not bytes:
                 self._sever(why, False)
@@ -281,7 +314,7 @@ class SoftQP(QP):
             mr = lkeys.get(sge.lkey)
             addr, length = sge.addr, sge.length
             if (mr is None or mr.pd is not pd or addr < mr.addr or addr + length > mr.end
-                    or length < 0 or (local_write and not int(mr.access) & _LOCAL_WRITE)):
+                    or length < 0 or (local_write and not mr.bits & _LOCAL_WRITE)):
                 return [], 0, WcStatus.LOC_PROT_ERR
             if length:
                 off = addr - mr.addr
@@ -318,7 +351,8 @@ class SoftQP(QP):
             bufs: list = []
             end = self._tx_queued
             for wr in wrs:
-                e = self._build(wr, cap)
+                # the first request that goes out now carries the ACK this side owes
+                e = self._build(wr, cap, go and self._ack_due)
                 sq.append(e)
                 if e.psn is None:
                     self._stall = go = False
@@ -331,8 +365,10 @@ class SoftQP(QP):
                 self._xmit(bufs, end - self._tx_queued)
             self._retire()
 
-    def _build(self, wr: SendWR, cap: QPCap) -> _Entry:
-        """A send-queue entry with its frame; ``psn`` None when local checks failed."""
+    def _build(self, wr: SendWR, cap: QPCap, ack: bool = False) -> _Entry:
+        """A send-queue entry with its frame; ``psn`` None when local checks failed.  With
+        ``ack``, the header carries the cumulative ACK this side owes (and no longer owes
+        it: the caller sends the frame in this pass)."""
         op = wr.opcode
         e = _Entry()
         e.wr_id = wr.wr_id
@@ -357,21 +393,29 @@ class SoftQP(QP):
         psn = e.psn = self._next_psn
         self._next_psn = (psn + 1) & M
         e.size = HDR if op == WrOpcode.RDMA_READ else HDR + total
+        if ack:
+            self._ack_due = False
+            flags, done = _F_ACK, self._done_psn
+        else:
+            flags = done = 0
+        # (a frame sent again after an RNR NAK carries this ACK again: an older cumulative
+        # ACK than the peer has seen completes nothing, and is allowed)
         if op == WrOpcode.RDMA_READ:
-            e.frame = [_pack(Frame.READ_REQ, psn, total, wr.rkey, 0, wr.remote_addr)]
+            e.frame = [_pack(_READ_REQ, psn, total, wr.rkey, 0, wr.remote_addr, flags, done)]
         elif op == WrOpcode.RDMA_WRITE:
-            e.frame = [_pack(Frame.WRITE, psn, total, wr.rkey, 0, wr.remote_addr), *views]
+            e.frame = [_pack(_WRITE, psn, total, wr.rkey, 0, wr.remote_addr, flags, done),
+                       *views]
         elif op == WrOpcode.RDMA_WRITE_WITH_IMM:
-            e.frame = [_pack(Frame.WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
-                             FrameFlags.WITH_IMM), *views]
+            e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
+                             flags | _F_IMM, done), *views]
         elif op == WrOpcode.SEND_WITH_INV:
-            e.frame = [_pack(Frame.SEND, psn, total, 0, wr.invalidate_rkey, 0,
-                             FrameFlags.WITH_INV), *views]
+            e.frame = [_pack(_SEND, psn, total, 0, wr.invalidate_rkey, 0, flags | _F_INV,
+                             done), *views]
         elif op == WrOpcode.SEND_WITH_IMM:
-            e.frame = [_pack(Frame.SEND, psn, total, 0, wr.imm_data, 0, FrameFlags.WITH_IMM),
+            e.frame = [_pack(_SEND, psn, total, 0, wr.imm_data, 0, flags | _F_IMM, done),
                        *views]
         else:
-            e.frame = [_pack(Frame.SEND, psn, total), *views]
+            e.frame = [_pack(_SEND, psn, total, 0, 0, 0, flags, done), *views]
         return e
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
@@ -404,6 +448,18 @@ class SoftQP(QP):
             return
         self._tx_queued += size
         q = self._outq
+        corks = self.ctx.corks
+        if corks:
+            dirty = corks.get(_get_ident())
+            if dirty is not None:       # in a pass: out at its end, with everything else
+                q.extend(bufs)
+                if not self._dirty:
+                    self._dirty = True
+                    dirty.append(self)
+                if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
+                    self._flush()       # a long pass: let the peer start on this much
+                self._check_unsent()
+                return
         if not q and len(bufs) <= IOV_BATCH:
             try:
                 n = self.sock.sendmsg(bufs)
@@ -427,6 +483,10 @@ class SoftQP(QP):
                 bufs = None
         if bufs is not None:
             self._flush()
+        self._check_unsent()
+
+    def _check_unsent(self) -> None:
+        q = self._outq
         if q:
             unsent = self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q)
             limit = self.max_unsent or DEFAULT_MAX_UNSENT
@@ -459,6 +519,43 @@ class SoftQP(QP):
             self._blocked = want
             self.ctx.want_write(self._fd, want)
 
+    def end_pass(self) -> None:
+        """The pass that queued frames here is over: the acknowledgement owed, then
+        everything out in one sendmsg (what the socket does not take waits for EPOLLOUT)."""
+        with self._lock:
+            self._dirty = False
+            if self._dead:
+                return
+            if self._ack_due:
+                self._queue_ack()
+            if not self._blocked:
+                self._flush()
+
+    def _queue_ack(self) -> None:
+        self._ack_due = False
+        ack = _pack(Frame.ACK, self._done_psn)
+        q = self._outq
+        if q and q[-1] is self._last_ack:
+            q[-1] = ack         # ACKs are cumulative: the newer one says it all
+        else:
+            self._tx_queued += HDR
+            q.append(ack)
+        self._last_ack = ack
+
+    def _owe_ack(self) -> None:
+        """A request was executed: acknowledge it at the end of this pass (at once when
+        there is no pass: never left owed)."""
+        self._ack_due = True
+        if not self._dirty:
+            dirty = self.ctx.corks.get(_get_ident())
+            if dirty is None:
+                self._queue_ack()
+                if not self._blocked:
+                    self._flush()
+                return
+            self._dirty = True
+            dirty.append(self)
+
     def on_writable(self) -> None:
         with self._lock:
             if not self._dead:
@@ -467,47 +564,86 @@ class SoftQP(QP):
 
     # ------------------------------------------------------------------ receive
     def on_readable(self) -> None:
+        """Read what arrived: one ``recv_into`` the staging buffer (again only while it came
+        back full), every complete frame parsed from it and small payloads copied from it
+        into their registered memory; a large payload not yet staged (STRAIGHT_IN bytes or
+        more left) is received straight into its memory."""
         with self._lock:
             if self._dead:
                 return
             sock = self.sock
+            stage = self._smv
             try:
-                for _ in range(256):
-                    if self._rleft:
-                        self._recv_payload(sock)
+                for _ in range(READ_ROUNDS):    # then the other connections get their turn
+                    if self._rleft >= STRAIGHT_IN and self._spos == self._sfill:
+                        if not self._recv_payload(sock):
+                            return          # the socket is drained
                         continue
-                    n = sock.recv_into(self._hmv[self._hgot:])
+                    fill = self._sfill
+                    if self._spos:          # keep only the unparsed tail, at the front
+                        left = fill - self._spos
+                        if left:
+                            stage[:left] = stage[self._spos:fill]
+                        self._spos = 0
+                        fill = self._sfill = left
+                    room = STAGE - fill
+                    n = sock.recv_into(stage[fill:], room)
                     if n == 0:
                         raise ConnectionResetError("peer closed the connection")
-                    self._hgot += n
-                    if self._hgot < HDR:
-                        break
-                    self._hgot = 0
-                    self._on_header()
-                    if self._dead:
+                    self._sfill = fill + n
+                    self._parse()
+                    if self._dead or n < room:
                         return
             except BlockingIOError:
                 pass
             except OSError as exc:
                 self._die(exc)
-                return
             except wire.WireError as exc:
                 self._die(f"protocol violation: {exc}", loud=True)
-                return
-            if self._ack_due:
-                self._ack_due = False
-                ack = _pack(Frame.ACK, self._done_psn)
-                q = self._outq
-                if q and q[-1] is self._last_ack:
-                    q[-1] = ack         # ACKs are cumulative: the newer one says it all
-                else:
-                    self._xmit([ack], HDR)
-                self._last_ack = ack
 
-    def _recv_payload(self, sock: socket.socket) -> None:
+    def _parse(self) -> None:
+        """Consume every complete frame (and the staged part of a payload) from staging."""
+        stage = self._smv
+        pos, end = self._spos, self._sfill
+        try:
+            while pos < end:
+                left = self._rleft
+                if left:
+                    take = end - pos
+                    if take > left:
+                        take = left
+                    views = self._rviews
+                    if views is not None:
+                        v = views[0]
+                        if len(v) >= take and len(views) == 1:
+                            v[:take] = stage[pos:pos + take]
+                            if len(v) > take:
+                                self._rviews = [v[take:]]
+                        else:
+                            self._rviews = _place(views, stage[pos:pos + take])
+                    pos += take
+                    self._rleft = left = left - take
+                    if left:
+                        break               # the rest of it is still on its way
+                    self._end_payload()
+                    continue
+                if end - pos < HDR:
+                    break
+                self._on_header(pos)
+                pos += HDR
+                if self._dead:
+                    return
+        finally:
+            self._spos = pos
+
+    def _recv_payload(self, sock: socket.socket) -> bool:
+        """Receive the payload in progress straight into its memory (or, discarded, into
+        staging); False when the socket had less than asked."""
         views = self._rviews
+        want = self._rleft
         if views is None:
-            n = sock.recv_into(self._scratch, min(self._rleft, SCRATCH))
+            want = min(want, STAGE)
+            n = sock.recv_into(self._smv, want)
         elif len(views) == 1:
             n = sock.recv_into(views[0])
         else:
@@ -519,6 +655,7 @@ class SoftQP(QP):
             self._end_payload()
         elif views is not None:
             self._rviews = _advance(views, n)
+        return n == want
 
     def _expect(self, views: list | None, length: int, kind: int) -> None:
         self._rviews, self._rleft, self._rkind = views, length, kind
@@ -528,8 +665,14 @@ class SoftQP(QP):
     def _discard(self, length: int) -> None:
         self._expect(None, length, RX_DISCARD)
 
-    def _on_header(self) -> None:
-        ftype, flags, psn, length, key, extra, addr = _decode(self._hdr)
+    def _on_header(self, at: int) -> None:
+        ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
+        if flags & _F_ACK and self._state != QPState.ERR:
+            # the peer's request carries its ACK of ours (validated like an ACK frame)
+            self._ack_upto(ack)
+            self._retire()
+            if self._dead:
+                return
         if ftype == Frame.SEND or ftype == Frame.WRITE or ftype == Frame.READ_REQ:
             if psn != self._exp_psn or self._state == QPState.ERR:
                 # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB);
@@ -612,7 +755,7 @@ class SoftQP(QP):
     def _rkey_mr(self, key: int, addr: int, length: int, need: int):
         """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
         mr = self.ctx.rkeys.get(key)
-        if (mr is None or mr.pd is not self.pd or not int(mr.access) & need or addr < mr.addr
+        if (mr is None or mr.pd is not self.pd or not mr.bits & need or addr < mr.addr
                 or addr + length > mr.end):
             return None
         return mr
@@ -657,7 +800,7 @@ class SoftQP(QP):
             # executed only now that every byte is in place: an ACK never runs ahead of the
             # data (the requester may then free or reuse what it sent)
             self._done_psn = self._rx_psn
-            self._ack_due = True
+            self._owe_ack()
             if self._rwc is not None:
                 self.recv_cq.push(self._rwc)
                 self._rwc = None

@@ -50,6 +50,9 @@ _now = time.monotonic
 _get_ident = threading.get_ident
 IOV_BATCH = 512                 # below IOV_MAX (1024)
 STAGE = 1 << 16                 # per connection: received frames (and discarded payloads)
+STAGE_FIRST = 1 << 12           # ... starting this small: a queue that only connects (and
+                                # may never send a capsule) costs little; it grows to STAGE
+                                # the first time one receive fills it
 STRAIGHT_IN = 1 << 16           # a payload with this much still to come skips staging
 CORK_BYTES = 1 << 15            # a pass sends early once this much waits for its end
 READ_ROUNDS = 2                 # receives per connection per readable event, at most
@@ -168,7 +171,7 @@ class SoftQP(QP):
         self._ack_due = False
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
-        self._stage = bytearray(STAGE)   # frames as they arrive; [_spos, _sfill) unparsed
+        self._stage = bytearray(STAGE_FIRST)  # frames as they arrive; [_spos, _sfill) unparsed
         self._smv = memoryview(self._stage)
         self._spos = self._sfill = 0
         self._rviews: list | None = None
@@ -586,7 +589,7 @@ class SoftQP(QP):
                             stage[:left] = stage[self._spos:fill]
                         self._spos = 0
                         fill = self._sfill = left
-                    room = STAGE - fill
+                    room = len(stage) - fill
                     n = sock.recv_into(stage[fill:], room)
                     if n == 0:
                         raise ConnectionResetError("peer closed the connection")
@@ -594,12 +597,21 @@ class SoftQP(QP):
                     self._parse()
                     if self._dead or n < room:
                         return
+                    if len(stage) < STAGE:  # traffic: the full-size staging from now on
+                        stage = self._grow_stage()
             except BlockingIOError:
                 pass
             except OSError as exc:
                 self._die(exc)
             except wire.WireError as exc:
                 self._die(f"protocol violation: {exc}", loud=True)
+
+    def _grow_stage(self) -> memoryview:
+        """Staging at its full size, the unparsed bytes kept where they were."""
+        stage = bytearray(STAGE)
+        stage[:self._sfill] = self._smv[:self._sfill]
+        self._stage, self._smv = stage, memoryview(stage)
+        return self._smv
 
     def _parse(self) -> None:
         """Consume every complete frame (and the staged part of a payload) from staging."""
@@ -642,7 +654,7 @@ class SoftQP(QP):
         views = self._rviews
         want = self._rleft
         if views is None:
-            want = min(want, STAGE)
+            want = min(want, len(self._stage))
             n = sock.recv_into(self._smv, want)
         elif len(views) == 1:
             n = sock.recv_into(views[0])

@@ -197,7 +197,7 @@ def measure(args: argparse.Namespace) -> int:
 def combine(out: str, files: list[str]) -> int:
     """Medians per tag (before/after) over runs, and the after/before ratios."""
     runs: dict[str, list[dict]] = {}
-    for path in files:
+    for path in sorted(files):
         with open(path) as f:
             doc = json.load(f)
         key = doc["info"]["tag"].split("-run")[0]
@@ -205,7 +205,7 @@ def combine(out: str, files: list[str]) -> int:
     keys = ["iops", "clat_p50_us", "clat_p99_us", "target_cpu_us_per_io", "host_cpu_us_per_io"]
     med: dict[str, list[dict]] = {}
     md = ["# blockfabric bench over verbs in the lab: medians", ""]
-    for tag, docs in runs.items():
+    for tag, docs in sorted(runs.items(), key=lambda kv: (not kv[0].startswith("before"), kv[0])):
         rows = []
         for i, (rw, qd) in enumerate(CASES):
             vals = [d["results"][i] for d in docs if "error" not in d["results"][i]]
@@ -216,12 +216,15 @@ def combine(out: str, files: list[str]) -> int:
                 row[k + "_all"] = xs
             rows.append(row)
         med[tag] = rows
-        md += [f"## {tag}: median of {len(docs)} run(s) "
-               f"({', '.join(os.path.basename(p) for p in files if tag in p)})", "",
-               *[l.replace("| error", "|") for l in table(
-                   [{**r, "clat_p50_us": r["clat_p50_us"], "clat_p99_us": r["clat_p99_us"]}
-                    for r in rows])], ""]
-    tags = list(med)
+        md += [f"## {tag}: median of {len(docs)} run(s), min-max in brackets", "",
+               "| case | IOPS | p50 (us) | p99 (us) | target CPU us/IO | host CPU us/IO |",
+               "|---|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            cells = [f"{fmt(r[k])} ({fmt(min(r[k + '_all']))}-{fmt(max(r[k + '_all']))})"
+                     if r[k] is not None else "-" for k in keys]
+            md.append(f"| {r['rw']} 4k QD{r['iodepth']} | " + " | ".join(cells) + " |")
+        md.append("")
+    tags = sorted(med, key=lambda t: (not t.startswith("before"), t))   # before, then after
     if len(tags) == 2:
         a, b = tags
         md += [f"## ratio {b} / {a}", "", "| case | IOPS | p50 | p99 | target CPU/IO | host CPU/IO |",

@@ -48,6 +48,7 @@ help:
 	@echo "make bench  fio side by side with nbdkit+nbdfuse, the Python floor and tmpfs -> benchmarks/results/"
 	@echo "make bench-cost   CPU us per I/O, poll mount vs the Python floor, ~1 min (COST_ARGS=...)"
 	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
+	@echo "make bench-verbs-lab   4 KiB IOPS, p50/p99, CPU/IO of target + bench on verbs over rxe (lab, root)"
 	@echo "make soak   long verify run with faults injected (SOAK_DURATION=600)"
 	@echo "make fuzz   the soft-wire and capsule fuzzers with fresh seeds (FUZZ_SECONDS=300 each)"
 	@echo "make clean  remove the venv and build leftovers"

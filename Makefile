@@ -33,7 +33,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
 .PHONY: all deps venv test demo lab lab-auth lab-systemd install install-venv install-units \
-        uninstall bench bench-cost bench-rdma bench-rdma-lab soak fuzz clean help
+        uninstall bench bench-cost bench-rdma bench-rdma-lab bench-verbs-lab soak fuzz clean help
 
 all: help
 
@@ -48,6 +48,7 @@ help:
 	@echo "make bench  fio side by side with nbdkit+nbdfuse, the Python floor and tmpfs -> benchmarks/results/"
 	@echo "make bench-cost   CPU us per I/O, poll mount vs the Python floor, ~1 min (COST_ARGS=...)"
 	@echo "make bench-rdma   soft RDMA against its TCP ceiling -> benchmarks/results/"
+	@echo "make bench-verbs-lab   4 KiB IOPS, p50/p99, CPU/IO of target + bench on verbs over rxe (lab, root)"
 	@echo "make soak   long verify run with faults injected (SOAK_DURATION=600)"
 	@echo "make fuzz   the soft-wire and capsule fuzzers with fresh seeds (FUZZ_SECONDS=300 each)"
 	@echo "make clean  remove the venv and build leftovers"
@@ -240,6 +241,13 @@ bench-rdma: venv
 
 bench-rdma-lab: venv
 	LAB_OUT=benchmarks/results lab/run tests/lab/bench-verbs.sh
+
+# the product over verbs in the lab: blockfabric-target + blockfabric bench, 4 KiB QD1/QD16
+# (BENCH_TAG names the report: verbs_lat-DATE-TAG.md/.json in benchmarks/results/)
+BENCH_TAG ?= $(shell git rev-parse --short HEAD)
+bench-verbs-lab: venv
+	LAB_OUT=benchmarks/results LAB_TIMEOUT=$(LAB_TIMEOUT) lab/run tests/lab/bench-verbs-lat.sh \
+	    --tag $(BENCH_TAG)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

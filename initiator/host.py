@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import importlib
 import itertools
 import logging
 import mmap
@@ -493,8 +494,9 @@ class Controller:
     def __new__(cls, opts: ConnectOptions | None = None, *args: Any, **kwargs: Any):
         if cls is Controller and opts is not None and opts.paths \
                 and kwargs.get("share") is None:
-            from blockfabric.initiator.pathset import MultipathController
-            return super().__new__(MultipathController)
+            # the pathset of this very module (tests import it as initiator.host too)
+            pathset = importlib.import_module(__name__.rpartition(".")[0] + ".pathset")
+            return super().__new__(pathset.MultipathController)
         return super().__new__(cls)
 
     def __init__(self, opts: ConnectOptions, *, share: Controller | None = None) -> None:

@@ -37,8 +37,9 @@ import time
 from typing import Any
 
 from blockfabric.errors import BlockfabricError
-from blockfabric.initiator.host import (ConnectOptions, Controller, ControllerLost, CtrlState,
-                                        IoCommand, Namespace, NvmeError, _Request)
+# relative: the host module this controller subclasses is the one that returns it
+from .host import (ConnectOptions, Controller, ControllerLost, CtrlState, IoCommand,
+                   Namespace, NvmeError, _Request)
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol.identify import CMIC_ANA
 from blockfabric.protocol.logpages import AnaState
@@ -193,7 +194,7 @@ class MultipathController(Controller):
                 if before is not None:
                     if before - now:
                         moved_off = True
-                    if best and (now - before):
+                    if now - before:        # a path (back) in the route: failback
                         moved_back = True
             self._route = route
             self._serving = serving
@@ -427,7 +428,8 @@ class MultipathController(Controller):
             for nsid in sorted(self.namespaces):
                 state = self.path_state(i, nsid) if pc.state is CtrlState.LIVE else None
                 ana[nsid] = ("optimized" if state is None and pc.state is CtrlState.LIVE
-                             else state.name.lower() if state is not None else "-")
+                             else state.name.lower().replace("_", "-") if state is not None
+                           else "-")
             out.append({"path": format_path(*pc.path), "state": pc.state.value,
                         "cntlid": pc.cntlid if pc.state is CtrlState.LIVE else None,
                         "ana": ana,

@@ -366,6 +366,8 @@ class MultipathController(Controller):
         self._rerank(f"ANA log of {format_path(*pc.path)}: chgcnt {ana[0]}")
 
     def _path_changed(self, pc: Controller) -> None:
+        if self._closing:           # our own close: nothing to re-rank
+            return
         index = self.path_ctrls.index(pc)
         if pc.state is CtrlState.LIVE:
             live = [p for p in self.path_ctrls if p is not pc and p.state is CtrlState.LIVE]

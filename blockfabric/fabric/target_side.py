@@ -173,9 +173,19 @@ class TargetQueue(Endpoint):
                          send_count=depth, send_size=CQE_SIZE, max_send_wr=depth * 4,
                          max_send_sge=max_send_sge, name=name or f"q{qid}",
                          recv_now=recv_now)
-        self.commands = [Command(self, i) for i in range(depth)]
-        self._free = list(range(depth - 1, -1, -1))
+        # Like the receive slots, command contexts for the whole depth only once the peer has
+        # proved to be a host (post_more_receives): before that one receive, one command.
+        first = depth if recv_now is None else max(1, min(depth, recv_now))
+        self.commands = [Command(self, i) for i in range(first)]
+        self._free = list(range(first - 1, -1, -1))
         self._cqe_views = self.send_pool.views
+
+    def post_more_receives(self) -> None:
+        super().post_more_receives()
+        have = len(self.commands)
+        if have < self.depth and not self.closed:
+            self.commands.extend(Command(self, i) for i in range(have, self.depth))
+            self._free[:0] = range(self.depth - 1, have - 1, -1)
 
     # -- completions -----------------------------------------------------------------
     def on_completion(self, wc: WC) -> None:
@@ -388,7 +398,7 @@ class TargetQueue(Endpoint):
 
     @property
     def outstanding(self) -> int:
-        return self.depth - len(self._free)
+        return len(self.commands) - len(self._free)
 
 
 def _aim(wr: SendWR, sge: SGE, addr: int, length: int, lkey: int, cmd: Command) -> None:

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from blockfabric.rdma.soft.device import Group, SoftContext
 
 
+def drain_eventfd(fd: int) -> int:
+    """Read (reset) an eventfd that was signalled; 0 if it was not readable after all."""
+    try:
+        return os.eventfd_read(fd)
+    except BlockingIOError:
+        return 0
+
+
 class SoftCQ(CQ):
     def __init__(self, ctx: "SoftContext", depth: int) -> None:
         self.ctx = ctx
@@ -90,10 +98,7 @@ class SoftCQ(CQ):
         n = 0
         if self._signalled:         # a system call (and an exception) only when signalled
             self._signalled = False
-            try:
-                n = os.eventfd_read(self._efd)
-            except BlockingIOError:
-                pass
+            n = drain_eventfd(self._efd)
         if self._poll_mode:
             self.ctx.progress(0)
         return n
@@ -110,10 +115,7 @@ class SoftCQ(CQ):
         self._armed = False
         if self._signalled:
             self._signalled = False
-            try:
-                os.eventfd_read(self._efd)
-            except BlockingIOError:
-                pass
+            drain_eventfd(self._efd)
         self.owner = callback
         group = self.ctx.group(reactor)
         group.add(self)

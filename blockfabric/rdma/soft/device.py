@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from blockfabric.rdma.base import PASS_HOOKS, Context
-from blockfabric.rdma.soft.cq import SoftCQ
+from blockfabric.rdma.soft.cq import SoftCQ, drain_eventfd
 from blockfabric.rdma.soft.memory import KeyAllocator, SoftMR, SoftPD
 
 if TYPE_CHECKING:
@@ -102,10 +102,7 @@ class Group:
         completions, then every frame the pass produced goes out."""
         if self._signalled:
             self._signalled = False
-            try:
-                os.eventfd_read(self._efd)
-            except BlockingIOError:
-                pass
+            drain_eventfd(self._efd)
         ctx = self.ctx
         if ctx.closed:
             return
@@ -330,10 +327,7 @@ class SoftContext(Context):
                 self._fire_rnr(now)
             elif self._kicked:      # (poll mode) a system call only when there is a kick
                 self._kicked = False
-                try:
-                    os.eventfd_read(self._kick)
-                except BlockingIOError:
-                    pass
+                drain_eventfd(self._kick)
             if now >= self._next_sweep:
                 self._next_sweep = now + SWEEP_INTERVAL
                 for qp in list(self._qps):

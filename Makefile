@@ -94,7 +94,7 @@ demo: venv
 # boot, the RDMA contract suite on rxe0 with the verbs provider and the interop suite
 # against the Linux kernel's own NVMe-oF host and target (tests/lab/all.sh). lab/setup installs what it needs and exits 77 where
 # QEMU or the kernel package cannot be had: only then is the lab skipped.
-LAB_TIMEOUT ?= 1200
+LAB_TIMEOUT ?= 2400
 lab: venv
 	@rc=0; lab/setup || rc=$$?; \
 	if [ $$rc = 77 ]; then echo "make lab: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \

@@ -182,6 +182,7 @@ class PduConnection:
                 if avail < head:
                     if head > len(view):
                         self._grow(head, pos, filled)
+                        pos = 0             # the new buffer starts with this PDU
                         return
                     break
                 if digested and tp.digest(view[pos:pos + hlen]) != \
@@ -191,6 +192,7 @@ class PduConnection:
                 if avail < plen:
                     if plen > len(view):
                         self._grow(plen, pos, filled)
+                        pos = 0
                         return
                     break
                 pdu = view[pos:pos + plen]

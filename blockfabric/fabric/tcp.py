@@ -254,7 +254,7 @@ class PduConnection:
         whatever is already queued, then end the connection."""
         if self.closed:
             return
-        log.warning("%s: terminating the connection: %s (FES %#x, FEI %d)", self.name, exc,
+        log.debug("%s: terminating the connection: %s (FES %#x, FEI %d)", self.name, exc,
                     exc.fes, exc.fei)
         with self._send_lock:
             # best effort and never blocking: a peer that does not read gets no more

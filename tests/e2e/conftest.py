@@ -172,6 +172,19 @@ def ram_target(start_target):
     return proc
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def module_any_target(request, tmp_path_factory):
+    """One ramdisk target per transport shared by a whole test module (``proc.via``)."""
+    port = free_port()
+    proc = TargetProc(ram_config(port, transport=request.param),
+                      tmp_path_factory.mktemp("target")).start()
+    proc.port, proc.transport, proc.via = port, request.param, via(request.param)
+    yield proc
+    if proc.alive():
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+
+
 @pytest.fixture
 def any_target(start_target, transport):
     """A ramdisk target listening on ``transport`` (``proc.via``: how to connect to it)."""

@@ -15,8 +15,9 @@ SGL_TYPE_BYTE = 39  # SQE @24 + 15
 
 
 @pytest.fixture
-def ctrl(any_target):
-    with connect("127.0.0.1", NQN, any_target.port, **any_target.via, hostnqn=HOSTNQN,
+def ctrl(module_any_target):
+    target = module_any_target
+    with connect("127.0.0.1", NQN, target.port, **target.via, hostnqn=HOSTNQN,
                  nr_io_queues=1) as c:
         yield c
 

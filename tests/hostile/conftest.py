@@ -13,7 +13,7 @@ import pytest
 from blockfabric.initiator.host import connect
 
 from e2e.conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port,  # noqa: F401
-                          ram_config, start_target)
+                          listener, ram_config, start_target, transport, via)
 from faults.verifyload import verify_load
 
 MAX_CONN = 6
@@ -30,6 +30,8 @@ def target(start_target, request, tmp_path):
     limits = dict(getattr(request, "param", {}))
     backend = limits.pop("backend", "ramdisk")
     config = ram_config(port)
+    tcp_port = free_port()      # and NVMe/TCP beside it: the same subsystem, the same limits
+    config["listeners"].append(listener(tcp_port, transport="tcp"))
     nofile = limits.pop("nofile", None)
     if backend == "file":
         config["subsystems"][0]["namespaces"] = [
@@ -41,6 +43,7 @@ def target(start_target, request, tmp_path):
                                            str(BIN / "blockfabric-target")]
     proc = start_target(config, command=command)
     proc.port = port
+    proc.tcp_port = tcp_port
     if backend == "file":
         proc.metrics, proc.socket = config["metrics"]["port"], config["control_socket"]
     return proc
@@ -54,8 +57,9 @@ class Bystander:
     before and during an attack (:meth:`attack`) and that it never stood still
     (:meth:`max_gap`)."""
 
-    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN) -> None:
-        self.ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=hostnqn,
+    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN, transport: str = "rdma"
+                 ) -> None:
+        self.ctrl = connect("127.0.0.1", NQN, port, **via(transport), hostnqn=hostnqn,
                             nr_io_queues=1, keep_alive_tmo=2.0)
         self.stop = threading.Event()
         self.result: dict = {}
@@ -111,7 +115,11 @@ RATES: list[tuple[str, str, float, float, float]] = []
 
 @pytest.fixture
 def bystander(target, request):
-    b = Bystander(target.port)
+    """A host verifying its data over the test's ``transport`` (rdma unless the test takes
+    that fixture)."""
+    kind = request.getfixturevalue("transport") if "transport" in request.fixturenames \
+        else "rdma"
+    b = Bystander(target.tcp_port if kind == "tcp" else target.port, transport=kind)
     yield b
     if b.thread.is_alive():
         b.stop.set()

@@ -11,7 +11,7 @@ import pytest
 from blockfabric.initiator.host import QueueDead, connect
 from blockfabric.protocol import IOOpcode, KeyedSGL, OffsetSGL, ReadWrite, StatusCode
 
-from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed
+from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed, via
 
 MiB = 1 << 20
 BS = 4096
@@ -46,10 +46,11 @@ ATTACKS = [
 
 
 @pytest.mark.timeout(60)
-def test_malformed_capsules_get_their_status(target, bystander):
+def test_malformed_capsules_get_their_status(target, transport, bystander):
     probe = TargetProbe(target)
+    port = target.tcp_port if transport == "tcp" else target.port
     with bystander.attack("malformed capsules"), \
-            connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=HOSTNQN,
+            connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,
                     nr_io_queues=1) as attacker:
         queue = attacker.io_queues[0]
         for _ in range(20):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import BlockfabricError
@@ -41,6 +42,7 @@ from blockfabric.target import config as cfg
 
 if TYPE_CHECKING:
     from blockfabric.target.ana import Ana
+    from blockfabric.target.namespace import Namespace
     from blockfabric.target.server import Target
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,22 @@ LEASE_MARGIN = 0.5
 
 class GatewayError(BlockfabricError):
     """The gateway cannot join its group (Ceph unreachable, overlapping cntlid range)."""
+
+
+def refuse_exclusive_lock(namespaces: Iterable[Namespace]) -> None:
+    """A gateway group writes each image through several gateways at once: an image with
+    the exclusive-lock feature would pass its lock back and forth on every write, and a
+    SIGKILLed gateway's lock would block the survivors' writes until its watch times out
+    (30 s), longer than any failover.  Refuse such an image, saying how to fix it."""
+    for ns in namespaces:
+        if getattr(ns.backend, "exclusive_lock", False):
+            rbd = ns.conf.rbd
+            name = f"{rbd.pool}/{rbd.namespace + '/' if rbd.namespace else ''}{rbd.image}"
+            raise GatewayError(
+                f"nsid {ns.nsid}: rbd image {name} has the exclusive-lock feature, which a "
+                "gateway group cannot share (its gateways write the image concurrently; "
+                f"docs/ceph.md): rbd feature disable {name} fast-diff object-map "
+                "exclusive-lock")
 
 
 class Coordinator:

@@ -133,6 +133,8 @@ class RbdBackend(Backend):
             except rbd.Error as exc:
                 raise _from_exception(exc, f"{what}: opening the image") from None
             size = self._image.size()
+            #: the image has exclusive-lock: fine for one target, refused in a gateway group
+            self.exclusive_lock = bool(self._image.features() & rbd.RBD_FEATURE_EXCLUSIVE_LOCK)
         except rados.Error as exc:
             self._teardown()
             raise _from_exception(exc, what) from None

@@ -53,7 +53,7 @@ from blockfabric.target.backoff import PeerBackoff
 from blockfabric.target.control import ControlServer
 from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
-from blockfabric.target.gateway import Coordinator
+from blockfabric.target.gateway import Coordinator, refuse_exclusive_lock
 from blockfabric.target.namespace import Namespace, Subsystem
 from blockfabric.target.rbdvolume import VolumeWatch
 
@@ -292,6 +292,8 @@ class Target:
             for sub in config.subsystems:
                 self.subsystems[sub.nqn] = Subsystem(sub)
             if config.gateway is not None:
+                refuse_exclusive_lock(ns for sub in self.subsystems.values()
+                                      for ns in sub.namespaces.values())
                 self.ana = Ana(self, config.gateway)
         except BaseException:
             self.close()
@@ -964,6 +966,9 @@ class Target:
             for change in plan.changed:
                 for ns_conf in change.added + change.replaced:
                     namespaces[change.new.nqn, ns_conf.nsid] = Namespace(ns_conf)
+            if self.config.gateway is not None:
+                refuse_exclusive_lock([*namespaces.values(), *(
+                    ns for sub in subsystems for ns in sub.namespaces.values())])
             if plan.metrics_changed and new.metrics is not None:
                 old = self.metrics_server
                 if old is not None and old.port == new.metrics.port:

@@ -219,3 +219,21 @@ def _write(tmp_path, conf) -> str:
     path = tmp_path / f"gw-{uuid.uuid4().hex[:6]}.yaml"
     path.write_text(yaml.safe_dump(conf))
     return str(path)
+
+
+def test_an_image_with_exclusive_lock_is_refused_with_the_fix(ceph, tmp_path):
+    # rbd create's default features include exclusive-lock: a gateway must not start on it
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    ceph.rbd("create", "--size", "16M", f"{ceph.pool}/{name}")
+    try:
+        out = subprocess.run(
+            [str(BIN / "blockfabric-target"), "run", "-C", str(_write(tmp_path, gateway_config(
+                ceph, [name], free_port(), "gw-z", f"g{uuid.uuid4().hex[:6]}", (1, 9), [1])))],
+            capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0
+        assert (f"rbd image {ceph.pool}/{name} has the exclusive-lock feature" in out.stderr
+                and f"rbd feature disable {ceph.pool}/{name} fast-diff object-map "
+                "exclusive-lock" in out.stderr), out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+    finally:
+        _remove(ceph, name)

@@ -1,0 +1,167 @@
+"""The host's ANA multipath against two real gateways on one RBD image: the host connects to
+both at once, sends I/O to the optimized one, moves it to the surviving path when the
+optimized gateway is SIGKILLed, and back when it returns (failback).
+
+Three hosts run the load at the same time, each on its own region of the image:
+``blockfabric bench --verify crc32c`` and fio's crc32c verify through a FUSE mount (both
+with ``--path``), and the host library in this process, whose completion times give the
+two numbers issue 16 asks for (kill -> I/O flowing again, restart -> failback).
+
+The gateways listen on 127.0.0.1 on two ports: the throwaway cluster listens on loopback
+only, which a second network namespace would not reach.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+from e2e.conftest import BIN, HOSTNQN, TargetProc, free_port
+from fuse.conftest import Mount, mounted_at, run_cli
+from blockfabric.initiator.host import ConnectOptions, Controller
+from blockfabric.protocol.logpages import AnaState
+
+from .test_gateway import NQN, _image, _remove, gateway_config, wait_for
+
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(120)
+
+
+class PathsMount(Mount):
+    def __init__(self, ports, base) -> None:
+        super().__init__(None, base)
+        self.ports = ports
+
+    def argv(self) -> list[str]:
+        return ["mount", "-a", "127.0.0.1", "-s", str(self.ports[0]), "--path",
+                f"127.0.0.1:{self.ports[1]}", "-n", NQN, "--provider", "soft", "-q",
+                HOSTNQN, "-k", "1", "-c", "1", "-l", "30", self.path]
+
+    def start(self) -> PathsMount:
+        run_cli(*self.argv(), env=self.env)
+        assert mounted_at(self.path)
+        return self
+
+
+class Load(threading.Thread):
+    """Write then read back 4 KiB blocks at 48 MiB.. through the library, recording when
+    each completed; any error or mismatch is kept."""
+
+    def __init__(self, ctrl) -> None:
+        super().__init__(daemon=True)
+        self.ns = ctrl.namespaces[1]
+        self.done: list[float] = []
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            off = 48 * MiB + (i % 2048) * 4096
+            data = (b"%08d" % i) * 512
+            try:
+                self.ns.write(off, data)
+                if self.ns.read(off, 4096) != data:
+                    self.errors.append(f"mismatch at {off}")
+            except Exception as exc:  # noqa: BLE001 - the test asserts there is none
+                self.errors.append(repr(exc))
+            self.done.append(time.monotonic())
+            i += 1
+
+    def first_after(self, t: float) -> float:
+        return next(x for x in list(self.done) if x > t) - t
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is missing")
+def test_host_multipath_kill_optimized_gateway_then_failback(ceph, tmp_path):
+    image, group = _image(ceph), f"g{uuid.uuid4().hex[:6]}"
+    ports = free_port(), free_port()
+    confs = [gateway_config(ceph, [image], ports[0], "gw-a", group, (1, 99), [1]),
+             gateway_config(ceph, [image], ports[1], "gw-b", group, (100, 199), [])]
+    procs = [TargetProc(c, tmp_path).start() for c in confs]
+    mount = bench = ctrl = None
+    try:
+        ctrl = Controller(ConnectOptions("127.0.0.1", NQN, ports[0], provider="soft",
+                                         hostnqn=HOSTNQN, paths=[("127.0.0.1", ports[1])],
+                                         keep_alive_tmo=1, reconnect_delay=0.5,
+                                         ctrl_loss_tmo=30)).connect()
+        wait_for(lambda: ctrl._serving.get(1) == {0}, 15, "I/O on A only (A optimized)")
+        view = {p["path"]: p for p in ctrl.paths_view()}
+        a, b = (f"127.0.0.1:{p}" for p in ports)
+        assert view[a]["ana"] == {1: "optimized"} and view[a]["serving"] == [1]
+        assert view[b]["ana"] == {1: "non-optimized"} and view[b]["serving"] == []
+        mount = PathsMount(ports, tmp_path).start()
+        assert f"{a} live" in mount.status() and "n1 optimized*" in mount.status()
+        load = Load(ctrl)
+        load.start()
+        bench = subprocess.Popen(
+            [str(BIN / "blockfabric"), "bench", "-a", "127.0.0.1", "-s", str(ports[0]),
+             "--path", f"127.0.0.1:{ports[1]}", "-n", NQN, "-q", HOSTNQN, "--provider",
+             "soft", "-k", "1", "-c", "1", "-l", "30", "--size", "16M", "--verify", "crc32c",
+             "--rw", "randrw", "--bs", "4k", "--iodepth", "8", "--runtime", "18", "-o",
+             "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        fio = subprocess.Popen(
+            ["fio", "--name=verify", f"--filename={mount.file('n1')}", "--rw=write",
+             "--bs=64k", "--offset=16m", "--size=16m", "--rate=1m", "--ioengine=psync",
+             "--verify=crc32c", "--do_verify=1", "--verify_fatal=1",
+             "--verify_state_save=0", "--output-format=terse"], cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        # -- SIGKILL the optimized gateway: I/O moves to B --------------------------------
+        killed = time.monotonic()
+        procs[0].proc.send_signal(signal.SIGKILL)
+        procs[0].proc.wait(5)
+        wait_for(lambda: ctrl._serving.get(1) == {1}, 10, "I/O moved to B")
+        wait_for(lambda: load.done and load.done[-1] > killed, 15, "I/O flowing on B")
+        flowing = load.first_after(killed)
+        took = wait_for(lambda: ctrl.path_state(1, 1) == AnaState.OPTIMIZED, 15,
+                        "B optimized") + (time.monotonic() - killed)
+        # -- restart A: it takes group 1 back, I/O follows -------------------------------
+        time.sleep(1.0)
+        restarted = time.monotonic()
+        procs[0] = TargetProc(confs[0], tmp_path).start()
+        wait_for(lambda: ctrl._serving.get(1) == {0}, 30, "failback to A")
+        failback = time.monotonic() - restarted
+        after = len(load.done)
+        time.sleep(0.5)
+        assert len(load.done) > after, "I/O flows after failback"
+        load.stop.set()
+        load.join(10)
+        rec = ctrl.recovery_stats()
+        out, err = bench.communicate(timeout=60)
+        fout, ferr = fio.communicate(timeout=90)
+        status = mount.status()
+        print(f"\nmultipath: SIGKILL of the optimized gateway -> I/O flowing on the other "
+              f"path {flowing:.3f} s (B reports optimized after {took:.2f} s); restart -> "
+              f"failback (I/O on A again) {failback:.2f} s; library {len(load.done)} I/Os; "
+              f"recovery {rec}")
+        print(status)
+        assert not load.errors, load.errors[:5]
+        assert rec["failovers"] >= 1 and rec["failbacks"] >= 1 and rec["failed"] == 0, rec
+        assert bench.returncode == 0, err
+        import json
+        result = json.loads(out)
+        job = result["jobs"][0]
+        assert job["error"] == 0 and not job["blockfabric"]["errors"], job["blockfabric"]
+        assert job["blockfabric"]["verified_blocks"] > 0
+        assert result["blockfabric"]["recovery"][0]["failovers"] >= 1
+        assert fio.returncode == 0, fout + ferr
+        assert "failover    " in status and "failed 0" in status, status
+        assert mount.counter("errors") == 0
+    finally:
+        if mount is not None:
+            mount.cleanup()
+        if bench is not None and bench.poll() is None:
+            bench.kill()
+        if ctrl is not None:
+            ctrl.close()
+        for p in procs:
+            p.stop()
+            assert "Traceback" not in p.log, p.log
+        _remove(ceph, image)

@@ -226,10 +226,11 @@ class MultipathController(Controller):
                                          for i in sorted(idx)) or "no path")
             for nsid, idx in sorted(self._serving.items()))
 
-    def issue(self, cmd: IoCommand, queue: Any = None) -> None:
+    def issue(self, cmd: IoCommand, queue: Any = None, held: bool = False) -> None:
         """Send ``cmd`` on the next queue of a path that serves its namespace best (the
         ``queue`` a caller names is a hint for one path; it is not used here), or hold it
-        until one can.  No lock, no allocation: one dict look-up and one index."""
+        until one can (``held``: it was held already, and counted then).  No lock, no
+        allocation: one dict look-up and one index."""
         route = self._route.get(cmd.nsid)
         if route:
             pc, q = route[next(self._rr) % len(route)]
@@ -241,17 +242,17 @@ class MultipathController(Controller):
             except ConnectionError as exc:
                 self._hold(cmd, str(exc))
             return
-        self._park(cmd)
+        self._park(cmd, held)
 
-    def _dispatch(self, req: _Request | IoCommand) -> None:
+    def _dispatch(self, req: _Request | IoCommand, held: bool = False) -> None:
         if isinstance(req, IoCommand):
-            self.issue(req)
+            self.issue(req, held=held)
             return
         if req.nsid is None:
             req.nsid = req.make_sqe().nsid
         route = self._route.get(req.nsid)
         if not route:
-            self._park(req)
+            self._park(req, held)
             return
         pc, q = route[next(self._rr) % len(route)]
         req.path = pc
@@ -269,17 +270,22 @@ class MultipathController(Controller):
         else:
             req.callback(cqe, data, None)
 
-    def _park(self, req: _Request | IoCommand) -> None:
-        """No path serves ``req`` now: hold it for a re-rank, or fail it if none ever will."""
+    def _park(self, req: _Request | IoCommand, held: bool = False) -> None:
+        """No path serves ``req`` now: hold it for a re-rank, or fail it if none ever will
+        (``held``: it was held before, and counted then; failing it counts as ``failed``)."""
         with self._mp_lock:
             if self.state is CtrlState.CLOSED or all(
                     pc.state in (CtrlState.FAILED, CtrlState.CLOSED)
                     for pc in self.path_ctrls):
                 fail = True
+                if held:
+                    self.recovery.failed += 1
             else:
                 fail = False
                 self._held.append(req)
-                self.recovery.held += 1
+                if not held:
+                    req.held += 1
+                    self.recovery.held += 1
                 if self._poll_timer is None:
                     self._poll_timer = True
                     self.reactor.call_soon_threadsafe(self._poll_later)
@@ -301,7 +307,7 @@ class MultipathController(Controller):
             if any(index in s for s in self._serving.values()):
                 self._rerank(f"path {format_path(*pc.path)} lost: {reason}")
         self.recovery.retried += 1
-        self._dispatch(req)
+        self._dispatch(req, held=True)
 
     def _path_status(self, req: _Request | IoCommand, word: int, result: int) -> None:
         """SCT 3 (ANA Inaccessible, Persistent Loss, Transition...): not through this path
@@ -356,7 +362,7 @@ class MultipathController(Controller):
 
     def _release(self, held: list) -> None:
         for req in held:
-            self._dispatch(req)
+            self._dispatch(req, held=True)
 
     # -- what the paths tell -------------------------------------------------------------
     def _ana_changed(self, pc: Controller, ana: tuple[int, list]) -> None:

@@ -17,6 +17,7 @@ class TcpProxy:
         self.delay = delay
         self.refusing = False
         self.cuts = 0
+        self.forwarded = 0          # bytes relayed either way (to wait for I/O through it)
         self._lsock = socket.create_server(("127.0.0.1", 0))
         self.port = self._lsock.getsockname()[1]
         self._conns: list[socket.socket] = []
@@ -55,6 +56,8 @@ class TcpProxy:
                 if self.delay:
                     time.sleep(self.delay)
                 dst.sendall(chunk)
+                self.forwarded += len(chunk)    # one thread per direction: += may race,
+                # which only undercounts; callers wait for "some I/O", not an exact number
         except OSError:
             pass
         finally:
@@ -68,6 +71,14 @@ class TcpProxy:
         for s in conns:
             _reset(s)
         self.cuts += 1
+
+    def wait_forwarded(self, nbytes: int, timeout: float = 30.0) -> None:
+        """Until ``nbytes`` more have gone through (I/O flows on this path)."""
+        goal, deadline = self.forwarded + nbytes, time.monotonic() + timeout
+        while self.forwarded < goal:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.forwarded} bytes through the proxy, no more")
+            time.sleep(0.02)
 
     def down(self) -> None:
         """A dead path: cut what lives and refuse what comes."""

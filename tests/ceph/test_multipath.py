@@ -13,6 +13,7 @@ only, which a second network namespace would not reach.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -161,6 +162,72 @@ def test_host_multipath_kill_optimized_gateway_then_failback(ceph, tmp_path):
             bench.kill()
         if ctrl is not None:
             ctrl.close()
+        for p in procs:
+            p.stop()
+            assert "Traceback" not in p.log, p.log
+        _remove(ceph, image)
+
+
+def test_host_multipath_steers_by_ana_state_and_reroutes_ana_statuses(ceph, tmp_path):
+    """Gateways that report the groups they do not own **inaccessible**: the host sends
+    nothing down that path.  With a stale ANA log (a change it has not read yet) it does,
+    gets ANA Inaccessible (0x302) back, re-issues those commands on the optimized path and
+    re-reads the log.  With the optimized gateway SIGKILLed no path may serve the group:
+    I/O is held, not failed, until the survivor takes the group and says so by an ANA
+    change event."""
+    image, group = _image(ceph), f"g{uuid.uuid4().hex[:6]}"
+    ports = free_port(), free_port()
+    confs = [gateway_config(ceph, [image], ports[0], "gw-a", group, (1, 99), [1],
+                            others="inaccessible"),
+             gateway_config(ceph, [image], ports[1], "gw-b", group, (100, 199), [],
+                            others="inaccessible")]
+    procs = [TargetProc(c, tmp_path).start() for c in confs]
+    try:
+        with Controller(ConnectOptions("127.0.0.1", NQN, ports[0], provider="soft",
+                                       hostnqn=HOSTNQN, paths=[("127.0.0.1", ports[1])],
+                                       keep_alive_tmo=1, reconnect_delay=0.5,
+                                       ctrl_loss_tmo=30)).connect() as ctrl:
+            wait_for(lambda: ctrl._serving.get(1) == {0}, 15, "I/O on A only")
+            a, b = ctrl.path_ctrls
+            assert [p["ana"] for p in ctrl.paths_view()] == [{1: "optimized"},
+                                                             {1: "inaccessible"}]
+            ns = ctrl.namespaces[1]
+            data = bytes(range(256)) * 16
+            ns.write(0, data)
+
+            def b_io() -> int:
+                return sum(st["submitted"] for qid, st in b.queue_stats().items() if qid)
+            before = b_io()
+            for _ in range(16):
+                assert ns.read(0, 4096) == data
+            assert b_io() == before, "I/O went down the inaccessible path"
+            # -- a stale log: B believed optimized, answers 0x302, the host re-routes --------
+            chgcnt, groups = b.ana_log
+            b.ana_log = (chgcnt, [dataclasses.replace(g, state=AnaState.OPTIMIZED)
+                                  for g in groups])
+            ctrl._rerank("test: an ANA change not read yet")
+            assert ctrl._serving[1] == {0, 1}
+            for _ in range(16):
+                assert ns.read(0, 4096) == data
+            rec = ctrl.recovery_stats()
+            assert b_io() > before and rec["path_errors"] >= 1 and rec["failed"] == 0, rec
+            wait_for(lambda: ctrl._serving.get(1) == {0}, 10, "B out of the route again")
+            assert ctrl.path_state(1, 1) == AnaState.INACCESSIBLE
+            # -- A killed: nothing may serve group 1 until B takes it ------------------------
+            box: dict = {}
+            procs[0].proc.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            reader = threading.Thread(target=lambda: box.update(data=ns.read(0, 4096)))
+            reader.start()
+            reader.join(30)
+            took = time.monotonic() - killed
+            assert box.get("data") == data, box
+            assert ctrl.path_state(1, 1) == AnaState.OPTIMIZED and ctrl._serving[1] == {1}
+            rec = ctrl.recovery_stats()
+            print(f"\ninaccessible survivor: read held {took:.2f} s until B took the group; "
+                  f"recovery {rec}")
+            assert rec["failed"] == 0 and rec["held"] >= 1, rec
+    finally:
         for p in procs:
             p.stop()
             assert "Traceback" not in p.log, p.log

@@ -43,6 +43,10 @@ class TcpProxy:
             for s in (client, upstream):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                if self.refusing:       # down() ran while this one was being set up:
+                    _reset(client)      # it must not outlive the cut
+                    _reset(upstream)
+                    continue
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -64,9 +68,11 @@ class TcpProxy:
             for s in (src, dst):
                 _reset(s)
 
-    def cut(self) -> None:
-        """Reset every live connection (both ends see the peer vanish)."""
+    def cut(self, refuse: bool = False) -> None:
+        """Reset every live connection (both ends see the peer vanish); ``refuse``: and
+        every new one from now on (set under the lock, so none slips in between)."""
         with self._lock:
+            self.refusing = self.refusing or refuse
             conns, self._conns = self._conns, []
         for s in conns:
             _reset(s)
@@ -82,8 +88,7 @@ class TcpProxy:
 
     def down(self) -> None:
         """A dead path: cut what lives and refuse what comes."""
-        self.refusing = True
-        self.cut()
+        self.cut(refuse=True)
 
     def up(self) -> None:
         self.refusing = False

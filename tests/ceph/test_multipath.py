@@ -24,7 +24,7 @@ import uuid
 import pytest
 
 from e2e.conftest import BIN, HOSTNQN, TargetProc, free_port
-from fuse.conftest import Mount, mounted_at, run_cli
+from fuse.conftest import Mount, mounted_at
 from blockfabric.initiator.host import ConnectOptions, Controller
 from blockfabric.protocol.logpages import AnaState
 
@@ -35,19 +35,51 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class PathsMount(Mount):
+    """``blockfabric mount -f`` (as systemd runs it) with both paths; its log (stderr) is
+    kept, so that a failing check can show what the host saw."""
+
     def __init__(self, ports, base) -> None:
         super().__init__(None, base)
         self.ports = ports
+        self.log_path = base / "mount.log"
+        self.proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
         return ["mount", "-a", "127.0.0.1", "-s", str(self.ports[0]), "--path",
                 f"127.0.0.1:{self.ports[1]}", "-n", NQN, "--provider", "soft", "-q",
-                HOSTNQN, "-k", "1", "-c", "1", "-l", "30", self.path]
+                HOSTNQN, "-k", "1", "-c", "1", "-l", "30", "-f", self.path]
 
     def start(self) -> PathsMount:
-        run_cli(*self.argv(), env=self.env)
-        assert mounted_at(self.path)
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([str(BIN / "blockfabric"), *self.argv()],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         env=self.env)
+        wait_for(lambda: mounted_at(self.path) or self.proc.poll() is not None, 30,
+                 "mounted")
+        assert mounted_at(self.path), self.log()
         return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def cleanup(self) -> None:
+        if self.proc is None:
+            return
+        if mounted_at(self.path):
+            # ``blockfabric umount`` waits for the mount process to be gone: this process,
+            # its parent, reaps it meanwhile (a zombie would look alive to it)
+            umount = subprocess.Popen([str(BIN / "blockfabric"), "umount", self.path],
+                                      env=self.env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            out, _ = umount.communicate(timeout=30)
+            assert umount.returncode == 0, out
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
 
 
 class Load(threading.Thread):
@@ -152,9 +184,9 @@ def test_host_multipath_kill_optimized_gateway_then_failback(ceph, tmp_path):
         assert job["error"] == 0 and not job["blockfabric"]["errors"], job["blockfabric"]
         assert job["blockfabric"]["verified_blocks"] > 0
         assert result["blockfabric"]["recovery"][0]["failovers"] >= 1
-        assert fio.returncode == 0, fout + ferr
+        assert fio.returncode == 0, fout + ferr + "\nmount log:\n" + mount.log()
         assert "failover    " in status and "failed 0" in status, status
-        assert mount.counter("errors") == 0
+        assert mount.counter("errors") == 0, mount.log()
     finally:
         if mount is not None:
             mount.cleanup()

@@ -17,6 +17,7 @@ class TcpProxy:
         self.delay = delay
         self.refusing = False
         self.cuts = 0
+        self.forwarded = 0          # bytes relayed either way (to wait for I/O through it)
         self._lsock = socket.create_server(("127.0.0.1", 0))
         self.port = self._lsock.getsockname()[1]
         self._conns: list[socket.socket] = []
@@ -42,6 +43,10 @@ class TcpProxy:
             for s in (client, upstream):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                if self.refusing:       # down() ran while this one was being set up:
+                    _reset(client)      # it must not outlive the cut
+                    _reset(upstream)
+                    continue
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -55,24 +60,35 @@ class TcpProxy:
                 if self.delay:
                     time.sleep(self.delay)
                 dst.sendall(chunk)
+                self.forwarded += len(chunk)    # one thread per direction: += may race,
+                # which only undercounts; callers wait for "some I/O", not an exact number
         except OSError:
             pass
         finally:
             for s in (src, dst):
                 _reset(s)
 
-    def cut(self) -> None:
-        """Reset every live connection (both ends see the peer vanish)."""
+    def cut(self, refuse: bool = False) -> None:
+        """Reset every live connection (both ends see the peer vanish); ``refuse``: and
+        every new one from now on (set under the lock, so none slips in between)."""
         with self._lock:
+            self.refusing = self.refusing or refuse
             conns, self._conns = self._conns, []
         for s in conns:
             _reset(s)
         self.cuts += 1
 
+    def wait_forwarded(self, nbytes: int, timeout: float = 30.0) -> None:
+        """Until ``nbytes`` more have gone through (I/O flows on this path)."""
+        goal, deadline = self.forwarded + nbytes, time.monotonic() + timeout
+        while self.forwarded < goal:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.forwarded} bytes through the proxy, no more")
+            time.sleep(0.02)
+
     def down(self) -> None:
         """A dead path: cut what lives and refuse what comes."""
-        self.refusing = True
-        self.cut()
+        self.cut(refuse=True)
 
     def up(self) -> None:
         self.refusing = False

@@ -232,7 +232,9 @@ def test_start_with_the_cluster_unreachable_fails_clearly(ceph, tmp_path):
                          capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     assert out.returncode != 0, out.stderr
-    assert took < 15, took                              # connect_timeout 3 s, not 300 s
+    # connect_timeout 3 s, not librados' 300 s (the rest is the daemon's start, which takes
+    # 10 s and more on a loaded 2-core machine)
+    assert took < 30, took
     assert "rbd image rbd/img" in out.stderr and "rbd.connect_timeout" in out.stderr, \
         out.stderr
     assert "Traceback" not in out.stderr, out.stderr

@@ -29,8 +29,8 @@ from blockfabric.protocol.resv import LogType, RType
 from blockfabric.protocol.status import StatusCode
 
 OK = StatusCode.SUCCESS
-CONFLICT = StatusCode(0x083)                 # Reservation Conflict (always with DNR)
-HOST_ID_INCONSISTENT = StatusCode(0x018)
+CONFLICT = StatusCode.RESERVATION_CONFLICT    # always with DNR
+HOST_ID_INCONSISTENT = StatusCode.HOST_ID_INCONSISTENT
 ALL_REGS = (RType.WRITE_EXCLUSIVE_ALL_REGS, RType.EXCLUSIVE_ACCESS_ALL_REGS)
 REG_ONLY = (RType.WRITE_EXCLUSIVE_REG_ONLY, RType.EXCLUSIVE_ACCESS_REG_ONLY)
 #: Reservation types under which a registrant may read / write as the holder does.

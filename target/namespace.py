@@ -48,7 +48,11 @@ class Namespace:
         # unreadable) and whether nothing is reserved (the I/O path's one test).
         self.resv_state = None
         self.resv_open = True
-        resvctl.attach(self)
+        try:
+            resvctl.attach(self)
+        except OSError:
+            self.backend.close()
+            raise
 
     @property
     def size(self) -> int:
@@ -90,6 +94,7 @@ class Namespace:
     def close(self) -> None:
         self._deregister()
         self.memory = None
+        self.resv_store.close()
         self.backend.close()
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 from blockfabric.protocol import resv as pr
@@ -20,12 +22,13 @@ from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.opcodes import IOOpcode
 from blockfabric.protocol.status import StatusCode
 from blockfabric.target import reservations as rs
-from blockfabric.target.resvstore import StoreError, store_for
+from blockfabric.target.resvstore import NOTIFY_TIMEOUT_MS, RadosStore, StoreError, store_for
 
 if TYPE_CHECKING:
     from blockfabric.fabric.target_side import Command
     from blockfabric.target.controller import Controller
     from blockfabric.target.namespace import Namespace
+    from blockfabric.target.server import Target
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ WRITE_GROUP = frozenset({IOOpcode.FLUSH, IOOpcode.WRITE_ZEROES, IOOpcode.DATASET
 def attach(ns: Namespace) -> None:
     """Open the namespace's store and read its state (a fresh start: without PTPL the
     state goes, as with a power cycle)."""
-    ns.resv_store = store_for(ns.conf.backend, ns.conf.path)
+    ns.resv_store = store_for(ns.conf)         # StoreError: the namespace does not open
+    ns.resv_bound = False
     try:
         set_state(ns, ns.resv_store.load(fresh_start=True))
     except StoreError as exc:
@@ -118,12 +122,14 @@ class CtrlResv:
         return pr.NotificationLog(count, log_type, len(self.queue), nsid).pack()
 
 
-def _notify(ctrl: Controller, ns: Namespace, notices: list[rs.Notice]) -> None:
+def _notify(target: Target, ns: Namespace, notices: list[rs.Notice]) -> None:
+    """Log entries and AENs for every controller of each notice's host on this daemon."""
     for notice in notices:
         bit = pr.LOG_MASK_BIT[notice.log_type]
-        for other in list(ctrl.target.controllers.values()):
-            if other.subsystem is not ctrl.subsystem or other.hostid != notice.hostid \
-                    or other.dead or other.resv.masks.get(ns.nsid, 0) & bit:
+        for other in list(target.controllers.values()):
+            if other.hostid != notice.hostid or other.dead or other.subsystem is None \
+                    or other.subsystem.namespaces.get(ns.nsid) is not ns \
+                    or other.resv.masks.get(ns.nsid, 0) & bit:
                 continue
             other.resv.add(notice.log_type, ns.nsid)
             other.notify_resv()
@@ -190,7 +196,7 @@ def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
         set_state(ns, out.state)
         if out.notices:
             log.info("%s: ns %d: reservation %s", ctrl.name, ns.nsid, rs.describe(out.state))
-        _notify(ctrl, ns, out.notices)
+        _notify(ctrl.target, ns, out.notices)
         if out.fenced:
             _fence(ctrl, ns, set(out.fenced), cmd)
         else:
@@ -203,18 +209,84 @@ def _fence(ctrl: Controller, ns: Namespace, hosts: set[bytes], cmd: Command) -> 
     """Preempt and Abort: no command of the preempted hosts still in flight when it
     completes (their new ones already conflict).  Like nvmet, nothing is aborted: their
     in-flight commands are waited for."""
-    target = ctrl.target
+    _drained(ctrl.target, hosts, cmd.respond, lambda: cmd.queue.closed)
 
-    def busy() -> int:
-        return sum(c.io.inflight for c in target.controllers.values() if c.hostid in hosts)
 
+def _drained(target: Target, hosts: set[bytes], then: Callable[[], None],
+             give_up: Callable[[], bool] = lambda: False) -> None:
+    """On the reactor: ``then()`` once no controller of ``hosts`` has a command in flight
+    on this daemon."""
     def check() -> None:
-        if busy() and not cmd.queue.closed:
+        busy = sum(c.io.inflight for c in target.controllers.values() if c.hostid in hosts)
+        if busy and not give_up():
             target.reactor.call_later(FENCE_POLL, check)
             return
-        cmd.respond()
+        then()
 
     check()
+
+
+# -- gateways: a state changed through another gateway (RBD) --------------------------
+def bind(target: Target) -> None:
+    """Watch the shared state of every namespace whose store is shared (at start, and
+    after a reload for the new namespaces)."""
+    for sub in target.subsystems.values():
+        for ns in sub.namespaces.values():
+            if isinstance(ns.resv_store, RadosStore) and not ns.resv_bound:
+                ns.resv_bound = True
+                _watch(target, ns)
+
+
+def _watch(target: Target, ns: Namespace) -> None:
+    store: RadosStore = ns.resv_store
+    wait = NOTIFY_TIMEOUT_MS / 1000 - 1
+
+    def apply(out: rs.Outcome) -> None:
+        """On a librados thread, for a notify: answered once applied here (and the fenced
+        hosts' commands on this gateway drained)."""
+        done = threading.Event()
+
+        def on_reactor() -> None:
+            set_state(ns, out.state)
+            _notify(target, ns, out.notices)
+            if out.fenced:
+                _drained(target, set(out.fenced), done.set)
+            else:
+                done.set()
+        target.reactor.call_soon_threadsafe(on_reactor)
+        if not done.wait(wait):
+            log.warning("ns %d: reservation change from another gateway: fenced hosts "
+                        "still busy after %.0f s", ns.nsid, wait)
+
+    def lost() -> None:
+        def unknown() -> None:
+            log.error("ns %d: reservation watch lost: I/O waits until the state is read "
+                      "again", ns.nsid)
+            ns.resv_state = None
+            ns.resv_open = False
+        target.reactor.call_soon_threadsafe(unknown)
+        threading.Thread(target=again, name="resv-watch", daemon=True).start()
+
+    def again() -> None:
+        while not store.closed and not target.draining:
+            try:
+                store.watch(apply, lost)
+                st = store.load()
+            except Exception as exc:
+                log.warning("ns %d: reservation watch: %s", ns.nsid, exc)
+                time.sleep(1.0)
+                continue
+            target.reactor.call_soon_threadsafe(lambda: set_state(ns, st))
+            return
+
+    try:
+        store.watch(apply, lost)
+        st = store.load()       # what changed between the namespace's open and the watch
+    except Exception as exc:
+        log.warning("ns %d: reservation watch: %s", ns.nsid, exc)
+        lost()
+        return
+    set_state(ns, st)
 
 
 def _report(ctrl: Controller, cmd: Command, ns: Namespace) -> None:

@@ -44,6 +44,7 @@ def main() -> int:
         hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{hostid}", hostid=hostid.bytes,
         nr_io_queues=2, keep_alive_tmo=5, reconnect_delay=0.5, ctrl_loss_tmo=5)).connect()
     ns = ctrl.namespaces[1]
+    print(json.dumps({"connected": ctrl.cntlid}), flush=True)
     tag = args.name.encode()[:8].ljust(8, b"\0")
     hammer: dict = {}
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from .conftest import fence_a_writer
+
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 
 CONFLICT = 0x083
 KX, KY = 0xA1, 0xB2
-REGION = 256                # blocks of 4 KiB x hammers, 32 a write
 # rtype: ((registrant y: read, write), (non-registrant z: read, write)), 0 = allowed;
 # the holder x may always do both.
 C = CONFLICT
@@ -56,20 +57,13 @@ def test_every_type_three_hosts(resv_lab):
 
 
 def test_preempt_and_abort_fences_a_writer(resv_lab):
-    """x writes 64 blocks over and over, 16 in flight; y preempts and aborts x.  Once the
+    """x writes 256 blocks over and over, 32 in flight; y preempts and aborts x.  Once the
     preempt has answered, nothing of x lands: the region y reads then stays as it is."""
     _target, hosts = resv_lab
     x, y = hosts("x", "y")
-    assert x.do("register", nrkey=KX)["status"] == 0
-    assert y.do("register", nrkey=KY)["status"] == 0
+    assert x.register(KX) == 0 and y.register(KY) == 0
     assert x.do("acquire", crkey=KX, rtype=3)["status"] == 0   # registrants may write
-    x.do("hammer", lba=0, blocks=REGION, depth=32, size=32)
-    x.do("wait_hammer", ok=100)
-    assert y.do("acquire", crkey=KY, prkey=KX, rtype=1, racqa=2)["status"] == 0
-    after_preempt = y.do("read", lba=0, blocks=REGION)["sha256"]
-    counts = x.do("stop")
-    assert counts["ok"] >= 100 and counts["conflicts"] > 0 and counts["other"] == 0, counts
-    assert y.do("read", lba=0, blocks=REGION)["sha256"] == after_preempt
+    fence_a_writer(x, y)
     assert probe(x, 100) == (0, CONFLICT)               # write exclusive: x may only read
     assert x.do("log")["type"] == 1                      # registration preempted
     report = y.do("report")["report"]

@@ -186,12 +186,12 @@ def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
         if exc is not None:
             log.error("%s: ns %d: reservation state not stored: %s", ctrl.name, ns.nsid, exc)
             ctrl.io.errors += 1
-            cmd.respond(StatusCode.INTERNAL_ERROR, dnr=False)
+            _answer(cmd, StatusCode.INTERNAL_ERROR)
             return
         out = box[0]
         if not out.ok:
             ctrl.io.errors += 1
-            cmd.respond(out.status, dnr=True)
+            _answer(cmd, out.status, dnr=True)
             return
         set_state(ns, out.state)
         if out.notices:
@@ -200,16 +200,26 @@ def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
         if out.fenced:
             _fence(ctrl, ns, set(out.fenced), cmd)
         else:
-            cmd.respond()
+            _answer(cmd)
 
     ctrl.target.run_blocking(work, finish, ctrl.hostnqn)
+
+
+def _answer(cmd: Command, status: int = StatusCode.SUCCESS, dnr: bool = False) -> None:
+    """Respond after the store's round trip; when the queue closed meanwhile, no SEND
+    will complete to give the command's buffer back, so it is given back here."""
+    cmd.respond(status, dnr=dnr)
+    if not cmd.responded:
+        release, cmd.on_released = cmd.on_released, None
+        if release is not None:
+            release(cmd)
 
 
 def _fence(ctrl: Controller, ns: Namespace, hosts: set[bytes], cmd: Command) -> None:
     """Preempt and Abort: no command of the preempted hosts still in flight when it
     completes (their new ones already conflict).  Like nvmet, nothing is aborted: their
     in-flight commands are waited for."""
-    _drained(ctrl.target, hosts, cmd.respond, lambda: cmd.queue.closed)
+    _drained(ctrl.target, hosts, lambda: _answer(cmd), lambda: cmd.queue.closed)
 
 
 def _drained(target: Target, hosts: set[bytes], then: Callable[[], None],

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 
 from blockfabric.initiator import resv
-from blockfabric.initiator.host import connect
 from blockfabric.protocol import KeyedSGL, StatusCode
 from blockfabric.protocol import resv as pr
 from blockfabric.protocol.capsule import SQE
 
-from .conftest import HOSTNQN, NQN, TargetProbe, assert_undisturbed
+from .conftest import TargetProbe, assert_answers, assert_undisturbed, attacker_of
 
 MiB = 1 << 20
 
@@ -56,14 +55,8 @@ ATTACKS = [
 @pytest.mark.timeout(60)
 def test_malformed_reservation_commands(target, bystander):
     probe = TargetProbe(target)
-    with bystander.attack("malformed reservation commands"), \
-            connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=HOSTNQN,
-                    nr_io_queues=1) as attacker:
-        queue = attacker.io_queues[0]
-        for _ in range(10):
-            for name, build, status in ATTACKS:
-                cqe = attacker.raw(queue, build(attacker))
-                assert (cqe.status, cqe.dnr) == (status, True), (name, cqe)
+    with attacker_of(target, bystander, "malformed reservation commands") as attacker:
+        assert_answers(attacker, ATTACKS, 10)
         state = resv.report(attacker.namespaces[1])
         assert (state.rtype, state.regctl, state.gen) == (0, 0, 0)
     assert_undisturbed(bystander.finish(), bystander)

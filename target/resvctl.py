@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LOG_QUEUE = 64                  # per controller, as nvmet's NVMET_PR_LOG_QUEUE_SIZE
 FENCE_POLL = 0.002              # s between looks at a fenced host's in-flight count
+RETRY_INTERVAL = 1.0            # s between reads of a state that could not be read
 CONFLICT = rs.CONFLICT
 #: The write command group of nvmet_pr_check_cmd_access but Write (reads: Read only, here),
 #: whose check is the Read/Write path's own.
@@ -242,9 +243,35 @@ def bind(target: Target) -> None:
     after a reload for the new namespaces)."""
     for sub in target.subsystems.values():
         for ns in sub.namespaces.values():
-            if isinstance(ns.resv_store, RadosStore) and not ns.resv_bound:
-                ns.resv_bound = True
+            if ns.resv_bound:
+                continue
+            ns.resv_bound = True
+            if isinstance(ns.resv_store, RadosStore):
                 _watch(target, ns)
+            elif ns.resv_state is None:
+                _read_again(target, ns)
+
+
+def _read_again(target: Target, ns: Namespace) -> None:
+    """A state that could not be read at open (a sidecar unreadable or damaged): read it
+    again every RETRY_INTERVAL seconds until it can be (the operator repairs or removes it;
+    docs/reservations.md), I/O refused meanwhile."""
+    store = ns.resv_store
+    box: list[rs.State] = []
+
+    def finish(exc: BaseException | None) -> None:
+        if ns.resv_store is not store or target.draining:
+            return
+        if exc is None:
+            log.warning("ns %d: reservation state readable again: I/O resumes", ns.nsid)
+            set_state(ns, box[0])
+            return
+        target.reactor.call_later(RETRY_INTERVAL, attempt)
+
+    def attempt() -> None:
+        target.run_blocking(lambda: box.append(store.load()), finish, "")
+
+    target.reactor.call_later(RETRY_INTERVAL, attempt)
 
 
 def _watch(target: Target, ns: Namespace) -> None:

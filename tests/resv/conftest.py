@@ -13,7 +13,8 @@ import pytest
 
 from e2e.conftest import NQN, free_port  # noqa: F401
 from faults.conftest import Restartable, file_config
-from helpers.netns import netns_pair  # noqa: F401
+from blockfabric.net import netns_pair as _netns_pair
+from helpers.netns import require_netns
 
 AGENT = pathlib.Path(__file__).with_name("agent.py")
 
@@ -80,24 +81,31 @@ def fence_a_writer(x: Host, y: Host, blocks: int = 256, depth: int = 32) -> str:
     return after
 
 
-@pytest.fixture
-def resv_lab(netns_pair, tmp_path):
-    """(target, hosts(*names)): a file-volume target in namespace B; ``hosts`` starts agents,
-    the first two in A, a third in B (on B's address), all stopped at teardown."""
-    port = 4420 + free_port() % 1000
-    addr = netns_pair.ipv4[1]
-    target = Restartable(file_config(port, tmp_path / "vol.img", addr), tmp_path,
-                         netns=netns_pair.names[1])
-    started: list[Host] = []
+@pytest.fixture(scope="module")
+def resv_lab(tmp_path_factory):
+    """(target, x, y, z) for a whole module: a file-volume target in namespace B; hosts x
+    and y in A, z in B (on B's address).  Tests start from :func:`reset`."""
+    require_netns()
+    tmp = tmp_path_factory.mktemp("resv")
+    with _netns_pair("bfr") as pair:
+        port = 4420 + free_port() % 1000
+        addr = pair.ipv4[1]
+        target = Restartable(file_config(port, tmp / "vol.img", addr), tmp,
+                             netns=pair.names[1])
+        hosts = [Host(n, pair.names[i // 2], addr, port) for i, n in enumerate("xyz")]
+        try:
+            yield (target, *[h.connected() for h in hosts])
+        finally:
+            for h in hosts:
+                h.close()
+            target.stop()
+        assert "Traceback" not in target.log, target.log
 
-    def hosts(*names: str) -> list[Host]:
-        spaces = [netns_pair.names[0], netns_pair.names[0], netns_pair.names[1]]
-        new = [Host(n, spaces[i % 3], addr, port) for i, n in enumerate(names)]
-        started.extend(new)
-        return [h.connected() for h in new]
 
-    yield target, hosts
-    for h in started:
-        h.close()
-    target.stop()
-    assert "Traceback" not in target.log, target.log
+def reset(x: Host, *others: Host) -> None:
+    """No registrant, no reservation, every host's notification log read empty."""
+    assert x.do("register", nrkey=0xEE, rrega=2, iekey=True)["status"] == 0
+    assert x.do("release", crkey=0xEE, rrela=1)["status"] == 0
+    for h in (x, *others):
+        while h.do("log")["type"]:
+            pass

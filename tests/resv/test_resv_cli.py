@@ -1,0 +1,71 @@
+"""``blockfabric resv`` with nvme-cli's flags and JSON, against a ramdisk target on
+loopback, while another host (the library, its own host ID) holds Write Exclusive.  (The
+installed ``blockfabric`` command itself is run by tests/fuse and tests/hostcli.)"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from blockfabric.initiator import resv
+from blockfabric.initiator.cli import main
+from blockfabric.initiator.host import ConnectOptions, Controller
+
+from e2e.conftest import NQN, module_ram_target  # noqa: F401
+
+pytestmark = pytest.mark.timeout(60)
+HOLDER = uuid.UUID("0000a1a1-0000-4000-8000-000000000001")
+CLI_HOST = "0000c1c1-0000-4000-8000-000000000002"
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli(target, *args, check=True): ``blockfabric resv ARGS`` run in this process (its
+    real parser, connection and output; no interpreter start per call)."""
+    def run(target, *args: str, check: bool = True) -> Ran:
+        rc = main(["resv", *args, "--traddr", "127.0.0.1", "-s", str(target.port),
+                   "--nqn", NQN, "--provider", "soft", "-I", CLI_HOST])
+        out = capsys.readouterr()
+        if check:
+            assert rc == 0, out.err
+        return Ran(rc, out.out, out.err)
+    return run
+
+
+def test_cli_report_json_conflict_preempt(module_ram_target, cli):
+    target = module_ram_target
+    ctrl = Controller(ConnectOptions(
+        traddr="127.0.0.1", trsvcid=target.port, subnqn=NQN, provider="soft",
+        hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{HOLDER}", hostid=HOLDER.bytes)).connect()
+    holder = ctrl.namespaces[1]
+    try:
+        resv.register(holder, nrkey=0xA1)
+        resv.acquire(holder, crkey=0xA1, rtype=1)
+        report = json.loads(cli(target, "report", "-n", "1", "-o", "json").stdout)
+        assert (report["rtype"], report["regctl"], report["gen"] >= 1) == (1, 1, True)
+        assert report["regctlext"][0] == {"cntlid": 0xFFFF, "rcsts": 1,
+                                          "hostid": HOLDER.hex, "rkey": 0xA1}
+        out = json.loads(cli(target, "register", "-n", "1", "-k", "0xc1", "-o", "json").stdout)
+        assert out["status"] == "success"
+        refused = cli(target, "acquire", "-n", "1", "-c", "0xc1", "-t", "1", check=False)
+        assert refused.returncode == 1 and "RESERVATION_CONFLICT" in refused.stderr
+        # preempt the holder with its key: the CLI host holds, as Exclusive Access
+        cli(target, "acquire", "-n", "1", "-c", "0xc1", "-p", "0xa1", "-t", "2", "-a", "1")
+        text = cli(target, "report", "-n", "1").stdout
+        assert "rtype     : 2 (exclusive-access)" in text and "regctl    : 1" in text
+        assert f"hostid     : {uuid.UUID(CLI_HOST).hex}" in text and "rkey       : c1" in text
+        assert resv.notification_log(ctrl).log_type == 1        # the holder was preempted
+    finally:
+        resv.register(holder, nrkey=0xEE, rrega=2, iekey=True)
+        resv.release(holder, crkey=0xEE, rrela=1)               # clear: as it was
+        ctrl.close()

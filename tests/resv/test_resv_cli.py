@@ -69,3 +69,49 @@ def test_cli_report_json_conflict_preempt(module_ram_target, cli):
         resv.register(holder, nrkey=0xEE, rrega=2, iekey=True)
         resv.release(holder, crkey=0xEE, rrela=1)               # clear: as it was
         ctrl.close()
+
+
+def test_identify_features_and_mask(module_ram_target):
+    """RESCAP (no PTPL on a ramdisk), ONCS bit 5, CTRATT bit 0; Get Features 0x81 needs
+    EXHID; 0x83 refuses PTPL here; a masked notice is not logged."""
+    from blockfabric.initiator.host import NvmeError
+    from blockfabric.protocol import StatusCode
+    from blockfabric.protocol import resv as pr
+    from blockfabric.protocol.capsule import SQE
+
+    target = module_ram_target
+    opts = dict(traddr="127.0.0.1", trsvcid=target.port, subnqn=NQN, provider="soft")
+    a = Controller(ConnectOptions(**opts, hostid=HOLDER.bytes,
+                                  hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{HOLDER}")
+                   ).connect()
+    b = Controller(ConnectOptions(**opts, hostid=uuid.UUID(CLI_HOST).bytes,
+                                  hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{CLI_HOST}")
+                   ).connect()
+    try:
+        assert a.identify.oncs & pr.ONCS_RESERVATIONS and a.identify.ctratt & 1
+        assert a.namespaces[1].identify.rescap == 0xFE            # all types, IEKEY, no PTPL
+        get = SQE(opcode=0x0A, cdw10=pr.FID_HOST_ID, cdw11=1)
+        assert a.wait(a.admin, get, "Get Features 0x81", data_in=16)[1] == HOLDER.bytes
+        with pytest.raises(NvmeError) as exc:
+            a.wait(a.admin, SQE(opcode=0x0A, cdw10=pr.FID_HOST_ID), "no EXHID", data_in=16)
+        assert exc.value.status == StatusCode.INVALID_FIELD
+        assert resv.get_persistence(a, 1) is False
+        with pytest.raises(NvmeError) as exc:
+            a.wait(a.admin, SQE(opcode=0x09, nsid=1, cdw10=pr.FID_RESV_PERSIST, cdw11=1),
+                   "Set Features 0x83")
+        assert exc.value.status == StatusCode.INVALID_FIELD
+        na, nb = a.namespaces[1], b.namespaces[1]
+        resv.register(na, nrkey=1)
+        resv.register(nb, nrkey=2)
+        resv.set_notification_mask(a, pr.MASK_REG_PREEMPTED, nsid=1)
+        resv.acquire(nb, crkey=2, prkey=1, rtype=1, racqa=1)        # a preempted, masked
+        assert resv.notification_log(a).log_type == 0
+        resv.set_notification_mask(a, 0)
+        resv.register(na, nrkey=1)
+        resv.acquire(nb, crkey=2, prkey=1, rtype=1, racqa=1)        # now logged
+        entry = resv.notification_log(a)
+        assert (entry.log_type, entry.nsid, entry.available) == (1, 1, 0)
+    finally:
+        resv.release(nb, crkey=2, rrela=1)
+        a.close()
+        b.close()

@@ -65,6 +65,8 @@ SYSTEMS = {
     "mount-thread": ("fio on blockfabric mount (thread)", "mount", "thread"),
     "bench-poll": ("blockfabric bench (poll)", "bench", "poll"),
     "bench-thread": ("blockfabric bench (thread)", "bench", "thread"),
+    "mount-tcp": ("fio on blockfabric mount (NVMe/TCP)", "mount", "tcp"),
+    "bench-tcp": ("blockfabric bench (NVMe/TCP)", "bench", "tcp"),
     "nbd-memory": ("fio on nbdkit memory + nbdfuse", "nbd-memory", None),
     "nbd-python": ("fio on nbdkit python + nbdfuse", "nbd-python", None),
     "libnbd": ("libnbd Python on nbdkit memory", "libnbd", None),
@@ -82,8 +84,9 @@ def fio_argv(path: pathlib.Path, w: Workload, runtime: float) -> list[str]:
             "--output-format=json"]
 
 
-def bench_argv(port: int, w: Workload, runtime: float, *extra: str) -> list[str]:
-    return [str(systems.BIN / "blockfabric"), "bench", *systems.connect_flags(port),
+def bench_argv(port: int, w: Workload, runtime: float, *extra: str,
+               transport: str = "rdma") -> list[str]:
+    return [str(systems.BIN / "blockfabric"), "bench", *systems.connect_flags(port, transport),
             "--rw", w.rw, "--bs", "4k", "--iodepth", str(w.qd), "--runtime",
             str(runtime), "--ramp_time", str(RAMP), "--eta", "never", "-o", "json", *extra]
 
@@ -186,8 +189,9 @@ class Fleet:
         rt = self.runtime
         if kind == "bench":
             port, pid = self.ports[progress]
-            return measure(bench_argv(port, w, rt, "-i", "1"), {"server": pid}, rt,
-                           {"BLOCKFABRIC_SOFT_PROGRESS": progress})
+            transport, soft = systems.variant(progress)
+            return measure(bench_argv(port, w, rt, "-i", "1", transport=transport),
+                           {"server": pid}, rt, {"BLOCKFABRIC_SOFT_PROGRESS": soft})
         if kind == "libnbd":
             mem = self.nbd["memory"]
             return measure(nbd_argv(mem.port, w, rt), {"server": mem.server_pid}, rt)

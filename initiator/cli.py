@@ -81,6 +81,13 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                        help="NVMe qualified name of the subsystem")
     p.add_argument("-q", "--hostnqn", metavar="HOSTNQN", help="this host's NQN")
     p.add_argument("-I", "--hostid", metavar="UUID", help="this host's identifier")
+    p.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
+                   help="rdma (NVMe-oF over RDMA: --provider) or tcp (NVMe/TCP: any NVMe/TCP "
+                        "target, no RDMA device needed)")
+    p.add_argument("-g", "--hdr-digest", action="store_true",
+                   help="NVMe/TCP: CRC32C header digest on every PDU")
+    p.add_argument("-G", "--data-digest", action="store_true",
+                   help="NVMe/TCP: CRC32C data digest on every PDU with data")
     p.add_argument("--provider", choices=("auto", "soft", "verbs"), default="auto",
                    help="RDMA provider: verbs needs an RDMA device owning a local address on "
                         "the route to the target; soft is software RDMA over TCP")

@@ -17,7 +17,9 @@ def options(args: argparse.Namespace, subnqn: str) -> ConnectOptions:
     """ConnectOptions from the nvme-cli style flags."""
     return ConnectOptions(traddr=args.traddr, subnqn=subnqn, trsvcid=int(args.trsvcid),
                           hostnqn=args.hostnqn, hostid=_hostid(args.hostid),
-                          provider=args.provider, nr_io_queues=args.nr_io_queues,
+                          provider=args.provider, transport=args.transport,
+                          hdr_digest=args.hdr_digest, data_digest=args.data_digest,
+                          nr_io_queues=args.nr_io_queues,
                           queue_size=args.queue_size, keep_alive_tmo=args.keep_alive_tmo,
                           reconnect_delay=args.reconnect_delay,
                           ctrl_loss_tmo=args.ctrl_loss_tmo,
@@ -33,8 +35,12 @@ def _hostid(text: str | None) -> bytes | None:
     return uuid.UUID(text).bytes
 
 
+#: discovery log TRTYPE values as nvme-cli prints them
+TRTYPES = {1: "rdma", 2: "fc", 3: "tcp", 254: "loop"}
+
+
 def _entry_dict(i: int, e: DiscoveryLogEntry) -> dict[str, Any]:
-    return {"entry": i, "trtype": "rdma" if e.trtype == 1 else str(e.trtype),
+    return {"entry": i, "trtype": TRTYPES.get(e.trtype, str(e.trtype)),
             "adrfam": {1: "ipv4", 2: "ipv6"}.get(e.adrfam, str(e.adrfam)),
             "subtype": {1: "referral", 2: "nvme subsystem", 3: "current discovery subsystem"
                         }.get(e.subtype, str(e.subtype)),
@@ -45,7 +51,9 @@ def _entry_dict(i: int, e: DiscoveryLogEntry) -> dict[str, Any]:
 def cmd_discover(args: argparse.Namespace) -> int:
     opts = options(args, "")
     entries = discover(opts.traddr, opts.trsvcid, hostnqn=opts.hostnqn, hostid=opts.hostid,
-                       provider=opts.provider, dhchap_secret=opts.dhchap_secret,
+                       provider=opts.provider, transport=opts.transport,
+                       hdr_digest=opts.hdr_digest, data_digest=opts.data_digest,
+                       dhchap_secret=opts.dhchap_secret,
                        dhchap_ctrl_secret=opts.dhchap_ctrl_secret)
     records = [_entry_dict(i, e) for i, e in enumerate(entries)]
     if args.output_format == "json":
@@ -65,7 +73,9 @@ def controller_dict(ctrl: Controller) -> dict[str, Any]:
     ident: IdentifyController = ctrl.identify
     return {
         "subnqn": ident.subnqn, "cntlid": ctrl.cntlid, "serial": ident.sn, "model": ident.mn,
-        "firmware": ident.fr, "transport": f"rdma ({ctrl.provider.name} provider)",
+        "firmware": ident.fr,
+        "transport": "tcp" if ctrl.opts.transport == "tcp"
+        else f"rdma ({ctrl.provider.name} provider)",
         "traddr": ctrl.opts.traddr, "trsvcid": ctrl.opts.trsvcid, "hostnqn": ctrl.hostnqn,
         "paths": [format_path(a, p) for a, p in ctrl.paths],
         "io_queues": len(ctrl.io_queues),

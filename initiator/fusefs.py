@@ -382,8 +382,12 @@ def status_report(fs: VolumeFS) -> str:
         f"subsystem   {opts.subnqn}",
         f"controller  {ctrl.cntlid} (model {ident.mn.strip()!r}, serial {ident.sn.strip()!r}, "
         f"firmware {ident.fr.strip()!r})" if ident else f"controller  {ctrl.cntlid}",
-        f"path        rdma {rec['path']} via the {ctrl.provider.name} provider "
-        f"(paths: {paths})",
+        (f"path        tcp {rec['path']} (NVMe/TCP" + (", header digest" if opts.hdr_digest
+                                                     else "")
+         + (", data digest" if opts.data_digest else "") + f"; paths: {paths})"
+         if opts.transport == "tcp" else
+         f"path        rdma {rec['path']} via the {ctrl.provider.name} provider "
+         f"(paths: {paths})"),
         f"host        {ctrl.hostnqn}" + (
             f", authenticated ({ctrl.authenticated[0]})" if ctrl.authenticated else ""),
         f"state       {state}",

@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterable
 from blockfabric.errors import BlockfabricError, ConnectionRejected
 from blockfabric.fabric.host_side import STATUS_BITS, HostQueue
 from blockfabric.fabric.reactor import Reactor
+from blockfabric.fabric.tcp import local_pd
+from blockfabric.fabric.tcp_host import TcpHostQueue, open_connection
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DYNAMIC_CNTLID, SQE,
                                   ActiveNamespaceList, AsyncEvent, AsyncEventRequest,
@@ -436,6 +438,11 @@ class ConnectOptions:
     hostnqn: str | None = None
     hostid: bytes | None = None
     provider: str = "auto"
+    #: "rdma" (with ``provider``) or "tcp" (NVMe/TCP: any NVMe/TCP target, no RDMA)
+    transport: str = "rdma"
+    #: NVMe/TCP header and data digests (CRC32C), as nvme connect --hdr-digest/--data-digest
+    hdr_digest: bool = False
+    data_digest: bool = False
     nr_io_queues: int = 2
     queue_size: int = 128
     keep_alive_tmo: float = 5.0
@@ -478,7 +485,10 @@ class Controller:
         #: qid -> how it authenticated (hash, DH group, bidirectional), for .status
         self.authenticated: dict[int, str] = {}
         self.connect_result = 0             # the last Connect's result (cntlid, ATR)
-        self.provider = get_provider(opts.provider, opts.traddr)
+        if opts.transport not in ("rdma", "tcp"):
+            raise ValueError(f"transport {opts.transport!r}: rdma or tcp")
+        self.provider = TCP if opts.transport == "tcp" else \
+            get_provider(opts.provider, opts.traddr)
         self.reactor = Reactor(f"host-{opts.traddr}")
         self.admin: HostQueue | None = None
         self.io_queues: list[HostQueue] = []
@@ -524,6 +534,8 @@ class Controller:
         posted, serviced by this controller's reactor), not yet bound by a Fabrics Connect."""
         opts = self.opts
         traddr, trsvcid = self.path
+        if opts.transport == "tcp":
+            return self._open_tcp_queue(qid, depth)
         cmid: CMId = self.provider.create_id()
         try:
             cmid.resolve(traddr, trsvcid, timeout=opts.connect_timeout)
@@ -558,6 +570,25 @@ class Controller:
             queue.close()
             raise
         queue.attach(self.reactor)
+        return queue
+
+    def _open_tcp_queue(self, qid: int, depth: int) -> HostQueue:
+        """The NVMe/TCP connection of queue ``qid`` (ICReq/ICResp done), attached."""
+        opts = self.opts
+        traddr, trsvcid = self.path
+        if self.pd is None:
+            self.pd = local_pd()
+            self.arena = Arena(self.pd, opts.arena_size)
+        sock, resp = open_connection(traddr, trsvcid, hdgst=opts.hdr_digest,
+                                     ddgst=opts.data_digest, timeout=opts.connect_timeout)
+        queue = TcpHostQueue(sock, self.pd, resp, qid=qid, depth=depth,
+                             inline_size=self.inline_size if qid else 0,
+                             name=f"{traddr}:{trsvcid} q{qid} tcp")
+        try:
+            queue.attach(self.reactor)
+        except BaseException:
+            queue.close()
+            raise
         return queue
 
     def fabrics_connect(self, queue: HostQueue, qid: int, sqsize: int, kato_ms: int, *,
@@ -1343,14 +1374,44 @@ def _reject_text(private: bytes, qid: int) -> str:
     return f"target rejected queue {qid}: {reason}"
 
 
+class _Tcp:
+    """What a controller's ``provider`` says on NVMe/TCP (which has none): its name."""
+
+    name = "tcp"
+
+
+TCP = _Tcp()
+
+
 def connect(traddr: str, subnqn: str, trsvcid: int = DEFAULT_PORT, **kwargs) -> Controller:
-    """Connect as ``nvme connect -t rdma`` does; see :class:`ConnectOptions` for options."""
+    """Connect as ``nvme connect -t rdma`` (or, with ``transport="tcp"``, ``-t tcp``) does;
+    see :class:`ConnectOptions` for options."""
     return Controller(ConnectOptions(traddr=traddr, subnqn=subnqn, trsvcid=int(trsvcid),
                                      **kwargs)).connect()
 
 
+#: discovery log TRTYPE -> the transport that reaches it
+ENTRY_TRANSPORTS = {1: "rdma", 3: "tcp"}
+
+
+def connect_entry(entry: DiscoveryLogEntry, **kwargs) -> Controller:
+    """Connect to the subsystem and port a discovery log entry names, over the transport the
+    entry names (an entry read over TCP may name an RDMA port, and the other way round)."""
+    transport = ENTRY_TRANSPORTS.get(entry.trtype)
+    if transport is None:
+        raise ValueError(f"discovery entry for {entry.subnqn}: transport type {entry.trtype} "
+                         "is neither RDMA (1) nor TCP (3)")
+    try:
+        port = int(entry.trsvcid)
+    except ValueError:
+        raise ValueError(f"discovery entry for {entry.subnqn}: trsvcid {entry.trsvcid!r}"
+                         ) from None
+    kwargs["transport"] = transport
+    return connect(entry.traddr, entry.subnqn, port, **kwargs)
+
+
 def discover(traddr: str, trsvcid: int = DEFAULT_PORT, **kwargs) -> list[DiscoveryLogEntry]:
-    """Read the discovery log as ``nvme discover -t rdma`` does: header, then every entry."""
+    """Read the discovery log as ``nvme discover`` does: header, then every entry."""
     with connect(traddr, DISCOVERY_NQN, trsvcid, **kwargs) as ctrl:
         header = DiscoveryLogHeader.unpack_from(
             ctrl.get_log_page(LogPageId.DISCOVERY, 1024, rae=True))

@@ -33,6 +33,10 @@ class MountSpec:
     name: str = ""
     trsvcid: int = 4420
     provider: str = "auto"
+    #: rdma or tcp (NVMe/TCP), with its digests
+    transport: str = "rdma"
+    hdr_digest: bool = False
+    data_digest: bool = False
     hostnqn: str | None = None
     options: list[str] = field(default_factory=list)
     nr_io_queues: int = 2
@@ -48,7 +52,8 @@ class MountSpec:
     def connect_options(self) -> ConnectOptions:
         return ConnectOptions(traddr=self.traddr, subnqn=self.nqn, trsvcid=self.trsvcid,
                               hostnqn=self.hostnqn, provider=self.provider,
-                              nr_io_queues=self.nr_io_queues, queue_size=self.queue_size,
+                              transport=self.transport, hdr_digest=self.hdr_digest,
+                              data_digest=self.data_digest, nr_io_queues=self.nr_io_queues, queue_size=self.queue_size,
                               keep_alive_tmo=self.keep_alive_tmo,
                               reconnect_delay=self.reconnect_delay,
                               ctrl_loss_tmo=self.ctrl_loss_tmo, paths=list(self.paths),
@@ -131,6 +136,11 @@ def _spec(path: str, where: str, item: Any) -> MountSpec:
     for key in _INTS:
         if key in values:
             values[key] = _int(path, f"{where}.{key}", key, values[key])
+    if values.get("transport", "rdma") not in ("rdma", "tcp"):
+        raise ConfigError(path, f"{where}.transport", "rdma or tcp", values["transport"])
+    for key in ("hdr_digest", "data_digest"):
+        if not isinstance(values.get(key, False), bool):
+            raise ConfigError(path, f"{where}.{key}", "true or false", values[key])
     if values.get("provider", "auto") not in PROVIDERS:
         raise ConfigError(path, f"{where}.provider", f"one of {', '.join(PROVIDERS)}",
                           values["provider"])

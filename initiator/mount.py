@@ -286,7 +286,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("no blockfabric mounts")
         return 0
     header = ("Mountpoint", "Subsystem NQN", "Address", "Cntlid", "Namespaces", "PID")
-    rows = [(r.mountpoint, r.subnqn, f"rdma {r.traddr}:{r.trsvcid} ({r.provider})",
+    rows = [(r.mountpoint, r.subnqn, f"tcp {r.traddr}:{r.trsvcid}" if r.provider == "tcp"
+             else f"rdma {r.traddr}:{r.trsvcid} ({r.provider})",
              str(r.cntlid), " ".join(n["file"] for n in r.namespaces), str(r.pid))
             for r in records]
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]

@@ -24,6 +24,9 @@ with RDMA READ (host to target) and RDMA WRITE (target to host).
 Two RDMA providers serve the same code: "verbs" (pyverbs and rdma_cm on a real RDMA device:
 RoCE, InfiniBand, iWARP, rxe, siw) and "soft" (a software RDMA NIC over TCP, the default where
 no RDMA device owns the listener address).
+
+A listener with "transport: tcp" serves the same subsystems over NVMe/TCP instead, for any
+host with the kernel's nvme-tcp (nvme connect -t tcp) and no RDMA at all (docs/tcp.md).
 """
 
 EPILOG = """\

@@ -398,11 +398,13 @@ def _ascii(max_chars: int) -> Text:
 
 @dataclass(frozen=True, kw_only=True)
 class Listener(Model):
-    """An address the target accepts RDMA connections on."""
+    """An address the target accepts connections on: NVMe-oF over RDMA (``provider``: the
+    soft provider or verbs) or NVMe/TCP (``transport: tcp``; ``provider`` does not apply).
+    Both transports serve the same subsystems, controllers, ACLs and authentication."""
 
     WHAT: ClassVar[str] = "a listener"
 
-    transport: str = _field(Choice("rdma"), "rdma")
+    transport: str = _field(Choice("rdma", "tcp"), "rdma")
     provider: str = _field(Choice(*PROVIDERS), "auto")
     address: str = _field(Address())
     port: int = _field(Int(1, 65535), NVME_RDMA_PORT)

@@ -48,7 +48,8 @@ def verdicts(config: cfg.TargetConfig, hostnqn: str, subnqn: str | None) -> list
             allowed = False
             reason = (f"not in subsystems[{i}].hosts ({len(sub.hosts)} host(s) listed): add "
                       "it there, or set allow_any_host: true")
-        listeners = [f"{x.endpoint} provider {resolve_provider(x)}"
+        listeners = [f"{x.endpoint} NVMe/TCP" if x.transport == "tcp"
+                     else f"{x.endpoint} provider {resolve_provider(x)}"
                      for x in config.listeners_for(sub)]
         if not listeners:
             allowed = False
@@ -74,9 +75,9 @@ def explain(config: cfg.TargetConfig, hostnqn: str, subnqn: str | None) -> tuple
             lines.append("    Connect answers invalid host 0x184; discovery does not list it")
         for text in v.listeners:
             lines.append(f"    exposed on {text}")
-    lines.append("  discovery: every listener serves the discovery subsystem; a host sees only "
-                 "listeners of the provider it came in on (a kernel host on RoCE never sees a "
-                 "soft listener)")
+    lines.append("  discovery: every listener serves the discovery subsystem; a host sees every "
+                 "NVMe/TCP listener, and the RDMA listeners of the provider it came in on (a "
+                 "kernel host on RoCE never sees a soft listener; over TCP it sees them all)")
     ok = any(v.allowed for v in found)
     if not found:
         lines.append("  no subsystems are configured")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -27,6 +28,8 @@ from blockfabric.sdnotify import sd_notify
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor, Timer
 from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.fabric.tcp import local_pd
+from blockfabric.fabric.tcp_target import TcpTargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
 from blockfabric.protocol.admin import AsyncNotice
@@ -89,15 +92,17 @@ def abort_command(cmd: Command) -> None:
 
 
 class QueueSession:
-    """The command handler of one queue: Connect first, then its controller's logic."""
+    """The command handler of one queue: Connect first, then its controller's logic.
+    ``req``: the RDMA CM request; None on NVMe/TCP, whose queue learns its qid from the
+    Connect itself (``qid`` is set then, before :meth:`handle` sees it)."""
 
     def __init__(self, target: Target, listener: cfg.Listener, provider: str,
-                 req: CMConnectRequest) -> None:
+                 req: CMConnectRequest | None) -> None:
         self.target = target
         self.listener = listener
         self.provider = provider
         self.req = req
-        self.qid = req.qid
+        self.qid = req.qid if req is not None else 0
         self.controller: Controller | None = None
         self.queue: TargetQueue | None = None
         #: Disconnects the queue if no Fabrics Connect completes in limits.connect_timeout.
@@ -189,6 +194,39 @@ class _Episode:
         self.log.warning(msg, *args)
         self.left_out = 0
         self.quiet_until = now + self.interval
+
+
+class _Peer:
+    """A connection's peer address where the limits read a CM id's ``peer_address``."""
+
+    def __init__(self, address: tuple) -> None:
+        self.peer_address = address
+
+
+class TcpListener:
+    """A listening NVMe/TCP socket (non-blocking; its connections are accepted on the
+    reactor)."""
+
+    def __init__(self, address: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((address, port))
+            self.sock.listen(128)
+            self.sock.setblocking(False)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def deadline(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _peer(queue: TargetQueue | None) -> str:
@@ -290,6 +328,8 @@ class Target:
         self._started.set()
 
     def _open_listener(self, lconf: cfg.Listener) -> tuple[cfg.Listener, str, Listener]:
+        if lconf.transport == "tcp":
+            return lconf, "tcp", TcpListener(lconf.address, lconf.port)
         provider = get_provider(lconf.provider, lconf.address)
         limits = self.config.limits
         return lconf, provider.name, provider.listen(
@@ -299,6 +339,10 @@ class Target:
     def _add_listener(self, entry: tuple[cfg.Listener, str, Listener]) -> None:
         lconf, provider, listener = entry
         self.listeners.append(entry)
+        if lconf.transport == "tcp":
+            self.reactor.add_reader(listener.fileno(), lambda: self._on_tcp(lconf, listener))
+            log.info("listening on %s (NVMe/TCP)", lconf.endpoint)
+            return
         self.reactor.add_reader(listener.fileno(),
                                 lambda: self._on_requests(lconf, provider, listener))
         log.info("listening on %s (%s provider)", lconf.endpoint, provider)
@@ -440,6 +484,50 @@ class Target:
             timeout, lambda: self._connect_timed_out(session, timeout))
         cmid.accept(CMAccept(crqsize=depth).pack())
         log.debug("accepted %s qid %d depth %d", cmid.peer_address, req.qid, depth)
+
+    def _on_tcp(self, lconf: cfg.Listener, listener: TcpListener) -> None:
+        """NVMe/TCP connections: each a queue whose first PDU must be an ICReq and whose
+        first command a Fabrics Connect (which names its qid and depth), bounded by the
+        same limits as an RDMA connection request."""
+        while True:
+            try:
+                sock, peer = listener.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in NO_RESOURCES_ERRNOS:
+                    self._shed_log.note("not accepting NVMe/TCP connections: %s", exc)
+                    return
+                log.warning("%s: accept failed: %s", lconf.endpoint, exc)
+                return
+            try:
+                self._accept_tcp(lconf, sock, peer)
+            except Exception:
+                log.exception("NVMe/TCP connection set-up from %s failed", peer)
+                sock.close()
+
+    def _accept_tcp(self, lconf: cfg.Listener, sock: Any, peer: tuple) -> None:
+        probe = _Peer(peer)
+        if self._over_host_limit(probe) or self._over_unconnected_limit(probe):
+            sock.close()
+            return
+        limits = self.config.limits
+        session = QueueSession(self, lconf, "tcp", None)
+        pd = self._pds.get(0)
+        if pd is None:
+            pd = self._pds[0] = local_pd()
+        queue = TcpTargetQueue(
+            sock, pd, handler=session, inline_size=limits.inline_data_size,
+            max_depth=lambda qid: ADMIN_MAX_DEPTH if qid == 0 else limits.queue_size,
+            name=f"{peer[0]} tcp")
+        queue.max_unsent = limits.unsent_limit(limits.queue_size, limits.inline_data_size)
+        session.queue = queue
+        queue.attach(self.reactor)
+        self.sessions.add(session)
+        timeout = limits.connect_timeout
+        session.connect_timer = self.reactor.call_later(
+            timeout, lambda: self._connect_timed_out(session, timeout))
+        log.debug("accepted NVMe/TCP connection from %s", peer)
 
     def _over_host_limit(self, cmid: CMId) -> bool:
         """limits.max_connections_per_host, counted per peer address: at CM time the host
@@ -777,24 +865,29 @@ class Target:
 
     # -- discovery -------------------------------------------------------------------
     def discovery_log(self, ctrl: Controller) -> bytes:
-        """The discovery log page for this host: subsystems it may use, on listeners of the
-        provider it came in on."""
+        """The discovery log page for this host: subsystems it may use, once per transport
+        and address: every NVMe/TCP listener, and the RDMA listeners of the provider it came
+        in on (any, when it came in over TCP)."""
         entries = []
         for sub in self.subsystems.values():
             if not sub.allows(ctrl.hostnqn):
                 continue
             for lconf, provider, _listener in self.listeners:
-                if provider != ctrl.provider or lconf not in self.config.listeners_for(sub.conf):
+                tcp = lconf.transport == "tcp"
+                if lconf not in self.config.listeners_for(sub.conf) or not (
+                        tcp or ctrl.provider in (provider, "tcp")):
                     continue
                 entries.append(lp.DiscoveryLogEntry(
-                    trtype=lp.TransportType.RDMA,
+                    trtype=lp.TransportType.TCP if tcp else lp.TransportType.RDMA,
                     adrfam=lp.AddressFamily.IPV6 if ":" in lconf.address
                     else lp.AddressFamily.IPV4,
-                    subtype=lp.SubsystemType.NVM, treq=0,
+                    # TCP: no secure channel (TREQ 1:0 = 0, so no host asks for TLS), SQ flow
+                    # control may be disabled (bit 2, as nvmet: reads then skip CapsuleResp)
+                    subtype=lp.SubsystemType.NVM, treq=lp.TREQ_SQFLOW_DISABLE if tcp else 0,
                     portid=self.config.listeners.index(lconf) + 1,
                     cntlid=0xFFFF, asqsz=ADMIN_MAX_DEPTH,
                     trsvcid=str(lconf.port), subnqn=sub.nqn, traddr=lconf.address,
-                    tsas=lp.RdmaTsas()))
+                    tsas=lp.TCP_TSAS if tcp else lp.RdmaTsas()))
         return bytes(lp.pack_discovery_log(self.genctr, entries))
 
     # -- drain (SIGTERM) ---------------------------------------------------------------

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"workspace {ws.tmp}: starting the systems")
         say(args.floor_note)
         order = [ws.blockfabric("thread"), ws.blockfabric("poll"), ws.nbd_memory(),
-                 ws.nbd_python()]
+                 ws.nbd_python(), ws.blockfabric("tcp")]
         if args.floor_dir:
             try:
                 order.append(ws.floor(args.floor_dir))

@@ -165,15 +165,18 @@ class Workspace:
 
     # -- blockfabric ---------------------------------------------------------------------
     def target(self, progress: str = "thread") -> tuple[int, int, str]:
-        """A ramdisk target on the soft provider, its metrics on port + 1 (so that a load
-        can tell when its hosts are connected); returns (port, pid, command)."""
+        """A ramdisk target on the soft provider (``progress`` "tcp": an NVMe/TCP listener
+        instead), its metrics on port + 1 (so that a load can tell when its hosts are
+        connected); returns (port, pid, command)."""
+        transport, progress = variant(progress)
         port = free_port()
         while not port_free(port + 1):
             port = free_port()
         config = self.tmp / f"target-{port}.yaml"
+        listener = "transport: tcp" if transport == "tcp" else "transport: rdma, provider: soft"
         config.write_text(
             "listeners:\n"
-            f"  - {{transport: rdma, provider: soft, address: 127.0.0.1, port: {port}}}\n"
+            f"  - {{{listener}, address: 127.0.0.1, port: {port}}}\n"
             "subsystems:\n"
             f"  - nqn: {NQN}\n"
             "    allow_any_host: true\n"
@@ -188,16 +191,19 @@ class Workspace:
         return port, proc.pid, shell(argv, env)
 
     def blockfabric(self, progress: str) -> System:
+        """The FUSE mount of a target of its own (``progress`` "tcp": over NVMe/TCP)."""
         port, target_pid, target_cmd = self.target(progress)
         mnt = self.mountpoint(f"bf-{progress}")
-        env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
-        argv = [BIN / "blockfabric", "mount", *connect_flags(port), mnt]
+        transport, soft = variant(progress)
+        env = {"BLOCKFABRIC_SOFT_PROGRESS": soft}
+        argv = [BIN / "blockfabric", "mount", *connect_flags(port, transport), mnt]
         proc, log = self.spawn(f"mount-{progress}", argv, env)
         wait_for(lambda: is_mounted(mnt), None, "blockfabric mount", log)
         pid = mount_pid(mnt)
         if pid is not None:   # the daemon outlives the command: unmount, then end it
             self._undo.append(lambda: (unmount(mnt), stop(pid, None)))
-        return System(f"bf-{progress}", f"blockfabric ({progress})", mnt / "n1",
+        label = "blockfabric (NVMe/TCP)" if transport == "tcp" else f"blockfabric ({progress})"
+        return System(f"bf-{progress}", label, mnt / "n1",
                       [target_cmd, shell(argv, env)], target_pid, pid, port)
 
     # -- nbdkit + nbdfuse ----------------------------------------------------------------
@@ -276,8 +282,16 @@ def controllers(target_port: int) -> int:
                if line.startswith("blockfabric_subsystem_controllers{"))
 
 
-def connect_flags(port: int) -> list[str]:
-    return ["-a", "127.0.0.1", "-s", str(port), "-n", NQN, "-q", HOSTNQN, "--provider", "soft"]
+def connect_flags(port: int, transport: str = "rdma") -> list[str]:
+    how = ["-t", "tcp"] if transport == "tcp" else ["--provider", "soft"]
+    return ["-a", "127.0.0.1", "-s", str(port), "-n", NQN, "-q", HOSTNQN, *how]
+
+
+def variant(progress: str) -> tuple[str, str]:
+    """(transport, soft provider progress) of a blockfabric system's key: "thread" and
+    "poll" are the soft RDMA provider's two progress modes, "tcp" is NVMe/TCP (whose host
+    and target run their connections on their reactors, like poll)."""
+    return ("tcp", "poll") if progress == "tcp" else ("rdma", progress)
 
 
 def mount_pid(mnt: pathlib.Path) -> int | None:

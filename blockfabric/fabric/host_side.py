@@ -327,6 +327,11 @@ class HostQueue(Endpoint):
             return
         raw = _CQE_RAW.unpack_from(self.recv_views[recv_index])
         self.repost(recv_index)
+        self._on_cqe(raw)
+
+    def _on_cqe(self, raw: tuple[int, int, int, int, int]) -> None:
+        """A response capsule's CQE (as the raw tuple): complete its slot, or drop it if no
+        command of this queue is waiting for it."""
         cid = raw[3]
         index = cid & SLOT_MASK
         if index >= self.depth:

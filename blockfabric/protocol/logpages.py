@@ -69,6 +69,12 @@ class RdmaTsas(Packed):
     pkey: int = u16(8)  # @776 InfiniBand partition key
 
 
+#: NVMe/TCP's TSAS (@768): SECTYPE 0, no security; the rest reserved (all zero, which is
+#: what an RdmaTsas of zeros packs to)
+TCP_TSAS = RdmaTsas(qptype=0, prtype=0, cms=0, pkey=0)
+#: TREQ bit 2: the controller lets a host disable SQ flow control
+TREQ_SQFLOW_DISABLE = 0x04
+
 DISCOVERY_ENTRY_SIZE = 1024
 DISCOVERY_HEADER_SIZE = 1024
 

@@ -13,6 +13,8 @@
 #        CEPH_POOL=rbd CEPH_IMAGE=img CEPH_IMAGE_SIZE=1G  (CEPH_IMAGE= empty: no image)
 #        CEPH_STORE_BYTES=4294967296           (memstore RAM cap / bluestore sparse file size)
 #        CEPH_UP_TIMEOUT=60                    (overall budget, seconds)
+#        CEPH_CMD_TIMEOUT=20                   (each `ceph` command; the lab's TCG guest
+#                                               needs more: its Python CLI starts slowly)
 # prints "export CEPH_CONF=..." lines on stdout (also written to DIR/env);
 # everything else goes to stderr.  Exit status != 0 => cluster not usable
 # (daemons already started are stopped again unless CEPH_KEEP_ON_FAIL=1).
@@ -139,7 +141,8 @@ rados mon op timeout = 30
 rados osd op timeout = 30
 EOF
 export CEPH_CONF=$CONF
-C() { timeout 20 ceph --conf "$CONF" --connect-timeout 15 "$@"; }
+CMD_TIMEOUT=${CEPH_CMD_TIMEOUT:-20}
+C() { timeout "$CMD_TIMEOUT" ceph --conf "$CONF" --connect-timeout "$((CMD_TIMEOUT - 5))" "$@"; }
 
 # --- monitor -----------------------------------------------------------
 log "fsid $FSID, mon 127.0.0.1:$PORT, store $STORE, dir $DIR"

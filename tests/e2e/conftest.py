@@ -98,12 +98,41 @@ class TargetProc:
         return self.proc is not None and self.proc.poll() is None
 
 
-def ram_config(port: int, address: str = "127.0.0.1", **subsystem: Any) -> dict[str, Any]:
+#: What the suites that run over every transport are parametrised with: NVMe-oF over the
+#: soft RDMA provider, and NVMe/TCP (issue 18).
+TRANSPORTS = ("rdma", "tcp")
+
+
+def listener(port: int, address: str = "127.0.0.1", transport: str = "rdma"
+             ) -> dict[str, Any]:
+    """A listener of ``transport`` (rdma: the soft provider) in a target configuration."""
+    if transport == "tcp":
+        return {"transport": "tcp", "address": address, "port": port}
+    return {"provider": "soft", "address": address, "port": port}
+
+
+def via(transport: str = "rdma") -> dict[str, Any]:
+    """The ``connect()`` keywords that reach a :func:`listener` of ``transport``."""
+    return {"transport": "tcp"} if transport == "tcp" else {"provider": "soft"}
+
+
+def cli_via(transport: str = "rdma") -> list[str]:
+    """The same as the host CLI's flags."""
+    return ["-t", "tcp"] if transport == "tcp" else ["--provider", "soft"]
+
+
+def ram_config(port: int, address: str = "127.0.0.1", transport: str = "rdma",
+               **subsystem: Any) -> dict[str, Any]:
     sub = {"nqn": NQN, "allow_any_host": True,
            "namespaces": [{"nsid": 1, "backend": "ramdisk", "size": "64MiB"}]}
     sub.update(subsystem)
-    return {"listeners": [{"provider": "soft", "address": address, "port": port}],
-            "subsystems": [sub]}
+    return {"listeners": [listener(port, address, transport)], "subsystems": [sub]}
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    """Each transport in turn (the test runs once per transport)."""
+    return request.param
 
 
 @pytest.fixture
@@ -140,4 +169,26 @@ def ram_target(start_target):
     port = free_port()
     proc = start_target(ram_config(port))
     proc.port = port
+    return proc
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def module_any_target(request, tmp_path_factory):
+    """One ramdisk target per transport shared by a whole test module (``proc.via``)."""
+    port = free_port()
+    proc = TargetProc(ram_config(port, transport=request.param),
+                      tmp_path_factory.mktemp("target")).start()
+    proc.port, proc.transport, proc.via = port, request.param, via(request.param)
+    yield proc
+    if proc.alive():
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+
+
+@pytest.fixture
+def any_target(start_target, transport):
+    """A ramdisk target listening on ``transport`` (``proc.via``: how to connect to it)."""
+    port = free_port()
+    proc = start_target(ram_config(port, transport=transport))
+    proc.port, proc.transport, proc.via = port, transport, via(transport)
     return proc

@@ -18,7 +18,8 @@ from blockfabric.protocol import (FeatureId, Identify, IdentifyCNS, IOOpcode, Ke
                                   ReadWrite, SetFeatures, StatusCode)
 from blockfabric.protocol import auth as au
 
-from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+from .conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config,
+                       via)
 
 SECRET = au.generate_secret(32, 1)
 CTRL_SECRET = au.generate_secret(48, 2)
@@ -40,8 +41,11 @@ def auth_target(tmp_path_factory):
     config["limits"] = {"auth_max_failures": 1000}
     config["metrics"] = {"port": metrics}
     config["control_socket"] = str(tmp / "control.sock")
+    proc_tcp_port = free_port()             # the same subsystem over NVMe/TCP
+    config["listeners"].append(listener(proc_tcp_port, transport="tcp"))
     proc = TargetProc(config, tmp).start()
     proc.port, proc.metrics, proc.socket = port, metrics, config["control_socket"]
+    proc.tcp_port = proc_tcp_port
     yield proc
     if proc.alive():
         proc.stop()
@@ -62,9 +66,10 @@ def _wait_more(target, needle: str, before: int, timeout: float = 5) -> bool:
     return False
 
 
-def _connect(target, **kw) -> Controller:
+def _connect(target, transport: str = "rdma", **kw) -> Controller:
     kw.setdefault("hostnqn", HOSTNQN)
-    return connect("127.0.0.1", NQN, target.port, provider="soft", nr_io_queues=2, **kw)
+    return connect("127.0.0.1", NQN, target.tcp_port if transport == "tcp" else target.port,
+                   **via(transport), nr_io_queues=2, **kw)
 
 
 def _io(ctrl: Controller, fill: int) -> None:
@@ -74,9 +79,9 @@ def _io(ctrl: Controller, fill: int) -> None:
 
 
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["host", "bidirectional"])
-def test_right_secret_connects_every_queue_and_does_io(auth_target, bidirectional):
+def test_right_secret_connects_every_queue_and_does_io(auth_target, bidirectional, transport):
     kw = {"dhchap_ctrl_secret": str(CTRL_SECRET)} if bidirectional else {}
-    with _connect(auth_target, dhchap_secret=str(SECRET), **kw) as ctrl:
+    with _connect(auth_target, transport, dhchap_secret=str(SECRET), **kw) as ctrl:
         assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
         assert sorted(ctrl.authenticated) == [0, 1, 2]      # the admin and both I/O queues
         assert all("ffdhe2048" in how for how in ctrl.authenticated.values())
@@ -92,17 +97,17 @@ def test_right_secret_connects_every_queue_and_does_io(auth_target, bidirectiona
                                    else "\n"), 5)
 
 
-def test_wrong_secret_is_refused_and_others_carry_on(auth_target):
+def test_wrong_secret_is_refused_and_others_carry_on(auth_target, transport):
     warning = ("authentication failed: the host's response does not match (wrong secret?) "
                "(explanation 0x1): tearing the controller down")
     before = auth_target.log.count(warning)
-    with _connect(auth_target, hostnqn=OTHER_HOSTNQN) as bystander:
+    with _connect(auth_target, transport, hostnqn=OTHER_HOSTNQN) as bystander:
         _io(bystander, 0x33)
         with pytest.raises(AuthenticationFailed, match="refused authentication"):
-            _connect(auth_target, dhchap_secret=str(au.generate_secret(32, 1)))
+            _connect(auth_target, transport, dhchap_secret=str(au.generate_secret(32, 1)))
         assert _wait_more(auth_target, warning, before)
         _io(bystander, 0x44)                 # the other host never noticed
-        with _connect(auth_target, dhchap_secret=str(SECRET)) as good:
+        with _connect(auth_target, transport, dhchap_secret=str(SECRET)) as good:
             _io(good, 0x55)
     assert auth_target.alive()
     assert _failures(auth_target) >= 1
@@ -156,10 +161,11 @@ def test_no_secret_is_refused_with_a_clear_error(auth_target):
         _connect(auth_target)
 
 
-def _admin_queue(target) -> tuple[Controller, object]:
+def _admin_queue(target, transport: str = "rdma") -> tuple[Controller, object]:
     """A controller object with only its admin queue connected, not authenticated."""
-    ctrl = Controller(ConnectOptions("127.0.0.1", NQN, target.port, hostnqn=HOSTNQN,
-                                     provider="soft", dhchap_secret=str(SECRET)))
+    ctrl = Controller(ConnectOptions(
+        "127.0.0.1", NQN, target.tcp_port if transport == "tcp" else target.port,
+        hostnqn=HOSTNQN, **via(transport), dhchap_secret=str(SECRET)))
     ctrl.reactor.start()
     queue = ctrl.open_queue(0, ADMIN_DEPTH)
     ctrl.admin = queue
@@ -228,10 +234,10 @@ def test_forged_reply_is_refused(auth_target):
         forger.close()
 
 
-def test_unauthenticated_io_queue_is_refused(auth_target):
+def test_unauthenticated_io_queue_is_refused(auth_target, transport):
     """I/O queues authenticate on their own: an authenticated admin queue does not let an
     unauthenticated I/O queue run I/O."""
-    ctrl, admin = _admin_queue(auth_target)
+    ctrl, admin = _admin_queue(auth_target, transport)
     try:
         ctrl._authenticate(admin, 0, ctrl.connect_result)
         ctrl._enable()

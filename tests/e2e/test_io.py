@@ -16,12 +16,12 @@ from blockfabric.initiator.host import HostMemory, IoCommand, NvmeError, connect
 from blockfabric.protocol import IOOpcode, StatusCode
 from blockfabric.net import can_create_netns, netns_pair
 
-from .conftest import HOSTNQN, NQN, free_port, ram_config
+from .conftest import HOSTNQN, NQN, free_port, ram_config, via
 from .workload import verify_workload
 
 
-def test_random_io_ramdisk_many_in_flight_on_several_queues(ram_target):
-    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+def test_random_io_ramdisk_many_in_flight_on_several_queues(any_target):
+    with connect("127.0.0.1", NQN, any_target.port, **any_target.via, hostnqn=HOSTNQN,
                  nr_io_queues=3, queue_size=32) as ctrl:
         assert len(ctrl.io_queues) == 3
         summary = verify_workload(ctrl.namespaces[1], seed=7, ops=300, inflight=48)
@@ -33,13 +33,13 @@ def test_random_io_ramdisk_many_in_flight_on_several_queues(ram_target):
     assert max(stats[q]["max_inflight"] for q in (1, 2, 3)) > 1, stats
 
 
-def test_random_io_file_backend(start_target, tmp_path):
+def test_random_io_file_backend(start_target, tmp_path, transport):
     port = free_port()
     path = tmp_path / "vol.img"
-    start_target(ram_config(port, namespaces=[
+    start_target(ram_config(port, transport=transport, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(path), "size": "32MiB",
          "block_size": 512}]))
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
+    with connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,
                  nr_io_queues=2) as ctrl:
         ns = ctrl.namespaces[1]
         assert ns.block_size == 512 and ns.size == 32 << 20
@@ -87,8 +87,8 @@ def test_commands_complete_out_of_order(start_target, tmp_path):
     assert stats["out_of_order"] > 0, stats
 
 
-def test_reads_and_writes_larger_than_mdts_are_split(ram_target):
-    with connect("127.0.0.1", NQN, ram_target.port, provider="soft",
+def test_reads_and_writes_larger_than_mdts_are_split(any_target):
+    with connect("127.0.0.1", NQN, any_target.port, **any_target.via,
                  hostnqn=HOSTNQN) as ctrl:
         ns = ctrl.namespaces[1]
         data = os.urandom(3 << 20)          # 3 MiB: three 1 MiB commands
@@ -98,17 +98,18 @@ def test_reads_and_writes_larger_than_mdts_are_split(ram_target):
 
 
 @pytest.mark.netns
-def test_verify_workload_between_network_namespaces(start_target):
+def test_verify_workload_between_network_namespaces(start_target, transport):
     ok, reason = can_create_netns()
     if not ok:
         pytest.skip(reason)
     with netns_pair("bfe2e") as pair:
         port = free_port()
-        start_target(ram_config(port, address=pair.ipv4[0]), netns=pair.names[0])
+        start_target(ram_config(port, address=pair.ipv4[0], transport=transport),
+                     netns=pair.names[0])
         res = subprocess.run(
             [sys.executable, "-m", "tests.e2e.workload", "--traddr", pair.ipv4[0],
              "--trsvcid", str(port), "--nqn", NQN, "--hostnqn", HOSTNQN, "--seed", "3",
-             "--ops", "150", "--netns", pair.names[1]],
+             "--ops", "150", "--netns", pair.names[1], "--transport", transport],
             capture_output=True, text=True, timeout=120,
             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         assert res.returncode == 0, res.stderr

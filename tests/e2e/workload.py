@@ -69,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ops", type=int, default=200)
     p.add_argument("--netns")
+    p.add_argument("--transport", choices=("rdma", "tcp"), default="rdma")
     args = p.parse_args(argv)
     if args.netns:
         from blockfabric.net import enter_netns
         enter_netns(args.netns)
-    with connect(args.traddr, args.nqn, args.trsvcid, provider="soft",
+    how = {"transport": "tcp"} if args.transport == "tcp" else {"provider": "soft"}
+    with connect(args.traddr, args.nqn, args.trsvcid, **how,
                  hostnqn=args.hostnqn, nr_io_queues=2) as ctrl:
         summary = verify_workload(ctrl.namespaces[1], args.seed, args.ops)
         summary["queues"] = ctrl.queue_stats()

@@ -47,12 +47,12 @@ def assert_held_and_retried(result: dict) -> None:
     assert result["ios"] > 100, result
 
 
-def test_target_sigkill_and_restart_loses_nothing(file_target):
-    with host(file_target.port) as ctrl:
+def test_target_sigkill_and_restart_loses_nothing(any_file_target):
+    with host(any_file_target.port, **any_file_target.via) as ctrl:
         def fault() -> None:
-            file_target.kill()
+            any_file_target.kill()
             time.sleep(1.0)                     # down for a while: reconnects fail first
-            file_target.start()
+            any_file_target.start()
         result = run_with_fault(ctrl, fault, seconds=5.0)
         assert_held_and_retried(result)
         assert result["recovery"]["attempts"] >= 2, result["recovery"]   # one failed at least
@@ -71,10 +71,10 @@ def test_target_paused_past_keep_alive_then_resumed(file_target):
             or "RETRY_EXC" in result["recovery"]["last_reason"], result["recovery"]
 
 
-def test_connections_cut_by_a_proxy(file_target):
-    proxy = TcpProxy(("127.0.0.1", file_target.port))
+def test_connections_cut_by_a_proxy(any_file_target):
+    proxy = TcpProxy(("127.0.0.1", any_file_target.port))
     try:
-        with host(proxy.port) as ctrl:
+        with host(proxy.port, **any_file_target.via) as ctrl:
             result = run_with_fault(ctrl, proxy.cut, seconds=4.0)
             assert_held_and_retried(result)
     finally:

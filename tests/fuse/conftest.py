@@ -50,16 +50,19 @@ class Mount:
     """One ``blockfabric mount`` (daemonised) of the module's target."""
 
     def __init__(self, target: TargetProc, base: pathlib.Path, options: str = "",
-                 name: str = "mnt") -> None:
+                 name: str = "mnt", transport: str = "rdma") -> None:
         self.target = target
+        self.transport = transport
         self.path = str(base / name)
         os.makedirs(self.path, exist_ok=True)
         self.env = dict(os.environ, BLOCKFABRIC_RUNTIME_DIR=str(base / "run"))
         self.options = options
 
     def argv(self) -> list[str]:
-        argv = ["mount", "-a", "127.0.0.1", "-s", str(self.target.port), "-n", NQN,
-                "--provider", "soft", "-q", FUSE_HOSTNQN]
+        tcp = self.transport == "tcp"
+        argv = ["mount", "-a", "127.0.0.1", "-s",
+                str(self.target.tcp_port if tcp else self.target.port), "-n", NQN,
+                *(["-t", "tcp"] if tcp else ["--provider", "soft"]), "-q", FUSE_HOSTNQN]
         if self.options:
             argv += ["-o", self.options]
         return argv + [self.path]
@@ -124,13 +127,16 @@ def target(tmp_path_factory):
     base = tmp_path_factory.mktemp("fuse-target")
     port = free_port()
     backing = base / "n2.img"
-    config = {"listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
+    tcp_port = free_port()          # the same subsystem over NVMe/TCP
+    config = {"listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port},
+                            {"transport": "tcp", "address": "127.0.0.1", "port": tcp_port}],
               "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
                   {"nsid": 1, "backend": "ramdisk", "size": "64MiB"},
                   {"nsid": 2, "backend": "file", "path": str(backing), "size": "16MiB"},
                   {"nsid": 3, "backend": "ramdisk", "size": "4MiB", "read_only": True}]}]}
     proc = TargetProc(config, base).start()
     proc.port = port
+    proc.tcp_port = tcp_port
     proc.backing = backing
     yield proc
     proc.stop()
@@ -142,8 +148,8 @@ def make_mount(target, tmp_path):
     """make_mount(options="", name="mnt") -> a started Mount, always taken down."""
     mounts: list[Mount] = []
 
-    def make(options: str = "", name: str = "mnt") -> Mount:
-        m = Mount(target, tmp_path, options, name)
+    def make(options: str = "", name: str = "mnt", transport: str = "rdma") -> Mount:
+        m = Mount(target, tmp_path, options, name, transport)
         mounts.append(m)
         return m.start()
 

@@ -221,9 +221,12 @@ def test_many_concurrent_readers_and_writers(shared_mount):
     assert max(inflight) > 1, shared_mount.status()
 
 
-@pytest.mark.parametrize("binding", ["kernel", "libfuse"])
-def test_fio_verify_crc32c(make_mount, binding):
-    shared_mount = make_mount(f"binding={binding}", name=f"fio-{binding}")
+@pytest.mark.parametrize("binding, transport", [("kernel", "rdma"), ("libfuse", "rdma"),
+                                                ("kernel", "tcp")])
+def test_fio_verify_crc32c(make_mount, binding, transport):
+    shared_mount = make_mount(f"binding={binding}", name=f"fio-{binding}-{transport}",
+                              transport=transport)
+    assert f"path        {transport} 127.0.0.1:" in shared_mount.status()
     proc = subprocess.run(
         ["fio", "--name=verify", f"--filename={shared_mount.file('n1')}", "--direct=1",
          "--ioengine=libaio", "--iodepth=16", "--rw=randwrite", "--bs=4k", "--size=8M",

@@ -13,7 +13,7 @@ import pytest
 from blockfabric.initiator.host import connect
 
 from e2e.conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port,  # noqa: F401
-                          ram_config, start_target)
+                          listener, ram_config, start_target, transport, via)
 from faults.verifyload import verify_load
 
 MAX_CONN = 6
@@ -30,6 +30,8 @@ def target(start_target, request, tmp_path):
     limits = dict(getattr(request, "param", {}))
     backend = limits.pop("backend", "ramdisk")
     config = ram_config(port)
+    tcp_port = free_port()      # and NVMe/TCP beside it: the same subsystem, the same limits
+    config["listeners"].append(listener(tcp_port, transport="tcp"))
     nofile = limits.pop("nofile", None)
     if backend == "file":
         config["subsystems"][0]["namespaces"] = [
@@ -41,6 +43,7 @@ def target(start_target, request, tmp_path):
                                            str(BIN / "blockfabric-target")]
     proc = start_target(config, command=command)
     proc.port = port
+    proc.tcp_port = tcp_port
     if backend == "file":
         proc.metrics, proc.socket = config["metrics"]["port"], config["control_socket"]
     return proc
@@ -54,8 +57,9 @@ class Bystander:
     before and during an attack (:meth:`attack`) and that it never stood still
     (:meth:`max_gap`)."""
 
-    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN) -> None:
-        self.ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=hostnqn,
+    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN, transport: str = "rdma"
+                 ) -> None:
+        self.ctrl = connect("127.0.0.1", NQN, port, **via(transport), hostnqn=hostnqn,
                             nr_io_queues=1, keep_alive_tmo=2.0)
         self.stop = threading.Event()
         self.result: dict = {}
@@ -111,7 +115,11 @@ RATES: list[tuple[str, str, float, float, float]] = []
 
 @pytest.fixture
 def bystander(target, request):
-    b = Bystander(target.port)
+    """A host verifying its data over the test's ``transport`` (rdma unless the test takes
+    that fixture)."""
+    kind = request.getfixturevalue("transport") if "transport" in request.fixturenames \
+        else "rdma"
+    b = Bystander(target.tcp_port if kind == "tcp" else target.port, transport=kind)
     yield b
     if b.thread.is_alive():
         b.stop.set()
@@ -121,15 +129,15 @@ def bystander(target, request):
         RATES.append((request.node.name, *row))
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not RATES:
-        return
-    terminalreporter.section("hostile peers: the bystander's I/O rate")
-    terminalreporter.write_line(f"{'test / attack':72} {'before/s':>9} {'during/s':>9} "
-                                f"{'max gap s':>9}")
-    for test, attack, before, during, gap in RATES:
-        terminalreporter.write_line(f"{(test + ' / ' + attack)[:72]:72} {before:9.0f} "
-                                    f"{during:9.0f} {gap:9.2f}")
+@pytest.fixture(autouse=True)
+def _rates_to_the_summary(request):
+    """Hand what bystanders saw during this test to tests/conftest.py's summary, through the
+    test's report: under pytest-xdist the test ran in a worker, the summary prints in the
+    controller."""
+    start = len(RATES)
+    yield
+    for row in RATES[start:]:
+        request.node.user_properties.append(("bystander_rate", row))
 
 
 MAX_GAP = 2.0   # seconds: the bystander must complete an I/O at least this often
@@ -182,10 +190,12 @@ def assert_accepts_new_host(port: int, hostnqn: str = HOSTNQN) -> None:
 
 
 @contextlib.contextmanager
-def attacker_of(target, bystander: Bystander, name: str):
-    """A connected attacker (one I/O queue) for the duration of attack ``name``."""
+def attacker_of(target, bystander: Bystander, name: str, transport: str = "rdma"):
+    """A connected attacker (one I/O queue, over ``transport``) for the duration of attack
+    ``name``."""
+    port = target.tcp_port if transport == "tcp" else target.port
     with bystander.attack(name), \
-            connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=HOSTNQN,
+            connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,
                     nr_io_queues=1) as attacker:
         yield attacker
 

@@ -47,9 +47,9 @@ ATTACKS = [
 
 
 @pytest.mark.timeout(60)
-def test_malformed_capsules_get_their_status(target, bystander):
+def test_malformed_capsules_get_their_status(target, transport, bystander):
     probe = TargetProbe(target)
-    with attacker_of(target, bystander, "malformed capsules") as attacker:
+    with attacker_of(target, bystander, "malformed capsules", transport) as attacker:
         assert_answers(attacker, ATTACKS, 20)
         ns = attacker.namespaces[1]
         ns.write(0, b"\xa5" * BS)                   # the attacker's queue still works

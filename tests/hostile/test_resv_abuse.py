@@ -53,9 +53,10 @@ ATTACKS = [
 
 
 @pytest.mark.timeout(60)
-def test_malformed_reservation_commands(target, bystander):
+def test_malformed_reservation_commands(target, transport, bystander):
     probe = TargetProbe(target)
-    with attacker_of(target, bystander, "malformed reservation commands") as attacker:
+    with attacker_of(target, bystander, "malformed reservation commands",
+                     transport) as attacker:
         assert_answers(attacker, ATTACKS, 10)
         state = resv.report(attacker.namespaces[1])
         assert (state.rtype, state.regctl, state.gen) == (0, 0, 0)

@@ -17,6 +17,7 @@
 # Prints one "RESULT" line per case (what ran, bytes verified); exit status 0 when all passed.
 set -u
 [ -f tests/lab/interop.sh ] || { echo "interop.sh: run from the project root" >&2; exit 2; }
+. tests/lab/nvme-lib.sh
 PY=${PY:-$PWD/.venv/bin/python}
 BIN=$(dirname "$PY")
 IP=${LAB_IP:-10.99.0.1}
@@ -35,15 +36,10 @@ TGT_PID=
 fail=0
 results=()
 
-say() { echo; echo "===== $*"; }
-now() { echo "$EPOCHREALTIME"; }
-since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.1f", b-a}'; }
 result() {  # result CASE OK|FAIL|SKIP TEXT  (SKIP: cannot run on this kernel; not a failure)
     local line; line=$(printf 'RESULT %-28s %-4s %s' "$1" "$2" "$3")
     echo "$line"; results+=("$line"); [ "$2" = OK ] || [ "$2" = SKIP ] || fail=1
 }
-# poll CMD... until it succeeds, at most $POLL_MAX tries 0.1 s apart (never a fixed sleep)
-poll() { local i; for ((i = 0; i < ${POLL_MAX:-300}; i++)); do "$@" && return 0; sleep 0.1; done; return 1; }
 
 cleanup() {
     nvme disconnect-all > /dev/null 2>&1
@@ -89,32 +85,6 @@ YAML
         echo "target did not become ready:"; cat "$W/target.log"; return 1
     fi
     grep "ready:\|listening" "$W/target.log"
-}
-stop_target() {
-    [ -n "$TGT_PID" ] || return 0
-    kill -TERM "$TGT_PID" 2>/dev/null
-    poll eval '! kill -0 $TGT_PID 2>/dev/null' || kill -KILL "$TGT_PID" 2>/dev/null
-    wait "$TGT_PID" 2>/dev/null; local rc=$?
-    TGT_PID=
-    echo "target exited rc=$rc"; tail -n 5 "$W/target.log"
-    return $rc
-}
-ctrl_dev() {  # the /dev/nvmeX of the controller connected to NQN $1
-    local c
-    for c in /sys/class/nvme/nvme*; do
-        [ "$(cat "$c/subsysnqn" 2>/dev/null)" = "$1" ] && { echo "/dev/${c##*/}"; return 0; }
-    done
-    return 1
-}
-ns_dev() {  # ns_dev NQN NSID -> /dev/nvmeXnY once the block device exists
-    local c n
-    c=$(ctrl_dev "$1") || return 1
-    for n in /sys/block/${c#/dev/}n* /sys/block/nvme*c*n*; do
-        [ -e "$n/nsid" ] || continue
-        [ "$(cat "$n/nsid")" = "$2" ] || continue
-        case "$(cat "$n/device/subsysnqn" 2>/dev/null)" in "$1") echo "/dev/${n##*/}"; return 0;; esac
-    done
-    return 1
 }
 
 kernel_host_case() {  # kernel_host_case NAME NR_IO_QUEUES

@@ -46,11 +46,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=20261209)
     ap.add_argument("--dhchap-secret", help="the host's DH-HMAC-CHAP secret (DHHC-1:...)")
     ap.add_argument("--dhchap-ctrl-secret", help="the controller's, to authenticate it too")
+    ap.add_argument("--transport", choices=("rdma", "tcp"), default="rdma",
+                    help="rdma: the verbs provider; tcp: NVMe/TCP (tests/lab/tcp.sh)")
+    ap.add_argument("--digests", action="store_true", help="NVMe/TCP header and data digests")
     args = ap.parse_args()
+    how = {"transport": "tcp", "hdr_digest": args.digests, "data_digest": args.digests} \
+        if args.transport == "tcp" else {"provider": "verbs"}
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     with connect(args.traddr, args.nqn, args.trsvcid, hostnqn=args.hostnqn,
-                 provider="verbs", nr_io_queues=args.queues, dhchap_secret=args.dhchap_secret,
+                 **how, nr_io_queues=args.queues, dhchap_secret=args.dhchap_secret,
                  dhchap_ctrl_secret=args.dhchap_ctrl_secret) as ctrl:
         ns = ctrl.namespaces[args.nsid]
         bs = ns.block_size

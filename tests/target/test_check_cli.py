@@ -80,8 +80,8 @@ CASES: list[tuple[str, str | Callable[[dict], None], str, str]] = [
      "an integer"),
     ("bad-provider", lambda c: c["listeners"][0].update(provider="rxe"),
      "listeners[0].provider", "auto, soft, verbs"),
-    ("bad-transport", lambda c: c["listeners"][0].update(transport="tcp"),
-     "listeners[0].transport", "rdma"),
+    ("bad-transport", lambda c: c["listeners"][0].update(transport="fc"),
+     "listeners[0].transport", "rdma, tcp"),
     ("dup-listener", _listener(address="127.0.0.1", port=4420), "listeners[1]",
      "127.0.0.1:4420"),
     ("dup-listener-v6-spelling", lambda c: c["listeners"].extend(

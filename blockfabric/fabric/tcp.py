@@ -1,0 +1,383 @@
+"""What both ends of an NVMe/TCP queue share: the local memory keys and the PDU connection.
+
+**Memory.**  Above the transport, the target and the host name data by (address, length,
+key) in memory registered with a protection domain, as on RDMA.  On TCP nothing remote ever
+reads that memory: :func:`local_pd` gives a protection domain of the soft provider's kind
+(registration pins the buffer and yields its address and keys) with no device behind it,
+and :func:`resolve` turns an (address, length, key) back into a view of those bytes, checked
+against the region's bounds.  The addresses and keys come from this process's own code, never
+from the wire (an NVMe/TCP SGL carries no address).
+
+**The connection** (:class:`PduConnection`): one TCP socket, driven by one reactor.
+Receiving is one ``recv_into`` per wake-up into a staging buffer that starts small and grows
+only to the size of a PDU whose header was checked (bounded by what the receiver
+negotiated); every complete PDU of the read is handled in that pass.  Every PDU header is
+checked (:func:`~blockfabric.protocol.tcp_pdu.check_header`), its header digest verified and
+the side's :meth:`PduConnection.precheck` run *before* the staging buffer grows for its data.
+A violation sends a termination request with its FES and closes: only this connection.
+Sending collects every PDU of a pass and writes them with one ``sendmsg`` at its end
+(:meth:`PduConnection.flush`); what the socket does not take at once is copied and sent when
+it can, and past ``max_unsent`` bytes the connection stops reading until it drained, so a
+peer that does not read cannot make the other end buffer without bound.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+from typing import Callable
+
+from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.rdma.soft.memory import KeyAllocator, SoftPD
+
+log = logging.getLogger(__name__)
+
+#: the staging buffer's first size: a connection that only connects costs this
+STAGING_START = 4096
+#: a send the socket did not take whole is retried after this long (seconds)
+RETRY_DELAY = 0.0005
+IOV_MAX = 512
+
+
+class _LocalKeys:
+    """What a :class:`~blockfabric.rdma.soft.memory.SoftPD` needs of its device: key tables
+    and a key allocator (here for memory that only this process reads)."""
+
+    def __init__(self) -> None:
+        self.lkeys: dict = {}
+        self.rkeys: dict = {}
+        self._keys = KeyAllocator()
+        self._lock = threading.Lock()
+
+    def new_keys(self) -> tuple[int, int]:
+        with self._lock:
+            return self._keys.pair()
+
+
+def local_pd() -> SoftPD:
+    """A protection domain for memory that a TCP queue moves (see the module text)."""
+    return SoftPD(_LocalKeys())
+
+
+def resolve(pd: SoftPD, addr: int, length: int, key: int) -> memoryview:
+    """The ``length`` bytes at ``addr`` in the region of ``pd`` whose lkey or rkey is
+    ``key``; ValueError when they are not all inside one of its regions."""
+    ctx = pd.ctx
+    mr = ctx.lkeys.get(key) or ctx.rkeys.get(key)
+    if mr is None or mr.pd is not pd or mr.closed:
+        raise ValueError(f"no memory region with key {key:#x}")
+    start = addr - mr.addr
+    if start < 0 or length < 0 or start + length > mr.length:
+        raise ValueError(f"{length} bytes at {addr:#x} outside the region of key {key:#x}")
+    return mr.buf[start:start + length]
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle (the Linux host and nvmet both set TCP_NODELAY), non-blocking."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+
+
+class PduConnection:
+    """One NVMe/TCP connection's framing (see the module text).  A side overrides
+    :meth:`on_pdu` (and :meth:`precheck`, :meth:`on_data_digest_error`, :meth:`on_lost`)."""
+
+    #: the termination request this side sends (C2H for a controller, H2C for a host)
+    term_type = tp.C2H_TERM
+    to_controller = True
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        tune(sock)
+        self.sock = sock
+        self.name = name
+        self.closed = False
+        self.initialized = False
+        self.limits = tp.Limits(max_capsule_data=tp.ADMIN_CCSZ)
+        self.hdgst = self.ddgst = False
+        self._staging = bytearray(STAGING_START)
+        self._view = memoryview(self._staging)
+        self._filled = 0
+        self._out: list = []
+        self._out_bytes = 0
+        #: called once what was queued before them is written or copied (the memory it
+        #: referenced may then be reused)
+        self._after: list[Callable[[], None]] = []
+        self._flush_queued = False
+        self._paused = False
+        self._retry = None
+        self.max_unsent = 64 << 20
+        self.reactor = None
+        self._send_lock = threading.RLock()
+
+    # -- the reactor ---------------------------------------------------------------
+    def attach(self, reactor) -> None:
+        self.reactor = reactor
+        reactor.call_sync(lambda: reactor.add_reader(self.sock.fileno(), self.on_readable))
+
+    def _detach(self) -> None:
+        reactor, self.reactor = self.reactor, None
+        if reactor is None:
+            return
+        fd = self.sock.fileno()
+
+        def unregister() -> None:
+            reactor.remove_reader(fd, self.on_readable)
+        if reactor.thread is None or reactor.thread is threading.current_thread():
+            unregister()
+        else:
+            try:
+                reactor.call_sync(unregister)
+            except TimeoutError as exc:
+                log.warning("%s: %s", self.name, exc)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    # -- receiving -----------------------------------------------------------------
+    def on_readable(self) -> None:
+        if self.closed or self._paused:
+            return
+        view = self._view
+        try:
+            n = self.sock.recv_into(view[self._filled:])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.on_lost(f"connection failed: {exc.strerror or exc}")
+            return
+        if not n:
+            self.on_lost("peer disconnected")
+            return
+        self._filled += n
+        try:
+            self._parse()
+        except tp.PduError as exc:
+            self.terminate(exc)
+        except Exception as exc:          # a bug: this connection only
+            log.error("%s: PDU handling failed", self.name, exc_info=True)
+            self.on_lost(f"PDU handling failed: {type(exc).__name__}: {exc}")
+            return
+        if self._out and not self._flush_queued and not self.closed:
+            self.flush()
+
+    def _parse(self) -> None:
+        view = self._view
+        filled = self._filled
+        pos = 0
+        limits = self.limits
+        try:
+            while not self.closed:
+                start = pos
+                avail = filled - pos
+                if avail < tp.COMMON_SIZE:
+                    break
+                ptype, flags, hlen, pdo, plen = tp.header(view, pos)
+                dlen = tp.check_header(ptype, flags, hlen, pdo, plen,
+                                       to_controller=self.to_controller,
+                                       initialized=self.initialized, limits=limits)
+                digested = limits.hdgst and ptype > tp.C2H_TERM
+                head = hlen + (tp.DIGEST_SIZE if digested else 0)
+                if avail < head:
+                    if head > len(view):
+                        self._grow(head, pos, filled)
+                        pos = 0             # the new buffer starts with this PDU
+                        return
+                    break
+                if digested and tp.digest(view[pos:pos + hlen]) != \
+                        tp.unpack_digest(view, pos + hlen)[0]:
+                    raise tp.PduError("header digest mismatch", tp.Fes.HEADER_DIGEST, hlen)
+                self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
+                if avail < plen:
+                    if plen > len(view):
+                        self._grow(plen, pos, filled)
+                        pos = 0
+                        return
+                    break
+                pdu = view[pos:pos + plen]
+                pos += plen
+                if dlen and limits.ddgst and ptype > tp.C2H_TERM and \
+                        tp.digest(pdu[pdo:pdo + dlen]) != tp.unpack_digest(pdu, plen - 4)[0]:
+                    self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
+                else:
+                    self.on_pdu(ptype, flags, pdu, pdo, dlen)
+                limits = self.limits        # ICReq/ICResp change them
+        except tp.PduError as exc:
+            exc.offending = bytes(view[start:min(filled, start + tp.TERM_MAX_PLEN - tp.TERM_HLEN)])
+            raise
+        finally:
+            if not self.closed and pos:
+                rest = filled - pos
+                if rest:
+                    self._staging[:rest] = self._staging[pos:filled]
+                self._filled = rest
+            elif self.closed:
+                self._filled = 0
+
+    def _grow(self, size: int, pos: int, filled: int) -> None:
+        """A new staging buffer that holds a PDU of ``size`` bytes (its header checked),
+        with the bytes of it already received at its start."""
+        new = bytearray(max(size, 2 * len(self._staging)) if size < 65536 else size)
+        rest = filled - pos
+        new[:rest] = self._view[pos:filled]
+        self._view.release()
+        self._staging = new
+        self._view = memoryview(new)
+        self._filled = rest
+
+    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+        """The PDU's header is in (and its digest right), its data not yet: raise
+        :class:`~blockfabric.protocol.tcp_pdu.PduError` if it must not be read on."""
+
+    def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
+        """A whole PDU (valid as far as the common checks go); ``pdu`` is only valid during
+        the call."""
+        raise NotImplementedError
+
+    def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
+                             dlen: int) -> None:
+        raise tp.PduError("data digest mismatch", tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
+
+    def on_lost(self, reason: str) -> None:
+        """The connection cannot go on: tear down (overridden by each side)."""
+        self.close()
+
+    def negotiated(self, hdgst: bool, ddgst: bool, max_capsule_data: int,
+                   max_data: int) -> None:
+        self.initialized = True
+        self.hdgst, self.ddgst = hdgst, ddgst
+        self.limits = tp.Limits(hdgst, ddgst, max_capsule_data, max_data)
+
+    def terminate(self, exc: tp.PduError) -> None:
+        """Send a termination request for ``exc`` (FES, FEI, the offending header) after
+        whatever is already queued, then end the connection."""
+        if self.closed:
+            return
+        log.debug("%s: terminating the connection: %s (FES %#x, FEI %d)", self.name, exc,
+                    exc.fes, exc.fei)
+        with self._send_lock:
+            # best effort and never blocking: a peer that does not read gets no more
+            self._out.append(tp.term_req(self.term_type, exc.fes, exc.fei,
+                                         getattr(exc, "offending", b"")))
+            self._write()
+        self.on_lost(f"protocol error: {exc} (termination request sent, FES {exc.fes:#x})")
+
+    # -- sending -------------------------------------------------------------------
+    def send(self, bufs: list, after: Callable[[], None] | None = None) -> None:
+        """Queue ``bufs`` to go out with the rest of this pass (``after``: called once
+        they are written or copied)."""
+        with self._send_lock:
+            out = self._out
+            for b in bufs:
+                out.append(b)
+                self._out_bytes += len(b)
+            if after is not None:
+                self._after.append(after)
+            if self._flush_queued or self.reactor is None:
+                return
+            self._flush_queued = True
+        if self.reactor.thread is threading.current_thread():
+            self.reactor.call_soon(self.flush)
+        else:
+            self.reactor.call_soon_threadsafe(self.flush)
+
+    def send_now(self, bufs: list) -> None:
+        """From a thread that is not the reactor's: write ``bufs`` at once (after what is
+        queued), the rest when the socket takes it."""
+        with self._send_lock:
+            for b in bufs:
+                self._out.append(b)
+                self._out_bytes += len(b)
+            self._write()
+
+    def flush(self) -> None:
+        with self._send_lock:
+            self._flush_queued = False
+            self._write()
+
+    def _write(self) -> None:
+        """Write what is queued (the send lock held); keep and copy what the socket did
+        not take; run the ``after`` callbacks."""
+        out = self._out
+        while out and not self.closed:
+            try:
+                sent = self.sock.sendmsg(out if len(out) <= IOV_MAX else out[:IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._out = []
+                self._out_bytes = 0
+                reason = f"send failed: {exc.strerror or exc}"
+                if self.reactor is not None:
+                    self.reactor.call_soon_threadsafe(lambda: self.on_lost(reason))
+                break
+            self._out_bytes -= sent
+            i = 0
+            while i < len(out) and sent >= len(out[i]):
+                sent -= len(out[i])
+                i += 1
+            if i:
+                del out[:i]
+            if not out:
+                break
+            if sent:
+                out[0] = memoryview(out[0])[sent:]
+            # The socket is full: copy what is left (it may reference memory that its
+            # owner reuses once told, below) and try again shortly.
+            self._out = out = [bytes(b) for b in out]
+            self._schedule_retry()
+            break
+        after, self._after = self._after, []
+        for fn in after:
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: release after send failed", self.name)
+        self._pause_if_full()
+
+    def _schedule_retry(self) -> None:
+        if self._retry is None and self.reactor is not None:
+            def retry() -> None:
+                self._retry = None
+                self.flush()
+            if self.reactor.thread is threading.current_thread():
+                self._retry = self.reactor.call_later(RETRY_DELAY, retry)
+            else:
+                self.reactor.call_soon_threadsafe(
+                    lambda: setattr(self, "_retry", self.reactor.call_later(RETRY_DELAY, retry))
+                    if self.reactor is not None and self._retry is None else None)
+
+    def _pause_if_full(self) -> None:
+        if self._out_bytes > self.max_unsent and not self._paused:
+            self._paused = True             # read nothing more until the peer reads
+        elif self._paused and self._out_bytes <= self.max_unsent // 2:
+            self._paused = False
+            if self.reactor is not None:
+                self.reactor.call_soon_threadsafe(self.on_readable)
+
+    @property
+    def unsent(self) -> int:
+        return self._out_bytes
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._detach()
+        self.closed = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        after, self._after = self._after, []
+        self._out = []
+        for fn in after:
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: release at close failed", self.name)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTCONN, errno.EBADF):
+                log.debug("%s: shutdown: %s", self.name, exc)
+        self.sock.close()

@@ -1,0 +1,273 @@
+"""The host's end of an NVMe/TCP queue: the RDMA host queue's command slots, moved by PDUs.
+
+Everything about command slots (cids with generations, submission from any thread, the
+stale-response checks, failing every outstanding command once) is
+:class:`~blockfabric.fabric.host_side.HostQueue`'s.  Only the transport differs: a command
+whose data the caller named by a keyed SGL into memory registered with the controller's
+protection domain goes out with an NVMe/TCP transport SGL (0x5A) instead, and its data
+moves as H2CData answering the controller's R2Ts (writes) or arrives as C2HData (reads),
+each checked against the command it names (cid, direction, offset in order, length within
+the command's; SUCCESS only with LAST), as the Linux host checks them.  In-capsule data goes
+in the CapsuleCmd.  A data digest that does not match fails that command (Data Transfer
+Error) and the queue goes on; a termination request or any other violation ends the queue.
+
+:func:`open_connection` makes the TCP connection and runs ICReq/ICResp before the queue
+exists, blocking, within the connect timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+from blockfabric.fabric.host_side import HostQueue, QueueStats, Slot
+from blockfabric.fabric.tcp import PduConnection, resolve
+from blockfabric.protocol import SQE_SIZE, StatusCode
+from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol.sgl import TYPE_KEYED
+from blockfabric.rdma import SGE, SendFlags, SendWR, WrOpcode
+
+log = logging.getLogger(__name__)
+
+_SGL_WORDS = struct.Struct("<QQ")
+_CQE_RAW = struct.Struct("<QHHHH")
+_TRANSPORT_WORD = tp.SGL_TRANSPORT << 56
+#: the largest data PDU a host takes (its commands are at most 8 MiB: Controller.max_transfer)
+MAX_DATA = 8 << 20
+#: the status word (CQE byte 14) of Data Transfer Error, for a data digest mismatch
+_DATA_TRANSFER_ERROR = StatusCode.DATA_TRANSFER_ERROR << 1
+
+
+def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
+                    timeout: float) -> tuple[socket.socket, tp.ICResp]:
+    """Connect and initialise (ICReq, then the ICResp checked as the Linux host checks
+    it); raises ConnectionError (refused, a bad ICResp, a termination request) or
+    TimeoutError."""
+    deadline = time.monotonic() + timeout
+    try:
+        sock = socket.create_connection((address, port), timeout=timeout)
+    except ConnectionRefusedError as exc:
+        raise ConnectionRefusedError(f"connection to {address}:{port} refused: is an NVMe/TCP "
+                                     "listener there?") from exc
+    except socket.timeout:
+        raise TimeoutError(f"no NVMe/TCP connection to {address}:{port} within {timeout:g} s"
+                           ) from None
+    try:
+        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst)
+        sock.sendall(request.pack())
+        buf = bytearray()
+        while len(buf) < tp.IC_SIZE:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(tp.IC_SIZE - len(buf))
+            except socket.timeout:
+                raise TimeoutError(f"{address}:{port}: no ICResp within {timeout:g} s") from None
+            if not chunk:
+                raise ConnectionError(f"{address}:{port} closed the connection at ICReq")
+            buf += chunk
+            if len(buf) >= tp.COMMON_SIZE and buf[0] == tp.C2H_TERM:
+                raise ConnectionError(f"{address}:{port} refused the ICReq (termination "
+                                      "request)")
+        try:
+            tp.check_header(*tp.header(buf), to_controller=False, initialized=False,
+                            limits=tp.Limits())
+            if buf[0] != tp.ICRESP:
+                raise tp.PduError("not an ICResp", tp.Fes.SEQUENCE_ERROR)
+            resp = tp.ICResp.unpack(buf, request)
+        except tp.PduError as exc:
+            raise ConnectionError(f"{address}:{port}: bad ICResp: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock, resp
+
+
+class TcpHostQueue(PduConnection, HostQueue):
+    """One host queue over NVMe/TCP (see the module text)."""
+
+    term_type = tp.H2C_TERM
+    to_controller = False
+
+    def __init__(self, sock: socket.socket, pd, resp: tp.ICResp, *, qid: int, depth: int,
+                 inline_size: int, name: str) -> None:
+        PduConnection.__init__(self, sock, name)
+        self.pd = pd
+        self.qid = qid
+        self.depth = depth
+        self.inline_size = inline_size
+        self.maxh2cdata = resp.maxh2cdata
+        self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA)
+        self.slots = []
+        for i in range(depth):
+            view = memoryview(bytearray(SQE_SIZE + inline_size))
+            self.slots.append(Slot(i, view, SendWR(i, WrOpcode.SEND, [SGE(0, SQE_SIZE, 0)],
+                                                   SendFlags.SIGNALED)))
+        #: per slot, the data the transport moves: [view, length, moved, to host, bad]
+        self._data: list[list | None] = [None] * depth
+        self._free = list(range(depth - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)
+        self._waiters = 0
+        self._loop_ident = None
+        self.stats = QueueStats(depth, self._free)
+        self.dead_reason = None
+
+    def attach(self, reactor) -> None:
+        PduConnection.attach(self, reactor)
+        thread = getattr(reactor, "thread", None)
+        self._loop_ident = thread.ident if thread is not None else None
+
+    # -- sending commands -----------------------------------------------------------------
+    def _post(self, slot: Slot, length: int, locked: bool) -> int:
+        view = slot.view
+        addr, word = _SGL_WORDS.unpack_from(view, 24)
+        kind = word >> 56
+        data_len = 0
+        index = slot.index
+        self._data[index] = None
+        if kind == TYPE_KEYED:
+            n = word & 0xFFFFFF
+            if n:
+                try:
+                    mem = resolve(self.pd, addr, n, (word >> 24) & 0xFFFFFFFF)
+                except ValueError as exc:
+                    self._free_slot(slot, locked)
+                    raise ValueError(f"{self.name}: the command's data: {exc}") from None
+                # the data's direction: opcode bits 1:0 (fctype for a Fabrics command)
+                op = view[4] if view[0] == 0x7F else view[0]
+                self._data[index] = [mem, n, 0, op & 3 == 2, False]
+            _SGL_WORDS.pack_into(view, 24, 0, n | _TRANSPORT_WORD)
+        elif length > SQE_SIZE:
+            data_len = length - SQE_SIZE
+        out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst)]
+        if data_len:
+            data = bytes(view[SQE_SIZE:length])
+            out.append(data)
+            if self.ddgst:
+                out.append(tp.pack_digest(tp.digest(data)))
+        self._count(slot, locked)
+        slot.sent = True
+        if self.closed:
+            self._free_slot(slot, locked)
+            raise ConnectionError(self.dead_reason or f"{self.name}: closed")
+        if locked:
+            self.send_now(out)
+        else:
+            self.send(out)
+        return slot.cid
+
+    # -- PDUs from the controller ------------------------------------------------------
+    def _slot_for(self, cccid: int) -> Slot | None:
+        index = cccid & 0xFFF
+        if index >= self.depth:
+            return None
+        slot = self.slots[index]
+        if not slot.busy or slot.cid != cccid or slot.raw is not None:
+            return None
+        return slot
+
+    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+        if ptype != tp.C2H_DATA and ptype != tp.R2T:
+            return
+        cccid, _ttag, offset, length = tp.unpack_data_fields(header)
+        slot = self._slot_for(cccid)
+        data = self._data[slot.index] if slot is not None else None
+        if data is None:
+            raise tp.PduError(f"PDU type {ptype:#x} for cid {cccid:#x}, which moves no data",
+                              tp.Fes.INVALID_HEADER_FIELD, 8)
+        if ptype == tp.C2H_DATA:
+            if not data[3]:
+                raise tp.PduError(f"C2HData for cid {cccid:#x}, a write",
+                                  tp.Fes.INVALID_HEADER_FIELD, 8)
+            if length != dlen:
+                raise tp.PduError(f"C2HData data length {length}, the PDU carries {dlen}",
+                                  tp.Fes.INVALID_HEADER_FIELD, 16)
+            if offset != data[2] or offset + length > data[1]:
+                raise tp.PduError(f"C2HData {offset}+{length}: expected offset {data[2]} of "
+                                  f"{data[1]}", tp.Fes.DATA_OUT_OF_RANGE, 12)
+            if flags & tp.F_DATA_SUCCESS and not flags & tp.F_DATA_LAST:
+                raise tp.PduError("C2HData SUCCESS without LAST", tp.Fes.INVALID_HEADER_FIELD,
+                                  tp.FEI_FLAGS)
+            if flags & tp.F_DATA_SUCCESS and offset + length != data[1]:
+                raise tp.PduError("C2HData SUCCESS before all the data (no short reads)",
+                                  tp.Fes.DATA_OUT_OF_RANGE, 16)
+        else:
+            if data[3]:
+                raise tp.PduError(f"R2T for cid {cccid:#x}, a read",
+                                  tp.Fes.INVALID_HEADER_FIELD, 8)
+            if not length or offset < data[2] or offset + length > data[1]:
+                raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} sent",
+                                  tp.Fes.DATA_OUT_OF_RANGE, 12)
+
+    def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
+        if ptype == tp.CAPSULE_RESP:
+            raw = _CQE_RAW.unpack_from(pdu, 8)
+            slot = self._slot_for(raw[3])
+            if slot is not None:
+                data = self._data[slot.index]
+                if data is not None and data[4] and not raw[4] & 0xFFFE:
+                    raw = raw[:4] + (_DATA_TRANSFER_ERROR,)
+            self._on_cqe(raw)
+        elif ptype == tp.C2H_DATA:
+            self._c2h(flags, pdu, pdo, dlen, False)
+        elif ptype == tp.R2T:
+            self._r2t(pdu)
+        elif ptype == tp.C2H_TERM:
+            fes, fei = tp.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
+            raise_lost = f"the controller terminated the connection (FES {fes:#x}, FEI {fei})"
+            self.on_lost(raise_lost)
+        else:
+            raise tp.PduError(f"PDU type {ptype:#x} after initialisation",
+                              tp.Fes.SEQUENCE_ERROR, 0)
+
+    def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
+                             dlen: int) -> None:
+        if ptype != tp.C2H_DATA:
+            raise tp.PduError("data digest mismatch", tp.Fes.INVALID_HEADER_FIELD, 1)
+        log.warning("%s: data digest mismatch in C2HData", self.name)
+        self._c2h(flags, pdu, pdo, dlen, True)
+
+    def _c2h(self, flags: int, pdu: memoryview, pdo: int, dlen: int, bad: bool) -> None:
+        cccid, _ttag, offset, length = tp.unpack_data_fields(pdu)
+        slot = self._slot_for(cccid)
+        data = self._data[slot.index]
+        data[0][offset:offset + length] = pdu[pdo:pdo + length]
+        data[2] = offset + length
+        if bad:
+            data[4] = True
+        if flags & tp.F_DATA_SUCCESS:       # no CapsuleResp follows: success, unless bad
+            self._on_cqe((0, 0xFFFF, self.qid, cccid, _DATA_TRANSFER_ERROR if data[4] else 0))
+
+    def _r2t(self, pdu: memoryview) -> None:
+        cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
+        data = self._data[self._slot_for(cccid).index]
+        mem = data[0]
+        end = offset + length
+        out: list = []
+        while offset < end:
+            n = min(self.maxh2cdata, end - offset)
+            last = offset + n == end
+            out.append(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST if last else 0, cccid, ttag,
+                                      offset, n, self.hdgst, self.ddgst))
+            piece = mem[offset:offset + n]
+            out.append(piece)
+            if self.ddgst:
+                out.append(tp.pack_digest(tp.digest(piece)))
+            offset += n
+        data[2] = end
+        self.send(out)
+
+    def on_lost(self, reason: str) -> None:
+        if not self.closed:
+            self.fail(reason, expected=False)
+            PduConnection.close(self)
+
+    def close(self) -> None:
+        PduConnection.close(self)
+
+    @property
+    def broken(self) -> bool:
+        return self.closed or self.dead_reason is not None

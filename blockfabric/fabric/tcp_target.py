@@ -1,0 +1,353 @@
+"""The target's end of an NVMe/TCP queue: the same commands as on RDMA, moved by PDUs.
+
+The controller logic (``blockfabric.target``) sees the very :class:`Command` objects and
+queue methods it sees on RDMA (:class:`~blockfabric.fabric.target_side.TargetQueue`):
+``fetch``/``fetch_to`` bring a command's host data into local memory, ``take_inline``
+copies in-capsule data, ``respond``/``respond_ok`` answer with data.  Only how the data
+moves differs:
+
+* a CapsuleCmd's SQE (and in-capsule data) is copied into the command's slot, then decoded
+  by the RDMA queue's own code (the same checks, the same statuses);
+* an NVMe/TCP transport SGL (0x5A) is shown to that code as a keyed SGL without address or
+  key ("data the transport moves"); a real keyed SGL is refused (SGL Descriptor Type
+  Invalid), as in-capsule data with anything but an in-capsule SGL (Invalid Field);
+* the host's data for a write comes with one R2T for the whole length (as nvmet) and its
+  H2CData PDUs, checked in order (ttag, cccid, offset, length, LAST) before their data is
+  read;
+* read data goes as C2HData, with LAST, and with SUCCESS instead of a CapsuleResp when the
+  host disabled SQ flow control at Connect (the Linux host does when discovery says so);
+* a data digest error in a capsule or in H2CData fails that command (Transient Transport
+  Error) and nothing else; every other violation is a C2HTermReq with its FES and the end
+  of this connection (see :class:`~blockfabric.fabric.tcp.PduConnection`).
+
+The queue's qid and depth come from the Fabrics Connect (TCP has no CM private data): the
+queue has one command slot until then, like an RDMA queue's one receive.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import Callable, Sequence
+
+from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.fabric.tcp import PduConnection, resolve
+from blockfabric.protocol import CQE_SIZE, SQE_SIZE, StatusCode
+from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol.capsule import pack_cqe_into
+from blockfabric.protocol.opcodes import FABRICS_OPCODE
+from blockfabric.protocol.sgl import KEYED_MAX_LENGTH, TYPE_KEYED, TYPE_OFFSET
+from blockfabric.rdma import SGE
+
+log = logging.getLogger(__name__)
+
+#: MAXH2CDATA: the most data one H2CData PDU carries (the staging buffer's bound)
+MAXH2CDATA = 128 << 10
+#: Transient Transport Error (SCT 0, SC 22h): a data digest that does not match
+TRANSIENT_TRANSPORT_ERROR = 0x22
+_SGL_WORDS = struct.Struct("<QQ")
+_CONNECT_SIZES = struct.Struct("<HH")       # SQE @42 qid, @44 sqsize
+_KEYED_WORD = TYPE_KEYED << 56
+_NOT_RDMA = object()         # a Command's send_wr: never armed with RDMA work requests
+
+
+class PeerInfo:
+    """What the target asks of an RDMA CM id about its peer (``peer_address``)."""
+
+    def __init__(self, address: tuple) -> None:
+        self.peer_address = address
+
+
+class TcpTargetQueue(PduConnection):
+    """One NVMe/TCP connection at the target: a queue of :class:`Command` slots."""
+
+    pass_limit = 64     # read by the target's pass sharing; one read per wake-up here
+
+    def __init__(self, sock, pd, *, handler, inline_size: int, max_depth: Callable[[int], int],
+                 name: str) -> None:
+        super().__init__(sock, name)
+        self.pd = pd
+        self.cmid = PeerInfo(sock.getpeername())
+        self.handler = handler
+        self.dispatch: Callable[[Command], None] = handler.handle
+        self.qid = 0
+        self.depth = 1
+        self.max_depth = max_depth      # qid -> the largest depth a Connect may ask
+        #: in-capsule bytes accepted: at least the 8 KiB a Linux host sends Fabrics
+        #: commands with (IOCCSZ, advertised, may be less)
+        self.inline_size = max(inline_size, tp.ADMIN_CCSZ)
+        self.sqhd = 0
+        self.sq_flow = True
+        self.connected = False
+        self.commands: list[Command] = []
+        self.recv_views: list[memoryview] = []
+        self._free: list[int] = []
+        #: per command slot, a transfer the host owes (R2T sent): [dest, got, total, bad]
+        self._xfer: list[list | None] = []
+        self._cqes: list[bytearray] = []
+        self._grow_slots(1)
+        self.limits = tp.Limits(max_capsule_data=self.inline_size)
+
+    def _grow_slots(self, count: int) -> None:
+        have = len(self.commands)
+        for i in range(have, count):
+            cmd = Command(self, i)      # type: ignore[arg-type]
+            cmd.send_wr = _NOT_RDMA     # type: ignore[assignment]
+            self.commands.append(cmd)
+            self.recv_views.append(memoryview(bytearray(SQE_SIZE + self.inline_size)))
+            self._xfer.append(None)
+            self._cqes.append(bytearray(CQE_SIZE))
+        self._free[:0] = range(count - 1, have - 1, -1)
+
+    def post_more_receives(self) -> None:
+        """The Connect succeeded: the queue's whole depth of command slots."""
+        self.connected = True
+        if not self.closed:
+            self._grow_slots(self.depth)
+
+    # -- what the RDMA queue's capsule decoding uses --------------------------------
+    _on_capsule = TargetQueue._on_capsule
+    _check_inline = TargetQueue._check_inline
+    take_inline = TargetQueue.take_inline
+    fetch = TargetQueue.fetch
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.commands) - len(self._free)
+
+    @property
+    def broken(self) -> bool:
+        return self.closed
+
+    # -- PDUs --------------------------------------------------------------------------
+    def on_lost(self, reason: str) -> None:
+        if not self.closed:
+            self.handler.queue_broken(self, reason)
+
+    def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
+        if ptype == tp.CAPSULE_CMD:
+            self._capsule(pdu, pdo, dlen, False)
+        elif ptype == tp.H2C_DATA:
+            self._h2c_data(flags, pdu, pdo, dlen, False)
+        elif ptype == tp.ICREQ:
+            req = tp.ICReq.unpack(pdu)
+            self.send([tp.ICResp(hdgst=req.hdgst, ddgst=req.ddgst,
+                                 maxh2cdata=MAXH2CDATA).pack()])
+            self.negotiated(req.hdgst, req.ddgst, self.inline_size, MAXH2CDATA)
+        else:                               # H2CTermReq: the host gives up
+            fes, fei = tp.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
+            self.on_lost(f"the host sent a termination request (FES {fes:#x}, FEI {fei})")
+
+    def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
+                             dlen: int) -> None:
+        log.warning("%s: data digest mismatch in a %s", self.name,
+                    "capsule" if ptype == tp.CAPSULE_CMD else "H2CData PDU")
+        if ptype == tp.CAPSULE_CMD:
+            self._capsule(pdu, pdo, dlen, True)
+        else:
+            self._h2c_data(flags, pdu, pdo, dlen, True)
+
+    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+        """An H2CData's fields, before its data is read (nvmet's checks: a transfer the
+        controller asked for, in order, within what it asked)."""
+        if ptype != tp.H2C_DATA:
+            return
+        cccid, ttag, offset, length = tp.unpack_data_fields(header)
+        xfer = self._xfer[ttag] if ttag < len(self._xfer) else None
+        if xfer is None:
+            raise tp.PduError(f"H2CData for ttag {ttag}, which has no R2T outstanding",
+                              tp.Fes.INVALID_HEADER_FIELD, 10)
+        if self.commands[ttag].cid != cccid:
+            raise tp.PduError(f"H2CData cccid {cccid:#x} is not ttag {ttag}'s command",
+                              tp.Fes.INVALID_HEADER_FIELD, 8)
+        if length != dlen:
+            raise tp.PduError(f"H2CData data length {length}, the PDU carries {dlen}",
+                              tp.Fes.INVALID_HEADER_FIELD, 16)
+        if offset != xfer[1]:
+            raise tp.PduError(f"H2CData offset {offset}, expected {xfer[1]} (in order)",
+                              tp.Fes.DATA_OUT_OF_RANGE, 12)
+        end = offset + length
+        if end > xfer[2]:
+            raise tp.PduError(f"H2CData {offset}+{length} beyond the {xfer[2]} bytes asked",
+                              tp.Fes.DATA_OUT_OF_RANGE, 16)
+        if bool(flags & tp.F_DATA_LAST) != (end == xfer[2]):
+            raise tp.PduError("H2CData LAST flag %s at %d of %d" % (
+                "set" if flags & tp.F_DATA_LAST else "clear", end, xfer[2]),
+                tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
+
+    def _capsule(self, pdu: memoryview, pdo: int, dlen: int, bad_digest: bool) -> None:
+        free = self._free
+        if not free:
+            raise tp.PduError(f"more commands than the queue depth of {self.depth}",
+                              tp.Fes.SEQUENCE_ERROR, 0)
+        index = free[-1]
+        slot = self.recv_views[index]
+        slot[:SQE_SIZE] = pdu[8:8 + SQE_SIZE]
+        if dlen:
+            slot[SQE_SIZE:SQE_SIZE + dlen] = pdu[pdo:pdo + dlen]
+        status = self._transport_sgl(slot, dlen)
+        if status is None and bad_digest:
+            status = TRANSIENT_TRANSPORT_ERROR
+        if status is None and not self.connected:
+            status = self._connect_sizes(slot)
+        if status is not None:
+            cmd = self.commands[free.pop()]
+            cmd.recv_index = index
+            cmd.responded = False
+            cmd.on_fetched = cmd.on_released = cmd.user = None
+            cmd.sgl_type = None
+            cmd.cid = int.from_bytes(slot[2:4], "little")
+            self.respond(cmd, status, dnr=status != TRANSIENT_TRANSPORT_ERROR)
+            return
+        self._on_capsule(index, SQE_SIZE + dlen)
+
+    def _transport_sgl(self, slot: memoryview, dlen: int) -> int | None:
+        """Present an NVMe/TCP SGL to the RDMA queue's decoding (see the module text);
+        the status of one that NVMe/TCP does not allow."""
+        addr, word = _SGL_WORDS.unpack_from(slot, 24)
+        kind = word >> 56
+        if kind == tp.SGL_TRANSPORT:
+            if dlen:
+                return StatusCode.INVALID_FIELD             # data both ways: nvmet's 0x2
+            length = word & 0xFFFFFFFF
+            if length > KEYED_MAX_LENGTH:
+                return StatusCode.SGL_DATA_LENGTH_INVALID
+            _SGL_WORDS.pack_into(slot, 24, 0, length | _KEYED_WORD)
+            return None
+        if kind == TYPE_OFFSET:
+            return None
+        return StatusCode.SGL_DESCRIPTOR_TYPE_INVALID
+
+    def _connect_sizes(self, slot: memoryview) -> int | None:
+        """Before the queue is connected: a Fabrics Connect names the queue's qid and depth
+        (bounded as the RDMA CM request's are); anything else is the session's to refuse."""
+        if slot[0] != FABRICS_OPCODE or slot[4] != 0x01:
+            return None
+        qid, sqsize = _CONNECT_SIZES.unpack_from(slot, 42)
+        if sqsize + 1 > self.max_depth(qid) or sqsize < 1:
+            return StatusCode.CONNECT_INVALID_PARAM
+        self.qid = qid
+        self.depth = sqsize + 1
+        self.handler.qid = qid
+        self.name = f"{self.name.rsplit(' q', 1)[0]} q{qid}"
+        return None
+
+    def _h2c_data(self, flags: int, pdu: memoryview, pdo: int, dlen: int,
+                  bad_digest: bool) -> None:
+        cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
+        xfer = self._xfer[ttag]        # precheck made sure of it
+        xfer[0][offset:offset + length] = pdu[pdo:pdo + length]
+        xfer[1] = offset + length
+        if bad_digest:
+            xfer[3] = True
+        if xfer[1] < xfer[2]:
+            return
+        self._xfer[ttag] = None
+        cmd = self.commands[ttag]
+        done, cmd.on_fetched = cmd.on_fetched, None
+        if xfer[3]:
+            # the data cannot be trusted: undo what the command holds, answer it
+            undo, cmd.user = cmd.user, None
+            if undo is not None:
+                undo(cmd)
+            self.respond(cmd, TRANSIENT_TRANSPORT_ERROR)
+        elif done is not None:
+            done(cmd)
+
+    # -- data movement (what the controller calls) ------------------------------------
+    def fetch_to(self, cmd: Command, addr: int, length: int, lkey: int,
+                 done: Callable[[Command], None]) -> None:
+        """Ask the host for the command's data (one R2T for all of it) to land in
+        ``length`` bytes of local memory at ``addr``; ``done(cmd)`` once it is there."""
+        length = min(length, cmd.data_length)
+        if self.closed:
+            return
+        if not length:
+            done(cmd)
+            return
+        self._xfer[cmd.index] = [resolve(self.pd, addr, length, lkey), 0, length, False]
+        cmd.on_fetched = done
+        self.send([tp.data_header(tp.R2T, 0, cmd.cid, cmd.index, 0, length, self.hdgst,
+                                  False)])
+
+    def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
+                result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:
+        if cmd.responded or self.closed:
+            return
+        cmd.responded = True
+        cid = cmd.cid if cid is None else cid
+        if data and status == StatusCode.SUCCESS and cmd.sgl_type == TYPE_KEYED:
+            want = cmd.data_length
+            views = []
+            for sge in data:
+                if want <= 0:
+                    break
+                n = min(sge.length, want)
+                views.append(resolve(self.pd, sge.addr, n, sge.lkey))
+                want -= n
+            if want > 0:
+                views.append(bytes(want))   # a host reads exactly what it asked for
+            self._c2h(cmd, views, cmd.data_length, result == 0)
+            if result == 0 and not self.sq_flow:
+                return
+        cqe = self._cqes[cmd.index]
+        pack_cqe_into(cqe, 0, cid, status, result=result,
+                      sq_head=self.sqhd if self.sq_flow else 0xFFFF, sq_id=self.qid, dnr=dnr)
+        self.send([tp.capsule_resp(cqe, self.hdgst)], lambda: self._release(cmd))
+
+    def respond_ok(self, cmd: Command, addr: int = 0, length: int = 0, lkey: int = 0) -> None:
+        if cmd.responded or self.closed:
+            return
+        if length and cmd.sgl_type == TYPE_KEYED:
+            cmd.responded = True
+            self._c2h(cmd, [resolve(self.pd, addr, length, lkey)], length, True)
+            if not self.sq_flow:
+                return
+            cqe = self._cqes[cmd.index]
+            pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
+            self.send([tp.capsule_resp(cqe, self.hdgst)], lambda: self._release(cmd))
+            return
+        self.respond(cmd)
+
+    def _c2h(self, cmd: Command, views: list, length: int, may_succeed: bool) -> None:
+        """C2HData PDUs carrying ``views`` (``length`` bytes): one per MAXH2CDATA bytes,
+        LAST on the final one, and SUCCESS there too when no CapsuleResp follows."""
+        success = may_succeed and not self.sq_flow
+        hd, dd = self.hdgst, self.ddgst
+        out: list = []
+        offset = 0
+        pending = list(views)
+        while offset < length:
+            n = min(MAXH2CDATA, length - offset)
+            piece: list = []
+            take = n
+            while take:
+                v = pending[0]
+                if len(v) <= take:
+                    piece.append(v)
+                    take -= len(v)
+                    pending.pop(0)
+                else:
+                    piece.append(v[:take])
+                    pending[0] = v[take:]
+                    take = 0
+            last = offset + n == length
+            flags = (tp.F_DATA_LAST | (tp.F_DATA_SUCCESS if success else 0)) if last else 0
+            out.append(tp.data_header(tp.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd))
+            out.extend(piece)
+            if dd:
+                crc = 0
+                for p in piece:
+                    crc = tp.digest(p, crc)
+                out.append(tp.pack_digest(crc))
+            offset += n
+        self.send(out, (lambda: self._release(cmd)) if success else None)
+
+    def _release(self, cmd: Command) -> None:
+        """The answer is written (or copied): what it read may be reused, the slot too."""
+        released = cmd.on_released
+        if released is not None:
+            cmd.on_released = None
+            released(cmd)
+        if not self.closed:
+            self._free.append(cmd.index)

@@ -1,0 +1,296 @@
+"""Malformed NVMe/TCP PDUs from a raw socket, each on its own connection, while a host
+verifies its data over NVMe/TCP beside them: every fatal one gets a C2HTermReq with the FES
+the spec names and then the end of only that connection; a data digest that does not match
+fails only its command (Transient Transport Error) and the connection goes on; garbage
+never crashes the target, and the bystander sees no error and no wrong byte."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import time
+
+import pytest
+
+from blockfabric.protocol import ConnectCommand, ConnectData, OffsetSGL
+from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol.tcp_pdu import Fes
+
+from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed
+
+MAXH2CDATA = 128 << 10          # what the target's ICResp offers
+TRANSIENT_TRANSPORT_ERROR = 0x22
+
+
+class RawTcp:
+    """A peer that speaks NVMe/TCP by hand."""
+
+    def __init__(self, port: int, *, hdgst: bool = False, ddgst: bool = False,
+                 icreq: bytes | None = b"") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.hdgst, self.ddgst = hdgst, ddgst
+        self.buf = b""
+        if icreq == b"":
+            self.sock.sendall(tp.ICReq(hdgst=hdgst, ddgst=ddgst).pack())
+            resp = tp.ICResp.unpack(self.read_pdu(), tp.ICReq(hdgst=hdgst, ddgst=ddgst))
+            assert resp.maxh2cdata == MAXH2CDATA
+        elif icreq is not None:
+            self.sock.sendall(icreq)
+
+    def send(self, *parts: bytes) -> None:
+        self.sock.sendall(b"".join(bytes(p) for p in parts))
+
+    def read_pdu(self) -> bytes:
+        """The next PDU, or b"" at EOF."""
+        while True:
+            if len(self.buf) >= 8:
+                plen = struct.unpack_from("<I", self.buf, 4)[0]
+                if len(self.buf) >= plen:
+                    pdu, self.buf = self.buf[:plen], self.buf[plen:]
+                    return pdu
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                assert not self.buf, f"{len(self.buf)} bytes of a PDU before EOF"
+                return b""
+            self.buf += chunk
+
+    def terminated(self) -> tuple[int, int]:
+        """Read to EOF: the last PDU must be a C2HTermReq; its (FES, FEI)."""
+        last = b""
+        while True:
+            pdu = self.read_pdu()
+            if not pdu:
+                break
+            last = pdu
+        assert last and last[0] == tp.C2H_TERM, f"no C2HTermReq before EOF: {last[:8]!r}"
+        assert tp.TERM_HLEN <= len(last) <= tp.TERM_MAX_PLEN
+        return tp.unpack_term(last)
+
+    def capsule(self, sqe: bytes, data: bytes = b"", *, bad_ddgst: bool = False,
+                bad_hdgst: bool = False) -> None:
+        hdr = tp.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst)
+        if bad_hdgst:
+            hdr[72] ^= 0xFF
+        tail = b""
+        if data and self.ddgst:
+            tail = struct.pack("<I", tp.digest(data) ^ (1 if bad_ddgst else 0))
+        self.send(hdr, data, tail)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def connect_sqe(transport_sgl: bool) -> bytes:
+    """An admin-queue Fabrics Connect (cid 1), its data in-capsule or asked for by R2T."""
+    sqe = bytearray(ConnectCommand(recfmt=0, qid=0, sqsize=31, cattr=0, kato=0).to_sqe(
+        cid=1, sgl=OffsetSGL(0, 1024)).pack())
+    if transport_sgl:
+        struct.pack_into("<QQ", sqe, 24, 0, 1024 | tp.SGL_TRANSPORT << 56)
+    return bytes(sqe)
+
+
+CONNECT_DATA = ConnectData(hostid=bytes(16), cntlid=0xFFFF, subnqn=NQN, hostnqn=HOSTNQN).pack()
+
+
+def with_r2t(port: int, **kw) -> tuple[RawTcp, int]:
+    """A connection whose Connect waits for its data: the R2T's ttag."""
+    peer = RawTcp(port, **kw)
+    peer.capsule(connect_sqe(True))
+    r2t = peer.read_pdu()
+    assert r2t[0] == tp.R2T, r2t[:8]
+    cccid, ttag, offset, length = tp.unpack_data_fields(r2t)
+    assert (cccid, offset, length) == (1, 0, 1024)
+    return peer, ttag
+
+
+def h2c(cccid: int, ttag: int, offset: int, data: bytes, *, flags: int = tp.F_DATA_LAST,
+        length: int | None = None) -> bytes:
+    return bytes(tp.data_header(tp.H2C_DATA, flags, cccid, ttag, offset,
+                                len(data) if length is None else length, False, False)) + data
+
+
+def common(ptype, flags, hlen, pdo, plen) -> bytes:
+    return tp.COMMON.pack(ptype, flags, hlen, pdo, plen)
+
+
+def _raw_header(ptype, flags, hlen, pdo, plen, size) -> bytes:
+    return common(ptype, flags, hlen, pdo, plen) + bytes(size - 8)
+
+
+#: (name, what the attacker does on a fresh connection, the FES of the answer)
+FATAL = [
+    ("capsule before ICReq", lambda p: RawTcp(p, icreq=tp.capsule_cmd_header(
+        connect_sqe(False), 0, False, False)), Fes.SEQUENCE_ERROR),
+    ("ICReq with PFV 1", lambda p: RawTcp(p, icreq=tp.ICReq(pfv=1).pack()),
+     Fes.INVALID_HEADER_FIELD),
+    ("ICReq asking for data alignment", lambda p: RawTcp(p, icreq=tp.ICReq(hpda=3).pack()),
+     Fes.UNSUPPORTED_PARAMETER),
+    ("ICReq with plen 64", lambda p: RawTcp(p, icreq=common(0, 0, 128, 0, 64) + bytes(56)),
+     Fes.INVALID_HEADER_FIELD),
+    ("a second ICReq", lambda p: _then(RawTcp(p), tp.ICReq().pack()), Fes.SEQUENCE_ERROR),
+    ("unknown PDU type 0x0f", lambda p: _then(RawTcp(p), _raw_header(0xF, 0, 24, 0, 24, 24)),
+     Fes.INVALID_HEADER_FIELD),
+    ("an R2T from the host", lambda p: _then(RawTcp(p), tp.data_header(
+        tp.R2T, 0, 1, 0, 0, 4096, False, False)), Fes.INVALID_HEADER_FIELD),
+    ("a C2HData from the host", lambda p: _then(RawTcp(p), tp.data_header(
+        tp.C2H_DATA, tp.F_DATA_LAST, 1, 0, 0, 4, False, False) + bytes(4)),
+     Fes.INVALID_HEADER_FIELD),
+    ("capsule hlen 64", lambda p: _then(RawTcp(p), _raw_header(4, 0, 64, 0, 72, 72)),
+     Fes.INVALID_HEADER_FIELD),
+    ("plen shorter than the header", lambda p: _then(RawTcp(p), _raw_header(
+        4, 0, 72, 0, 16, 72)), Fes.INVALID_HEADER_FIELD),
+    ("pdo inside the header", lambda p: _then(RawTcp(p), _raw_header(
+        4, 0, 72, 40, 72 + 1024, 72 + 1024)), Fes.INVALID_HEADER_FIELD),
+    ("1 GiB of in-capsule data announced", lambda p: _then(RawTcp(p), _raw_header(
+        4, 0, 72, 72, 1 << 30, 72)), Fes.INVALID_HEADER_FIELD),
+    ("header digest mismatch", lambda p: _do(RawTcp(p, hdgst=True), lambda r: r.capsule(
+        connect_sqe(False), CONNECT_DATA, bad_hdgst=True)), Fes.HEADER_DIGEST),
+    ("header digest missing", lambda p: _then(RawTcp(p, hdgst=True), tp.capsule_cmd_header(
+        connect_sqe(False), 0, False, False)), Fes.INVALID_HEADER_FIELD),
+    ("H2CData without an R2T", lambda p: _then(RawTcp(p), h2c(1, 0, 0, bytes(512))),
+     Fes.INVALID_HEADER_FIELD),
+    ("H2CData at the wrong offset", lambda p: _h2c_after_r2t(p, lambda t: h2c(
+        1, t, 512, bytes(512))), Fes.DATA_OUT_OF_RANGE),
+    ("H2CData beyond the R2T", lambda p: _h2c_after_r2t(p, lambda t: h2c(
+        1, t, 0, bytes(2048))), Fes.DATA_OUT_OF_RANGE),
+    ("H2CData beyond MAXH2CDATA", lambda p: _h2c_after_r2t(p, lambda t: common(
+        tp.H2C_DATA, tp.F_DATA_LAST, 24, 24, 24 + MAXH2CDATA + 4) + struct.pack(
+        "<HHII4x", 1, t, 0, MAXH2CDATA + 4)), Fes.DATA_LIMIT_EXCEEDED),
+    ("H2CData for another command", lambda p: _h2c_after_r2t(p, lambda t: h2c(
+        2, t, 0, bytes(1024))), Fes.INVALID_HEADER_FIELD),
+    ("H2CData length field and plen disagree", lambda p: _h2c_after_r2t(p, lambda t: h2c(
+        1, t, 0, bytes(1024), length=1000)), Fes.INVALID_HEADER_FIELD),
+    ("the last H2CData without LAST", lambda p: _h2c_after_r2t(p, lambda t: h2c(
+        1, t, 0, bytes(1024), flags=0)), Fes.INVALID_HEADER_FIELD),
+]
+
+
+def _then(peer: RawTcp, data: bytes) -> RawTcp:
+    peer.send(data)
+    return peer
+
+
+def _do(peer: RawTcp, action) -> RawTcp:
+    action(peer)
+    return peer
+
+
+def _h2c_after_r2t(port: int, make) -> RawTcp:
+    peer, ttag = with_r2t(port)
+    peer.send(make(ttag))
+    return peer
+
+
+@pytest.fixture
+def transport() -> str:
+    """The bystander's: NVMe/TCP, beside the attacks."""
+    return "tcp"
+
+
+@pytest.mark.timeout(90)
+def test_malformed_pdus_end_only_their_connection(target, transport, bystander):
+    port = target.tcp_port
+    probe = TargetProbe(target)
+    with bystander.attack("malformed NVMe/TCP PDUs"):
+        for _ in range(3):
+            for name, attack, fes in FATAL:
+                peer = attack(port)
+                try:
+                    got = peer.terminated()
+                finally:
+                    peer.close()
+                assert got[0] == fes, (name, got)
+        # a data digest error costs only the command: Transient Transport Error
+        peer = RawTcp(port, ddgst=True)
+        peer.capsule(connect_sqe(False), CONNECT_DATA, bad_ddgst=True)
+        resp = peer.read_pdu()
+        assert resp[0] == tp.CAPSULE_RESP, resp[:8]
+        assert (struct.unpack_from("<H", resp, 22)[0] >> 1) & 0x7FF == \
+            TRANSIENT_TRANSPORT_ERROR
+        peer.capsule(connect_sqe(False), CONNECT_DATA)           # the same, intact: served
+        resp = peer.read_pdu()
+        assert resp[0] == tp.CAPSULE_RESP and not struct.unpack_from("<H", resp, 22)[0] >> 1
+        peer.close()
+        peer, ttag = with_r2t(port, ddgst=True)
+        peer.send(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, ttag, 0, 1024, False, True),
+                  CONNECT_DATA, struct.pack("<I", tp.digest(CONNECT_DATA) ^ 0x10))
+        resp = peer.read_pdu()
+        assert resp[0] == tp.CAPSULE_RESP and \
+            (struct.unpack_from("<H", resp, 22)[0] >> 1) & 0x7FF == TRANSIENT_TRANSPORT_ERROR
+        peer.close()
+        # a host's termination request: the target just closes
+        peer = RawTcp(port)
+        peer.send(tp.term_req(tp.H2C_TERM, Fes.SEQUENCE_ERROR, 0))
+        assert peer.read_pdu() == b""
+        peer.close()
+        # garbage after initialisation: a termination or a close, never a crash
+        rng = random.Random(18)
+        for _ in range(40):
+            peer = RawTcp(port)
+            try:
+                peer.send(rng.randbytes(rng.randint(1, 300)))
+                peer.sock.shutdown(socket.SHUT_WR)
+                deadline = time.monotonic() + 5
+                while peer.read_pdu() and time.monotonic() < deadline:
+                    pass
+            finally:
+                peer.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive() and "Traceback" not in target.log
+    probe.assert_bounded()
+
+
+CONNECT_TIMEOUT = 1
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", [{"connect_timeout": CONNECT_TIMEOUT}], indirect=True)
+def test_silent_tcp_connections_are_bounded_and_dropped(target, transport, bystander):
+    """Bare TCP connections from one address that never initialise: the first
+    ``max_connections_per_host`` are held until ``limits.connect_timeout``, the rest closed
+    at once; then the address gets its slots back.  The bystander carries on."""
+    started = time.monotonic()
+    socks = []
+    try:
+        for _ in range(MAX_CONN + 2):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", target.tcp_port))
+            socks.append(s)
+            time.sleep(0.05)        # accepted in order: the last two are over the limit
+        for s in socks[MAX_CONN:]:
+            assert _closed_within(s, 2), "a connection over the per-host limit was kept"
+        for i, s in enumerate(socks[:MAX_CONN]):
+            assert _closed_within(s, CONNECT_TIMEOUT + 3), f"silent connection {i} was kept"
+        waited = time.monotonic() - started
+        assert CONNECT_TIMEOUT * 0.9 <= waited < CONNECT_TIMEOUT + 4, waited
+    finally:
+        for s in socks:
+            s.close()
+    assert target.wait_log("max_connections_per_host is 6", 2), target.log
+    again = []                      # the slots are back: a full set is held again
+    try:
+        for _ in range(MAX_CONN):
+            s = socket.socket()
+            again.append(s)
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", target.tcp_port))
+        time.sleep(0.3)             # well within connect_timeout: none may be closed yet
+        closed = [i for i, s in enumerate(again) if _closed_within(s, 0.01)]
+        assert not closed, closed
+    finally:
+        for s in again:
+            s.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive()

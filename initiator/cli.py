@@ -62,7 +62,7 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                          multipath: bool = False, short: bool = True) -> None:
     """The flags nvme-cli uses for a fabrics connection, with the same names and units;
     ``multipath`` adds ``--path`` (for commands that hold a controller through failures);
-    ``short`` False leaves -a -n -k -c -i to the command (nvme resv-* use them)."""
+    ``short`` False leaves -a -n -t -k -c -i to the command (nvme resv-* use them)."""
     def s(flag: str) -> tuple[str, ...]:
         return (flag,) if short else ()
 
@@ -81,7 +81,7 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                        help="NVMe qualified name of the subsystem")
     p.add_argument("-q", "--hostnqn", metavar="HOSTNQN", help="this host's NQN")
     p.add_argument("-I", "--hostid", metavar="UUID", help="this host's identifier")
-    p.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
+    p.add_argument(*s("-t"), "--transport", choices=("rdma", "tcp"), default="rdma",
                    help="rdma (NVMe-oF over RDMA: --provider) or tcp (NVMe/TCP: any NVMe/TCP "
                         "target, no RDMA device needed)")
     p.add_argument("-g", "--hdr-digest", action="store_true",

@@ -17,7 +17,7 @@ re-issued after a reconnect (unlike reads and writes): a command whose queue die
 QueueDead, and ``report`` tells what happened.
 
 The command line takes nvme-cli's flag names (``nvme resv-register`` and friends); where a
-resv flag's short letter is a connection flag's (-a, -n, -c, -k, -i), the connection flag
+resv flag's short letter is a connection flag's (-a, -n, -t, -c, -k, -i), the connection flag
 is long only (--traddr, --nqn, ...).
 """
 

@@ -42,7 +42,7 @@ def main() -> int:
     ctrl = Controller(ConnectOptions(
         traddr=args.traddr, trsvcid=args.port, subnqn=args.nqn, provider="soft",
         hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{hostid}", hostid=hostid.bytes,
-        nr_io_queues=2, keep_alive_tmo=5, reconnect_delay=0.5, ctrl_loss_tmo=5)).connect()
+        nr_io_queues=2, keep_alive_tmo=5, reconnect_delay=0.5, ctrl_loss_tmo=30)).connect()
     ns = ctrl.namespaces[1]
     print(json.dumps({"connected": ctrl.cntlid}), flush=True)
     tag = args.name.encode()[:8].ljust(8, b"\0")

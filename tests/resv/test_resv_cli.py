@@ -14,11 +14,25 @@ from blockfabric.initiator import resv
 from blockfabric.initiator.cli import main
 from blockfabric.initiator.host import ConnectOptions, Controller
 
-from e2e.conftest import NQN, module_ram_target  # noqa: F401
+from e2e.conftest import (NQN, TargetProc, free_port, listener, ram_config, transport,  # noqa: F401
+                          via)
 
 pytestmark = pytest.mark.timeout(60)
 HOLDER = uuid.UUID("0000a1a1-0000-4000-8000-000000000001")
 CLI_HOST = "0000c1c1-0000-4000-8000-000000000002"
+
+
+@pytest.fixture(scope="module")
+def module_ram_target(tmp_path_factory):
+    """A ramdisk target for the module, on both transports (``.port``, ``.tcp_port``)."""
+    port, tcp_port = free_port(), free_port()
+    config = ram_config(port)
+    config["listeners"].append(listener(tcp_port, transport="tcp"))
+    proc = TargetProc(config, tmp_path_factory.mktemp("target")).start()
+    proc.port, proc.tcp_port = port, tcp_port
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.log, proc.log
 
 
 @dataclass
@@ -71,16 +85,17 @@ def test_cli_report_json_conflict_preempt(module_ram_target, cli):
         ctrl.close()
 
 
-def test_identify_features_and_mask(module_ram_target):
+def test_identify_features_and_mask(module_ram_target, transport):
     """RESCAP (no PTPL on a ramdisk), ONCS bit 5, CTRATT bit 0; Get Features 0x81 needs
-    EXHID; 0x83 refuses PTPL here; a masked notice is not logged."""
+    EXHID; 0x83 refuses PTPL here; a masked notice is not logged; over both transports."""
     from blockfabric.initiator.host import NvmeError
     from blockfabric.protocol import StatusCode
     from blockfabric.protocol import resv as pr
     from blockfabric.protocol.capsule import SQE
 
     target = module_ram_target
-    opts = dict(traddr="127.0.0.1", trsvcid=target.port, subnqn=NQN, provider="soft")
+    opts = dict(traddr="127.0.0.1", subnqn=NQN, **via(transport),
+                trsvcid=target.tcp_port if transport == "tcp" else target.port)
     a = Controller(ConnectOptions(**opts, hostid=HOLDER.bytes,
                                   hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{HOLDER}")
                    ).connect()

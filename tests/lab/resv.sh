@@ -16,14 +16,17 @@
 #                     preempted"
 #   resv/ptpl         PTPL on a file volume: the state survives a SIGKILL and restart of
 #                     the target (the kernel host reconnects by itself)
+# RESV_TRANSPORT=tcp runs it over NVMe/TCP (the kernel's nvme-tcp; no RDMA device needed).
 # Prints one "RESULT" line per case; exit status 0 when all passed.
 # NOT YET RUN in the lab: written with the rest of issue 17, for the lead to run.
 set -u
 [ -f tests/lab/resv.sh ] || { echo "resv.sh: run from the project root" >&2; exit 2; }
+. tests/lab/nvme-lib.sh
 PY=${PY:-$PWD/.venv/bin/python}
 BIN=$(dirname "$PY")
 IP=${LAB_IP:-10.99.0.1}
 PORT=4420
+T=${RESV_TRANSPORT:-rdma}           # rdma (verbs on rxe0) or tcp (the kernel's nvme-tcp)
 export PYTHONDONTWRITEBYTECODE=1
 W=$(mktemp -d /tmp/resv.XXXXXX)
 NQN=nqn.2026-12.io.blockfabric:resv
@@ -35,12 +38,10 @@ TGT_PID=
 fail=0
 results=()
 
-say() { echo; echo "===== $*"; }
 result() {
     local line; line=$(printf 'RESULT %-16s %-4s %s' "$1" "$2" "$3")
     echo "$line"; results+=("$line"); [ "$2" = OK ] || fail=1
 }
-poll() { local i; for ((i = 0; i < ${POLL_MAX:-300}; i++)); do "$@" && return 0; sleep 0.1; done; return 1; }
 
 cleanup() {
     nvme disconnect -n "$NQN" > /dev/null 2>&1
@@ -53,7 +54,8 @@ start_target() {
     mkdir -p "$W/vols"
     cat > "$W/target.yaml" <<YAML
 listeners:
-  - {transport: rdma, provider: verbs, address: $IP, port: $PORT}
+  - $([ "$T" = tcp ] && echo "{transport: tcp, address: $IP, port: $PORT}" \
+                      || echo "{transport: rdma, provider: verbs, address: $IP, port: $PORT}")
 subsystems:
   - nqn: $NQN
     allow_any_host: true
@@ -63,13 +65,6 @@ YAML
     "$BIN/blockfabric-target" run -C "$W/target.yaml" -v >> "$W/target.log" 2>&1 &
     TGT_PID=$!
     poll grep -q "ready:" "$W/target.log" || { echo "target not ready:"; cat "$W/target.log"; return 1; }
-}
-stop_target() {
-    [ -n "$TGT_PID" ] || return 0
-    kill -TERM "$TGT_PID" 2>/dev/null
-    poll eval '! kill -0 $TGT_PID 2>/dev/null' || kill -KILL "$TGT_PID" 2>/dev/null
-    wait "$TGT_PID" 2>/dev/null
-    TGT_PID=
 }
 ctrl_of() {  # ctrl_of HOSTNQN -> /dev/nvmeX of our subsystem connected as that host
     local c
@@ -100,11 +95,11 @@ report() {  # report DEV -> the JSON of resv-report (EDS), on stdout
 }
 field() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv[1], {}, d))" "$1"; }
 
-say "setup: blockfabric-target on $IP:$PORT (verbs), two kernel host identities"
+say "setup: blockfabric-target on $IP:$PORT ($T), two kernel host identities"
 nvme version
 start_target || exit 1
-nvme connect -t rdma -a "$IP" -s "$PORT" -n "$NQN" -q "$H1" -I "$I1" || exit 1
-nvme connect -t rdma -a "$IP" -s "$PORT" -n "$NQN" -q "$H2" -I "$I2" || exit 1
+nvme connect -t "$T" -a "$IP" -s "$PORT" -n "$NQN" -q "$H1" -I "$I1" || exit 1
+nvme connect -t "$T" -a "$IP" -s "$PORT" -n "$NQN" -q "$H2" -I "$I2" || exit 1
 POLL_MAX=100 poll ctrl_of "$H2" > /dev/null || { echo "no second controller"; exit 1; }
 C1=$(ctrl_of "$H1"); C2=$(ctrl_of "$H2")
 echo "host 1: $C1, host 2: $C2"

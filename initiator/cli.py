@@ -26,6 +26,7 @@ examples:
   blockfabric list
   blockfabric umount /mnt/ram0
   blockfabric bench -a 127.0.0.1 -n nqn.2026-12.io.blockfabric:ram0 --rw randread --bs 4k
+  blockfabric resv register --traddr 127.0.0.1 --nqn nqn.2026-12.io.blockfabric:ram0 -k 0xa1
 
 host identity:
   --hostnqn, else /etc/nvme/hostnqn (as nvme-cli), else an NQN generated once and kept in
@@ -58,10 +59,14 @@ def _path(text: str) -> tuple[str, int | None]:
 
 
 def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
-                         multipath: bool = False) -> None:
+                         multipath: bool = False, short: bool = True) -> None:
     """The flags nvme-cli uses for a fabrics connection, with the same names and units;
-    ``multipath`` adds ``--path`` (for commands that hold a controller through failures)."""
-    p.add_argument("-a", "--traddr", required=True, metavar="ADDR",
+    ``multipath`` adds ``--path`` (for commands that hold a controller through failures);
+    ``short`` False leaves -a -n -t -k -c -i to the command (nvme resv-* use them)."""
+    def s(flag: str) -> tuple[str, ...]:
+        return (flag,) if short else ()
+
+    p.add_argument(*s("-a"), "--traddr", required=True, metavar="ADDR",
                    help="target transport address (IPv4 or IPv6)")
     p.add_argument("-s", "--trsvcid", default="4420", type=_port, metavar="PORT",
                    help="target transport service id (port)")
@@ -74,11 +79,11 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                             "failover); repeatable; PORT "
                             "defaults to -s; write an IPv6 address as [ADDR] or [ADDR]:PORT")
     if needs_nqn:
-        p.add_argument("-n", "--nqn", required=True, metavar="SUBNQN",
+        p.add_argument(*s("-n"), "--nqn", required=True, metavar="SUBNQN",
                        help="NVMe qualified name of the subsystem")
     p.add_argument("-q", "--hostnqn", metavar="HOSTNQN", help="this host's NQN")
     p.add_argument("-I", "--hostid", metavar="UUID", help="this host's identifier")
-    p.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
+    p.add_argument(*s("-t"), "--transport", choices=("rdma", "tcp"), default="rdma",
                    help="rdma (NVMe-oF over RDMA: --provider) or tcp (NVMe/TCP: any NVMe/TCP "
                         "target, no RDMA device needed)")
     p.add_argument("-g", "--hdr-digest", action="store_true",
@@ -88,13 +93,13 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
     p.add_argument("--provider", choices=("auto", "soft", "verbs"), default="auto",
                    help="RDMA provider: verbs needs an RDMA device owning a local address on "
                         "the route to the target; soft is software RDMA over TCP")
-    p.add_argument("-i", "--nr-io-queues", type=int, default=2, metavar="N",
+    p.add_argument(*s("-i"), "--nr-io-queues", type=int, default=2, metavar="N",
                    help="number of I/O queues")
     p.add_argument("-Q", "--queue-size", type=int, default=128, metavar="N",
                    help="I/O queue depth (16..1024)")
-    p.add_argument("-k", "--keep-alive-tmo", type=int, default=5, metavar="SEC",
+    p.add_argument(*s("-k"), "--keep-alive-tmo", type=int, default=5, metavar="SEC",
                    help="keep-alive timeout in seconds")
-    p.add_argument("-c", "--reconnect-delay", type=int, default=10, metavar="SEC",
+    p.add_argument(*s("-c"), "--reconnect-delay", type=int, default=10, metavar="SEC",
                    help="seconds between reconnect attempts")
     p.add_argument("-l", "--ctrl-loss-tmo", type=int, default=600, metavar="SEC",
                    help="seconds to keep reconnecting before failing I/O (-1: forever)")
@@ -266,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--nqn", metavar="NQN",
                    help="the NQN the key is for (accepted as nvme-cli does; not used)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    from blockfabric.initiator.resv import add_parsers as add_resv_parsers
+    add_resv_parsers(sub, HelpFormatter, add_connection_flags, add_output_format)
     parser.commands = sub.choices        # each command's parser, for its usage errors
     return parser
 
@@ -283,6 +290,7 @@ HANDLERS = {
     "discover": ("commands", "cmd_discover"),
     "connect": ("commands", "cmd_connect"),
     "identify": ("commands", "cmd_identify"),
+    "resv": ("resv", "cmd_resv"),
     "mount": ("mount", "cmd_mount"),
     "umount": ("mount", "cmd_umount"),
     "list": ("mount", "cmd_list"),

@@ -44,6 +44,9 @@ _ERRNO_OF_STATUS = {
     StatusCode.CAPACITY_EXCEEDED: errno.ENOSPC,
     StatusCode.NS_WRITE_PROTECTED: errno.EROFS,
     StatusCode.INVALID_OPCODE: errno.EOPNOTSUPP,
+    # Another host's reservation does not let this one write (or read): EACCES, a
+    # permission, not a media error (the Linux block layer says EBADE; docs/reservations.md).
+    StatusCode.RESERVATION_CONFLICT: errno.EACCES,
 }
 
 

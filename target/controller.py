@@ -33,6 +33,8 @@ from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsTy
                                           FeatureId, IdentifyCNS, IOOpcode, LogPageId)
 from blockfabric.protocol.sgl import TYPE_OFFSET
 from blockfabric.rdma import SGE
+from blockfabric.protocol import resv as pr
+from blockfabric.target import resvctl
 from blockfabric.target.backends import Unavailable
 from blockfabric.target.metrics import READ, WRITE, IoStats, done_pair
 
@@ -100,6 +102,7 @@ class Controller:
         self.aers: list[Command] = []
         self.pending_events: list[int] = []
         self.changed_nsids: set[int] = set()
+        self.resv = resvctl.CtrlResv()      # reservation notification log and masks
         self.error_count = 0
         self.created = time.time()
         self.last_activity = time.monotonic()
@@ -474,13 +477,14 @@ class Controller:
             mdts=(self.mdts_bytes // 4096).bit_length() - 1,
             cntlid=self.cntlid, ver=NVME_VERSION,
             oaes=self._oaes(),
-            ctratt=0,
+            ctratt=pr.CTRATT_HOSTID_128,
             cntrltype=idn.CNTRLTYPE_DISCOVERY if self.is_discovery else idn.CNTRLTYPE_IO,
             acl=3, aerl=AERL, frmw=3, lpa=0, elpe=0,
             kas=self.target.config.keep_alive.kas_ms // 100,
             sqes=0x66, cqes=0x44, maxcmd=self.queue_size,
             nn=0 if self.is_discovery else 1024,
-            oncs=(0 if self.is_discovery else idn.ONCS_DSM | idn.ONCS_WRITE_ZEROES),
+            oncs=(0 if self.is_discovery else
+                  idn.ONCS_DSM | idn.ONCS_WRITE_ZEROES | pr.ONCS_RESERVATIONS),
             vwc=0 if self.is_discovery else 1,
             sgls=idn.SGLS_SUPPORTED | idn.SGLS_KEYED | idn.SGLS_OFFSET,
             subnqn=sub.nqn if sub else self.target.discovery_nqn,
@@ -507,7 +511,7 @@ class Controller:
             return bytes(idn.IDENTIFY_SIZE)  # an inactive NSID: the all-zero page
         return idn.IdentifyNamespace(
             nsze=ns.nblocks, ncap=ns.nblocks, nuse=ns.nblocks, nlbaf=0, flbas=0,
-            nmic=1, anagrpid=ns.ana_group, dlfeat=1, nsattr=idn.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
+            nmic=1, rescap=resvctl.rescap(ns), anagrpid=ns.ana_group, dlfeat=1, nsattr=idn.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
             nguid=ns.nguid, eui64=bytes(8),
             lbaf=(idn.LBAFormat(ms=0, ds=ns.block_size.bit_length() - 1, rp=0),),
         ).pack()
@@ -543,6 +547,8 @@ class Controller:
         elif lid == LogPageId.ANA and self.target.ana is not None:
             page = self.target.ana.log_page(self, rgo=bool(glp.lsp & lp.ANA_LSP_RGO),
                                             retain=glp.rae)
+        elif lid == LogPageId.RESV_NOTIFY:
+            page = self.resv.next_page()
         else:
             raise ProtocolError(f"log page {lid:#x} not supported", StatusCode.INVALID_LOG_PAGE)
         if glp.lpo > len(page):
@@ -570,6 +576,8 @@ class Controller:
             cmd.respond()
         elif sf.fid == FeatureId.HOST_ID:
             raise ProtocolError("host identifier is set by Connect", StatusCode.CMD_SEQ_ERROR)
+        elif sf.fid in (FeatureId.RESV_MASK, FeatureId.RESV_PERSIST) and not self.is_discovery:
+            resvctl.set_feature(self, cmd, sf.fid, sf.nsid, sf.value)
         else:
             raise ProtocolError(f"Set Features {sf.fid:#x} not supported",
                                 StatusCode.INVALID_FIELD)
@@ -585,7 +593,12 @@ class Controller:
         elif gf.fid == FeatureId.VOLATILE_WC:
             cmd.respond(result=0 if self.is_discovery else 1)
         elif gf.fid == FeatureId.HOST_ID:
+            if not gf.value & 1:        # EXHID: only the 128-bit identifier exists here
+                raise ProtocolError("Get Features host identifier without EXHID",
+                                    StatusCode.INVALID_FIELD)
             self.send_data(cmd, self.hostid)
+        elif gf.fid in (FeatureId.RESV_MASK, FeatureId.RESV_PERSIST) and not self.is_discovery:
+            resvctl.get_feature(self, cmd, gf.fid, gf.nsid)
         else:
             raise ProtocolError(f"Get Features {gf.fid:#x} not supported",
                                 StatusCode.INVALID_FIELD)
@@ -608,6 +621,13 @@ class Controller:
                            log_page=log_page).to_int()
         if event not in self.pending_events:
             self.pending_events.append(event)
+        self._deliver_events()
+
+    def notify_resv(self) -> None:
+        """A reservation notification log entry was queued: AEN type 6 (not subject to
+        Set Features 0x0B, as nvmet's NVME_AER_CSS events)."""
+        if pr.AEN_RESV not in self.pending_events:
+            self.pending_events.append(pr.AEN_RESV)
         self._deliver_events()
 
     def _deliver_events(self) -> None:
@@ -656,6 +676,10 @@ class Controller:
             # A namespace is being resized: run the command once it is done.
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
             return
+        if op in pr.OPCODES:
+            resvctl.execute(self, cmd, nss[0])
+            return
+        resvctl.check_io(self, nss, op)
         if op == IOOpcode.READ or op == IOOpcode.WRITE:
             # Decoded in full rather than by the queue's fast path: the same handler.
             cmd.slba = sqe.cdw10 | sqe.cdw11 << 32
@@ -758,6 +782,12 @@ class Controller:
             ns.held.append(lambda: self.handle(cmd))
             return
         write = cmd.opcode == IOOpcode.WRITE
+        if not ns.resv_open:        # something is reserved: may this host read/write?
+            status = resvctl.io_status(self, ns, write)
+            if status:
+                self.io.errors += 1
+                cmd.queue.respond(cmd, status, dnr=status == resvctl.CONFLICT)
+                return
         bs = ns.block_size
         blocks = (cmd.cdw12 & 0xFFFF) + 1
         length = blocks * bs

@@ -13,6 +13,7 @@ from typing import Callable
 
 from blockfabric.rdma import MR, PD, Access
 from blockfabric.target import config as cfg
+from blockfabric.target import resvctl
 from blockfabric.target.backends import Backend, open_backend
 from blockfabric.target.metrics import IoStats
 
@@ -43,6 +44,15 @@ class Namespace:
         # this path may serve I/O, else the path-related status the I/O is answered with.
         self.ana_group = 0
         self.ana_status = 0
+        # Reservations (blockfabric.target.resvctl): the state this daemon knows (None:
+        # unreadable) and whether nothing is reserved (the I/O path's one test).
+        self.resv_state = None
+        self.resv_open = True
+        try:
+            resvctl.attach(self)
+        except OSError:
+            self.backend.close()
+            raise
 
     @property
     def size(self) -> int:
@@ -84,6 +94,7 @@ class Namespace:
     def close(self) -> None:
         self._deregister()
         self.memory = None
+        self.resv_store.close()
         self.backend.close()
 
 

@@ -48,6 +48,7 @@ from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, Access, CMEventType, CM
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
 from blockfabric.target import reload as rl
+from blockfabric.target import resvctl
 from blockfabric.target.ana import Ana
 from blockfabric.target.backoff import PeerBackoff
 from blockfabric.target.control import ControlServer
@@ -325,6 +326,7 @@ class Target:
         self._start_control()
         self._start_watchdog()
         self.volumes.start()
+        resvctl.bind(self)                  # reservations shared with the other gateways
         self._started.set()
 
     def _open_listener(self, lconf: cfg.Listener) -> tuple[cfg.Listener, str, Listener]:
@@ -1040,6 +1042,7 @@ class Target:
             if self.metrics_server is not None:
                 self.metrics_server.close()
             self.metrics_server = metrics.start() if metrics is not None else None
+        resvctl.bind(self)          # new namespaces: their shared reservation state
         if self.ana is not None:
             self.ana.refresh()      # new namespaces: their ANA group and path state
         if plan.discovery_changed:

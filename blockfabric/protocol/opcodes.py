@@ -35,6 +35,10 @@ class IOOpcode(enum.IntEnum):
     WRITE_ZEROES = 0x08
     DATASET_MANAGEMENT = 0x09
     VERIFY = 0x0C
+    RESV_REGISTER = 0x0D
+    RESV_REPORT = 0x0E
+    RESV_ACQUIRE = 0x11
+    RESV_RELEASE = 0x15
     FABRICS = 0x7F
 
 
@@ -71,6 +75,7 @@ class LogPageId(enum.IntEnum):
     CMD_EFFECTS = 0x05
     ANA = 0x0C
     DISCOVERY = 0x70
+    RESV_NOTIFY = 0x80
 
 
 class FeatureId(enum.IntEnum):
@@ -88,4 +93,6 @@ class FeatureId(enum.IntEnum):
     ASYNC_EVENT = 0x0B
     KATO = 0x0F
     HOST_ID = 0x81
+    RESV_MASK = 0x82
+    RESV_PERSIST = 0x83
     WRITE_PROTECT = 0x84

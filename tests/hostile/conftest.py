@@ -189,6 +189,27 @@ def assert_accepts_new_host(port: int, hostnqn: str = HOSTNQN) -> None:
         assert ns.read(ns.block_size * 1000, len(data)) == data
 
 
+@contextlib.contextmanager
+def attacker_of(target, bystander: Bystander, name: str, transport: str = "rdma"):
+    """A connected attacker (one I/O queue, over ``transport``) for the duration of attack
+    ``name``."""
+    port = target.tcp_port if transport == "tcp" else target.port
+    with bystander.attack(name), \
+            connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,
+                    nr_io_queues=1) as attacker:
+        yield attacker
+
+
+def assert_answers(attacker, attacks, rounds: int) -> None:
+    """Send each (name, capsule builder, status) of ``attacks`` raw, ``rounds`` times, on
+    the attacker's first I/O queue: each gets exactly its status, with DNR."""
+    queue = attacker.io_queues[0]
+    for _ in range(rounds):
+        for name, build, status in attacks:
+            cqe = attacker.raw(queue, build(attacker))
+            assert (cqe.status, cqe.dnr) == (status, True), (name, cqe)
+
+
 def assert_undisturbed(result: dict, bystander: Bystander | None = None) -> None:
     """No error, no mismatch, no reconnect; with ``bystander``, also never a gap of
     MAX_GAP seconds without a completed I/O during any attack window."""

@@ -11,7 +11,8 @@ import pytest
 from blockfabric.initiator.host import QueueDead, connect
 from blockfabric.protocol import IOOpcode, KeyedSGL, OffsetSGL, ReadWrite, StatusCode
 
-from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed, via
+from .conftest import (HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_answers,
+                       assert_undisturbed, attacker_of)
 
 MiB = 1 << 20
 BS = 4096
@@ -48,15 +49,8 @@ ATTACKS = [
 @pytest.mark.timeout(60)
 def test_malformed_capsules_get_their_status(target, transport, bystander):
     probe = TargetProbe(target)
-    port = target.tcp_port if transport == "tcp" else target.port
-    with bystander.attack("malformed capsules"), \
-            connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,
-                    nr_io_queues=1) as attacker:
-        queue = attacker.io_queues[0]
-        for _ in range(20):
-            for name, build, status in ATTACKS:
-                cqe = attacker.raw(queue, build(attacker))
-                assert (cqe.status, cqe.dnr) == (status, True), (name, cqe)
+    with attacker_of(target, bystander, "malformed capsules", transport) as attacker:
+        assert_answers(attacker, ATTACKS, 20)
         ns = attacker.namespaces[1]
         ns.write(0, b"\xa5" * BS)                   # the attacker's queue still works
         assert ns.read(0, BS) == b"\xa5" * BS

@@ -78,6 +78,9 @@ class Reactor:
         self._running = False
         self._stopping = False
         self.thread: threading.Thread | None = None
+        #: the thread running :meth:`run_forever` now (None when none is): a provider may
+        #: leave work to this loop's timers only from that thread
+        self.ident: int | None = None
 
     # -- registration -------------------------------------------------------------------
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
@@ -274,10 +277,12 @@ class Reactor:
 
     def run_forever(self) -> None:
         self._running = True
+        self.ident = threading.get_ident()
         try:
             while not self._stopping:
                 self.run_once(None)
         finally:
+            self.ident = None
             self._running = False
 
     def start(self) -> threading.Thread:

@@ -41,6 +41,10 @@ _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _READ_EVENTS = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 SWEEP_INTERVAL = 0.05   # how often transport (ack) timeouts are checked
+#: How long (s) an acknowledgement with nothing to ride on may wait for traffic to the peer
+#: in a reactor's pass, as TCP's delayed ACK (the peer's next request usually comes first:
+#: at QD1 a host's next command carries it, and the target is not woken for an ACK frame).
+ACK_DELAY = 0.001
 
 
 class Group:
@@ -48,7 +52,8 @@ class Group:
     the device's epoll fd (its sockets) and an eventfd for completions that arrive from
     other threads.  :meth:`dispatch` is the pass."""
 
-    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd")
+    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
+                 "acks", "_ack_timer")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -59,6 +64,8 @@ class Group:
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._signalled = False
         self._ctx_fd = ctx.fileno()
+        self.acks: list["SoftQP"] = []    # QPs whose ACK waits for traffic (defer_ack)
+        self._ack_timer: Any = None
         reactor.add_reader(self._ctx_fd, self.dispatch)
         reactor.add_reader(self._efd, self.dispatch)
         add_poller = getattr(reactor, "add_poller", None)
@@ -97,6 +104,22 @@ class Group:
             except OSError:
                 pass                        # closed: the group is gone
 
+    def defer(self, qp: "SoftQP") -> None:
+        """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
+        self.acks.append(qp)
+        if self._ack_timer is None:
+            self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
+
+    def _send_acks(self) -> None:
+        """ACK_DELAY is over: every deferred acknowledgement no request carried goes out."""
+        self._ack_timer = None
+        acks, self.acks = self.acks, []
+        for qp in acks:
+            try:
+                qp.send_owed_ack()
+            except Exception as exc:  # noqa: BLE001  one connection's, and only its
+                qp.fail(exc)
+
     def dispatch(self) -> None:
         """One pass: the engine once (corked), then the owner of every CQ that got
         completions, then every frame the pass produced goes out."""
@@ -107,6 +130,7 @@ class Group:
         if ctx.closed:
             return
         tid = _get_ident()
+        ctx.deferrers[tid] = self
         corks = ctx.corks
         outer = tid not in corks
         if outer:
@@ -139,8 +163,15 @@ class Group:
 
     def close(self) -> None:
         reactor = self.reactor
+        for tid, group in list(self.ctx.deferrers.items()):
+            if group is self:
+                del self.ctx.deferrers[tid]
 
         def unregister() -> None:
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                self._ack_timer = None
+            self._send_acks()
             remove_poller = getattr(reactor, "remove_poller", None)
             if remove_poller is not None:
                 remove_poller(self.poll)
@@ -185,6 +216,8 @@ class SoftContext(Context):
         self._groups: dict[int, Group] = {}
         #: thread id -> the QPs with frames queued in that thread's pass (see end_pass)
         self.corks: dict[int, list] = {}
+        #: thread id -> the reactor group whose pass runs there (its ACKs may wait, defer_ack)
+        self.deferrers: dict[int, Group] = {}
         self._hook = (self.begin_pass, self.end_pass)
         PASS_HOOKS.append(self._hook)
         self.closed = False
@@ -253,6 +286,18 @@ class SoftContext(Context):
                 qp.end_pass()
             except Exception as exc:  # noqa: BLE001  one connection's, and only its
                 qp.fail(exc)
+
+    def defer_ack(self, qp: "SoftQP") -> bool:
+        """At the end of a pass, ``qp`` owes an acknowledgement and has nothing else for its
+        peer: True if it may wait for traffic (a reactor's pass: its group sends it after
+        ACK_DELAY, unless a request carried it first), False to send it now."""
+        tid = _get_ident()
+        group = self.deferrers.get(tid)
+        # only on the thread that runs that reactor's loop now (its timers fire there)
+        if group is None or ACK_DELAY <= 0 or getattr(group.reactor, "ident", None) != tid:
+            return False
+        group.defer(qp)
+        return True
 
     def watch_fd(self, fd: int) -> None:
         self._ep.register(fd, _IN)

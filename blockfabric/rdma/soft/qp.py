@@ -208,6 +208,8 @@ class SoftQP(QP):
     def disconnect(self) -> None:
         with self._lock:
             if self.sock is not None and not self._dead:
+                if self._ack_due:       # a deferred ACK: what was executed completes there
+                    self._queue_ack()
                 self._tx_queued += HDR
                 self._outq.append(_pack(Frame.DREQ))
                 if not self._blocked:
@@ -524,15 +526,26 @@ class SoftQP(QP):
 
     def end_pass(self) -> None:
         """The pass that queued frames here is over: the acknowledgement owed, then
-        everything out in one sendmsg (what the socket does not take waits for EPOLLOUT)."""
+        everything out in one sendmsg (what the socket does not take waits for EPOLLOUT).
+        An acknowledgement that would leave alone (no other frame for this peer) may wait
+        for traffic instead, up to the reactor's ACK_DELAY (see SoftContext.defer_ack)."""
         with self._lock:
             self._dirty = False
             if self._dead:
                 return
-            if self._ack_due:
+            if self._ack_due and (self._outq or not self.ctx.defer_ack(self)):
                 self._queue_ack()
             if not self._blocked:
                 self._flush()
+
+    def send_owed_ack(self) -> None:
+        """The delay an acknowledgement could wait for traffic is over: send it, unless a
+        request carried it meanwhile."""
+        with self._lock:
+            if self._ack_due and not self._dead:
+                self._queue_ack()
+                if not self._blocked:
+                    self._flush()
 
     def _queue_ack(self) -> None:
         self._ack_due = False

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 M = wire.PSN_MASK
 HDR = wire.HEADER_SIZE
 _pack = wire.pack
+_hdr = wire.HEADER.pack         # (MAGIC, VERSION, type, flags, psn, length, key, extra, ack,
+_MAGIC, _VERSION = wire.MAGIC, wire.VERSION     # addr): wire.pack without its call
 _decode = wire.decode
 _now = time.monotonic
 _get_ident = threading.get_ident
@@ -368,7 +370,8 @@ class SoftQP(QP):
                     e.end = end
             if bufs:
                 self._xmit(bufs, end - self._tx_queued)
-            self._retire()
+            if sq and sq[0].psn is None:
+                self._retire()
 
     def _build(self, wr: SendWR, cap: QPCap, ack: bool = False) -> _Entry:
         """A send-queue entry with its frame; ``psn`` None when local checks failed.  With
@@ -406,10 +409,11 @@ class SoftQP(QP):
         # (a frame sent again after an RNR NAK carries this ACK again: an older cumulative
         # ACK than the peer has seen completes nothing, and is allowed)
         if op == WrOpcode.RDMA_READ:
-            e.frame = [_pack(_READ_REQ, psn, total, wr.rkey, 0, wr.remote_addr, flags, done)]
+            e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
+                            wr.remote_addr)]
         elif op == WrOpcode.RDMA_WRITE:
-            e.frame = [_pack(_WRITE, psn, total, wr.rkey, 0, wr.remote_addr, flags, done),
-                       *views]
+            e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
+                            wr.remote_addr), *views]
         elif op == WrOpcode.RDMA_WRITE_WITH_IMM:
             e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
                              flags | _F_IMM, done), *views]
@@ -420,7 +424,7 @@ class SoftQP(QP):
             e.frame = [_pack(_SEND, psn, total, 0, wr.imm_data, 0, flags | _F_IMM, done),
                        *views]
         else:
-            e.frame = [_pack(_SEND, psn, total, 0, 0, 0, flags, done), *views]
+            e.frame = [_hdr(_MAGIC, _VERSION, _SEND, flags, psn, total, 0, 0, done, 0), *views]
         return e
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
@@ -463,7 +467,9 @@ class SoftQP(QP):
                     dirty.append(self)
                 if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
                     self._flush()       # a long pass: let the peer start on this much
-                self._check_unsent()
+                if q and self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q) > \
+                        (self.max_unsent or DEFAULT_MAX_UNSENT):
+                    self._check_unsent()
                 return
         if not q and len(bufs) <= IOV_BATCH:
             try:
@@ -695,9 +701,11 @@ class SoftQP(QP):
         if flags & _F_ACK and self._state != QPState.ERR:
             # the peer's request carries its ACK of ours (validated like an ACK frame)
             self._ack_upto(ack)
-            self._retire()
-            if self._dead:
-                return
+            sq = self._sq
+            if sq and sq[0].psn is None:
+                self._retire()
+                if self._dead:
+                    return
         if ftype == Frame.SEND or ftype == Frame.WRITE or ftype == Frame.READ_REQ:
             if psn != self._exp_psn or self._state == QPState.ERR:
                 # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB);
@@ -720,7 +728,9 @@ class SoftQP(QP):
             return              # answers to what was flushed
         elif ftype == Frame.ACK:
             self._ack_upto(psn)
-            self._retire()
+            sq = self._sq
+            if sq and sq[0].psn is None:
+                self._retire()
         elif ftype == Frame.NAK:
             self._answered(psn, "NAK")
             self._fail_head(WcStatus(key))
@@ -754,7 +764,8 @@ class SoftQP(QP):
         self._discard(length)
 
     def _rx_send(self, psn: int, flags: int, length: int, extra: int) -> None:
-        recv = self._take_recv(psn, length)
+        rq = self._rq
+        recv = rq.popleft() if rq else self._take_recv(psn, length)
         if recv is None:
             return
         wr_id, views, total, status = recv
@@ -775,7 +786,13 @@ class SoftQP(QP):
             wc.imm_data = extra
         self._rwc = wc
         self._rx_psn = psn
-        self._expect(_cut(views, length), length, RX_RECV)
+        if not length:
+            self._expect(None, 0, RX_RECV)
+            return
+        self._rkind = RX_RECV
+        self._rleft = length
+        self._rviews = _cut(views, length) if len(views) != 1 else \
+            [views[0][:length] if len(views[0]) > length else views[0]]
 
     def _rkey_mr(self, key: int, addr: int, length: int, need: int):
         """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
@@ -825,7 +842,10 @@ class SoftQP(QP):
             # executed only now that every byte is in place: an ACK never runs ahead of the
             # data (the requester may then free or reuse what it sent)
             self._done_psn = self._rx_psn
-            self._owe_ack()
+            if self._dirty:             # owed at the end of this pass already
+                self._ack_due = True
+            else:
+                self._owe_ack()
             if self._rwc is not None:
                 self.recv_cq.push(self._rwc)
                 self._rwc = None
@@ -867,11 +887,11 @@ class SoftQP(QP):
         it has not answered, is lying, and the connection ends (WireError)."""
         self._last_progress = _now()
         sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
-        le = wire.psn_le
         sent = self._tx_sent
         while sq:
             e = sq[0]
-            if e.psn is None or not le(e.psn, psn):
+            # e.psn <= psn in serial-number arithmetic (wire.psn_le, inline)
+            if e.psn is None or (psn - e.psn) & M >= 0x80000000:
                 break
             if not e.sent or e.end > sent or e.opcode == WcOpcode.RDMA_READ:
                 raise wire.WireError(f"acknowledgement of PSN {psn}: request {e.psn} was "
@@ -881,7 +901,7 @@ class SoftQP(QP):
             self._acked = e.psn
             if e.signaled:
                 push(WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
-        if not le(psn, self._acked):
+        if (self._acked - psn) & M >= 0x80000000:
             raise wire.WireError(f"acknowledgement of PSN {psn}, never sent")
 
     def _retire(self) -> None:

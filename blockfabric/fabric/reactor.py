@@ -111,15 +111,20 @@ class Reactor:
         except (OSError, ValueError):
             pass        # already closed: the kernel dropped it from the epoll itself
 
-    def add_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+    def add_cq(self, cq: Any, callback: Callable[[], None]) -> bool:
         """Call ``callback`` when ``cq`` (a :class:`~blockfabric.rdma.CQ`) may have
         completions.  A provider that serves many CQs through one engine (soft, in poll
         mode) registers that engine once per reactor (``cq.attach_reactor``): each wake-up
         then runs its progress once and calls back only the owners of CQs that got
-        completions; any other CQ is waited on through its ``fileno()``."""
+        completions; any other CQ is waited on through its ``fileno()``.  True when the
+        provider attached it: ``callback`` then runs again for every completion that arrives
+        after it last polled, so it needs no arming (``req_notify``/``ack_events``) and may
+        stop polling at the first batch smaller than it asked for."""
         attach = getattr(cq, "attach_reactor", None)
         if attach is None or not attach(self, callback):
             self.add_reader(cq.fileno(), callback)
+            return False
+        return True
 
     def remove_cq(self, cq: Any, callback: Callable[[], None]) -> None:
         """Undo :meth:`add_cq`."""
@@ -234,7 +239,10 @@ class Reactor:
             self._serve(ready)
         finally:
             for end in opened:
-                self._run(lambda: end(tid))
+                try:
+                    end(tid)
+                except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                    log.exception("%s: unhandled error in %r", self.name, end)
 
     def _serve(self, ready: list) -> None:
         """Every ready callback, due timer and queued call: one pass."""
@@ -243,7 +251,11 @@ class Reactor:
             callbacks = readers.get(ready[0][0])
             if callbacks is not None:
                 if len(callbacks) == 1:
-                    self._run(callbacks[0])
+                    callback = callbacks[0]
+                    try:                # self._run, inline: the common wake-up
+                        callback()
+                    except Exception:  # noqa: BLE001
+                        log.exception("%s: unhandled error in %r", self.name, callback)
                 else:
                     self._run_all(callbacks)
         elif ready:

@@ -385,7 +385,23 @@ class SoftQP(QP):
         e.signaled = self.sig_all or bool(flags & _SIGNALED)
         e.rnr = 0
         e.sent = False
-        views, total, status = self._resolve(wr.sg_list, op == WrOpcode.RDMA_READ)
+        sg = wr.sg_list
+        if len(sg) == 1 and op != WrOpcode.RDMA_READ:
+            # _resolve of one SGE read from (no LOCAL_WRITE needed), inline: the per-I/O case
+            sge = sg[0]
+            mr = self.ctx.lkeys.get(sge.lkey)
+            addr, total = sge.addr, sge.length
+            if (mr is None or mr.pd is not self.pd or addr < mr.addr or addr + total > mr.end
+                    or total < 0):
+                views, total, status = [], 0, WcStatus.LOC_PROT_ERR
+            elif total > wire.MAX_MESSAGE:
+                views, total, status = [], 0, WcStatus.LOC_LEN_ERR
+            else:
+                off = addr - mr.addr
+                views = [mr.buf[off:off + total]] if total else []
+                status = 0
+        else:
+            views, total, status = self._resolve(sg, op == WrOpcode.RDMA_READ)
         e.byte_len = total
         e.views = views
         e.status = status

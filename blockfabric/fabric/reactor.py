@@ -66,6 +66,8 @@ class Reactor:
         #: for up to this many microseconds while they have work outstanding (0: never).
         self.spin_us = spin_default() if spin_us is None else max(0.0, float(spin_us))
         self._pollers: list[Callable[[], bool | None]] = []
+        #: a provider that waits for this loop (set_waiter), or None: the loop's own epoll
+        self._waiter: Callable[[float | None], bool] | None = None
         self._ep = select.epoll()
         #: fd -> its callbacks (a list object per registration: a stale event for an fd
         #: unregistered and registered again earlier in the same batch is told apart by it)
@@ -143,6 +145,22 @@ class Reactor:
             self._pollers.remove(poller)
         except ValueError:
             pass
+
+    def fileno(self) -> int:
+        """The loop's epoll: readable when one of its own file descriptors is."""
+        return self._ep.fileno()
+
+    def set_waiter(self, waiter: Callable[[float | None], bool] | None) -> bool:
+        """Let a provider do this loop's waiting (loop thread, or before it runs): each pass
+        calls ``waiter(timeout)`` instead of waiting in the loop's epoll; the provider waits
+        in an epoll of its own that holds this loop's (:meth:`fileno`), serves what is ready
+        of its own in the pass, and returns True when the loop's file descriptors may be
+        ready too (polled then, without waiting).  One waiter at a time: False if another
+        has the place.  ``None`` gives the place back."""
+        if waiter is not None and self._waiter is not None:
+            return False
+        self._waiter = waiter
+        return True
 
     def _spin(self) -> bool:
         """Busy-poll for up to ``spin_us`` while some poller has work outstanding; True
@@ -226,6 +244,9 @@ class Reactor:
             timeout = until if timeout is None else min(timeout, until)
         if self.spin_us and self._pollers and timeout != 0 and self._spin():
             timeout = 0             # a poller ran a pass: serve the rest without sleeping
+        if self._waiter is not None:
+            self._wait_pass(timeout)
+            return
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
         except InterruptedError:
@@ -238,11 +259,35 @@ class Reactor:
         try:
             self._serve(ready)
         finally:
-            for end in opened:
+            self._close_pass(opened, tid)
+
+    def _close_pass(self, opened: list, tid: int) -> None:
+        for end in opened:
+            try:
+                end(tid)
+            except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                log.exception("%s: unhandled error in %r", self.name, end)
+
+    def _wait_pass(self, timeout: float | None) -> None:
+        """:meth:`run_once` with a waiter: the pass opens first, since the waiter serves
+        the provider's part of it as it returns."""
+        tid = threading.get_ident()
+        opened = [end for begin, end in tuple(_pass_hooks) if begin(tid)]
+        try:
+            ready: Any = ()
+            try:
+                own = self._waiter(timeout)
+            except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                log.exception("%s: unhandled error in waiter %r", self.name, self._waiter)
+                own = True
+            if own:
                 try:
-                    end(tid)
-                except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
-                    log.exception("%s: unhandled error in %r", self.name, end)
+                    ready = self._ep.poll(0)
+                except InterruptedError:
+                    pass
+            self._serve(ready)
+        finally:
+            self._close_pass(opened, tid)
 
     def _serve(self, ready: list) -> None:
         """Every ready callback, due timer and queued call: one pass."""

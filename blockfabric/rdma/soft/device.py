@@ -53,7 +53,7 @@ class Group:
     other threads.  :meth:`dispatch` is the pass."""
 
     __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
-                 "acks", "_ack_timer")
+                 "acks", "_ack_timer", "_waits")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -66,7 +66,20 @@ class Group:
         self._ctx_fd = ctx.fileno()
         self.acks: list["SoftQP"] = []    # QPs whose ACK waits for traffic (defer_ack)
         self._ack_timer: Any = None
-        reactor.add_reader(self._ctx_fd, self.dispatch)
+        # One epoll_wait per wake-up: the reactor waits in the device's epoll, which holds
+        # the reactor's own (Reactor.set_waiter; see wait), rather than the other way round
+        # (then every wake-up takes a second epoll_wait to learn which sockets are ready).
+        # A reactor that has a waiter already (another device) nests as before.
+        self._waits = False
+        set_waiter = getattr(reactor, "set_waiter", None)
+        if set_waiter is not None and set_waiter(self.wait):
+            try:
+                ctx.watch_fd(reactor.fileno())
+                self._waits = True
+            except OSError:
+                set_waiter(None)
+        if not self._waits:
+            reactor.add_reader(self._ctx_fd, self.dispatch)
         reactor.add_reader(self._efd, self.dispatch)
         add_poller = getattr(reactor, "add_poller", None)
         if add_poller is not None:
@@ -104,6 +117,34 @@ class Group:
             except OSError:
                 pass                        # closed: the group is gone
 
+    def wait(self, timeout: float | None) -> bool:
+        """The reactor's wait (on its thread, in its pass): up to ``timeout`` s (None: no
+        bound) for the device's sockets or the reactor's own file descriptors, then a pass
+        over the sockets that are ready.  True when the reactor's own may be ready."""
+        ctx = self.ctx
+        try:
+            events = ctx.wait_events(timeout)
+        except (OSError, ValueError):       # the device closed under the wait
+            self._stop_waiting()
+            return True
+        own = self.reactor.fileno()
+        mine = False
+        for fd, _ in events:
+            if fd == own:
+                mine = True
+                if len(events) == 1:
+                    return True
+                break
+        if events:
+            self.dispatch(events)
+        return mine
+
+    def _stop_waiting(self) -> None:
+        if self._waits:
+            self._waits = False
+            self.reactor.set_waiter(None)
+            self.ctx.unwatch_fd(self.reactor.fileno())
+
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
         self.acks.append(qp)
@@ -120,9 +161,10 @@ class Group:
             except Exception as exc:  # noqa: BLE001  one connection's, and only its
                 qp.fail(exc)
 
-    def dispatch(self) -> None:
-        """One pass: the engine once (corked), then the owner of every CQ that got
-        completions, then every frame the pass produced goes out."""
+    def dispatch(self, events: list | None = None) -> None:
+        """One pass: the engine once (corked; over ``events`` when the caller polled the
+        device's epoll already), then the owner of every CQ that got completions, then every
+        frame the pass produced goes out."""
         if self._signalled:
             self._signalled = False
             drain_eventfd(self._efd)
@@ -137,7 +179,7 @@ class Group:
             corks[tid] = []
         self.active = True
         try:
-            ctx.progress(0)
+            ctx.progress(0, events)
             while True:
                 ready = self.ready
                 while ready:
@@ -175,7 +217,10 @@ class Group:
             remove_poller = getattr(reactor, "remove_poller", None)
             if remove_poller is not None:
                 remove_poller(self.poll)
-            reactor.remove_reader(self._ctx_fd, self.dispatch)
+            if self._waits:
+                self._stop_waiting()
+            else:
+                reactor.remove_reader(self._ctx_fd, self.dispatch)
             reactor.remove_reader(self._efd, self.dispatch)
             os.close(self._efd)
         thread = getattr(reactor, "thread", None)
@@ -338,9 +383,21 @@ class SoftContext(Context):
             self._kicked = True     # after the write: progress() reads it only when set
 
     # ------------------------------------------------------------------ the engine
-    def progress(self, timeout: float = 0.0) -> int:
+    def wait_events(self, timeout: float | None) -> list:
+        """Wait up to ``timeout`` s (None: no bound) for the sockets (and whatever else this
+        epoll holds); the events, for :meth:`progress`.  No lock: what another thread's
+        progress handles first is simply reported again (level-triggered) or not at all."""
+        if self.rnr_waiters:                # (the kick keeps the epoll ready meanwhile)
+            timeout = 0.0
+        try:
+            return self._ep.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            return []
+
+    def progress(self, timeout: float = 0.0, events: list | None = None) -> int:
         """Do all pending network work, waiting up to ``timeout`` s for some; return the
-        number of ready sockets handled.  Re-entrant calls from other threads return 0."""
+        number of ready sockets handled.  Re-entrant calls from other threads return 0.
+        ``events``: what :meth:`wait_events` returned (no second wait)."""
         if not self._plock.acquire(blocking=False):
             return 0
         tid = _get_ident()
@@ -351,10 +408,11 @@ class SoftContext(Context):
         try:
             if self.rnr_waiters:
                 timeout = min(timeout, self._fire_rnr(time.monotonic()))
-            try:
-                events = self._ep.poll(timeout)
-            except InterruptedError:
-                events = []
+            if events is None:
+                try:
+                    events = self._ep.poll(timeout)
+                except InterruptedError:
+                    events = []
             fds = self._fds
             for fd, ev in events:
                 qp = fds.get(fd)

@@ -53,7 +53,7 @@ class Group:
     other threads.  :meth:`dispatch` is the pass."""
 
     __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
-                 "acks", "_ack_timer", "_waits")
+                 "acks", "_ack_timer", "_waits", "_own_fd")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -71,10 +71,12 @@ class Group:
         # (then every wake-up takes a second epoll_wait to learn which sockets are ready).
         # A reactor that has a waiter already (another device) nests as before.
         self._waits = False
+        self._own_fd = -1
         set_waiter = getattr(reactor, "set_waiter", None)
         if set_waiter is not None and set_waiter(self.wait):
             try:
-                ctx.watch_fd(reactor.fileno())
+                self._own_fd = reactor.fileno()
+                ctx.watch_fd(self._own_fd)
                 self._waits = True
             except OSError:
                 set_waiter(None)
@@ -122,12 +124,18 @@ class Group:
         bound) for the device's sockets or the reactor's own file descriptors, then a pass
         over the sockets that are ready.  True when the reactor's own may be ready."""
         ctx = self.ctx
+        if ctx.rnr_waiters:                 # (the kick keeps the epoll ready meanwhile)
+            timeout = 0.0
         try:
-            events = ctx.wait_events(timeout)
+            # no lock: what another thread's progress handles first is reported again
+            # (level-triggered) or not at all
+            events = ctx._ep.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            return True
         except (OSError, ValueError):       # the device closed under the wait
             self._stop_waiting()
             return True
-        own = self.reactor.fileno()
+        own = self._own_fd
         mine = False
         for fd, _ in events:
             if fd == own:
@@ -143,7 +151,7 @@ class Group:
         if self._waits:
             self._waits = False
             self.reactor.set_waiter(None)
-            self.ctx.unwatch_fd(self.reactor.fileno())
+            self.ctx.unwatch_fd(self._own_fd)
 
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
@@ -383,21 +391,10 @@ class SoftContext(Context):
             self._kicked = True     # after the write: progress() reads it only when set
 
     # ------------------------------------------------------------------ the engine
-    def wait_events(self, timeout: float | None) -> list:
-        """Wait up to ``timeout`` s (None: no bound) for the sockets (and whatever else this
-        epoll holds); the events, for :meth:`progress`.  No lock: what another thread's
-        progress handles first is simply reported again (level-triggered) or not at all."""
-        if self.rnr_waiters:                # (the kick keeps the epoll ready meanwhile)
-            timeout = 0.0
-        try:
-            return self._ep.poll(-1 if timeout is None else timeout)
-        except InterruptedError:
-            return []
-
     def progress(self, timeout: float = 0.0, events: list | None = None) -> int:
         """Do all pending network work, waiting up to ``timeout`` s for some; return the
         number of ready sockets handled.  Re-entrant calls from other threads return 0.
-        ``events``: what :meth:`wait_events` returned (no second wait)."""
+        ``events``: what the caller's wait in this epoll returned (no second wait)."""
         if not self._plock.acquire(blocking=False):
             return 0
         tid = _get_ident()

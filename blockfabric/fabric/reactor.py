@@ -237,10 +237,13 @@ class Reactor:
         every ready callback, due timer and queued call: one pass, for the providers that
         batch per pass (``blockfabric.rdma.base.PASS_HOOKS``: the soft provider sends what
         the pass posted on each connection in one sendmsg at its end)."""
+        timers = self._timers
+        while timers and timers[0][2].cancelled:
+            heapq.heappop(timers)           # a cancelled timer does not wake the loop
         if self._calls:
             timeout = 0
-        elif self._timers:
-            until = max(0.0, self._timers[0][0] - time.monotonic())
+        elif timers:
+            until = max(0.0, timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
         if self.spin_us and self._pollers and timeout != 0 and self._spin():
             timeout = 0             # a poller ran a pass: serve the rest without sleeping

@@ -512,6 +512,9 @@ def test_an_ack_with_nothing_to_ride_on_waits_for_traffic(reactor_side, monkeypa
         SendWR(1, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)])))
     (ftype, flags, psn, *_rest, ack) = _frames(peer, 1)[0]
     assert (ftype, psn, ack) == (Frame.SEND, 0, 0) and flags & wire.FrameFlags.ACK
+    live: list = []                         # carried: its timer will not wake the loop
+    reactor.call_sync(lambda: live.extend(t for t in reactor._timers if not t[2].cancelled))
+    assert live == []
     peer.sock.sendall(wire.pack(Frame.ACK, 0))
     peer.sock.sendall(wire.pack(Frame.SEND, 1, 16) + bytes(16))
     assert _wait(lambda: state["seen"] == 2)

@@ -155,15 +155,34 @@ class Group:
 
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
-        self.acks.append(qp)
+        if qp.ack_group is None:
+            qp.ack_group = self
+            self.acks.append(qp)
         if self._ack_timer is None:
             self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
+
+    def carried(self, qp: "SoftQP") -> None:
+        """A request carried ``qp``'s acknowledgement: no timer for it (none at all, and no
+        wake-up, once no other waits).  Only on the reactor's thread; from another, the
+        timer finds nothing owed when it fires."""
+        if _get_ident() != getattr(self.reactor, "ident", None):
+            return
+        qp.ack_group = None
+        acks = self.acks
+        try:
+            acks.remove(qp)
+        except ValueError:
+            pass
+        if not acks and self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
 
     def _send_acks(self) -> None:
         """ACK_DELAY is over: every deferred acknowledgement no request carried goes out."""
         self._ack_timer = None
         acks, self.acks = self.acks, []
         for qp in acks:
+            qp.ack_group = None
             try:
                 qp.send_owed_ack()
             except Exception as exc:  # noqa: BLE001  one connection's, and only its

@@ -171,6 +171,7 @@ class SoftQP(QP):
         self._done_psn = M
         self._rx_psn = M         # the SEND or WRITE whose payload is arriving
         self._ack_due = False
+        self.ack_group = None    # the reactor group this QP's owed ACK waits with, if any
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
         self._stage = bytearray(STAGE_FIRST)  # frames as they arrive; [_spos, _sfill) unparsed
@@ -420,6 +421,8 @@ class SoftQP(QP):
         if ack:
             self._ack_due = False
             flags, done = _F_ACK, self._done_psn
+            if self.ack_group is not None:     # it waited for this request (defer_ack)
+                self.ack_group.carried(self)
         else:
             flags = done = 0
         # (a frame sent again after an RNR NAK carries this ACK again: an older cumulative

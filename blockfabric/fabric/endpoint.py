@@ -44,6 +44,9 @@ class Endpoint:
 
     #: Completions one :meth:`service` call takes at most (0: drain the CQ).
     pass_limit = 0
+    #: the provider calls :meth:`service` for every completion (Reactor.add_cq): no arming,
+    #: and a batch smaller than asked for means the CQ is drained
+    _attached = False
 
     def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
                  send_count: int, send_size: int, max_send_wr: int,
@@ -78,9 +81,6 @@ class Endpoint:
         self.reactor: Reactor | None = None
         self.on_cm_event: Callable[[], None] | None = None
         self._again = False
-        #: the provider calls :meth:`service` for every completion (Reactor.add_cq): no
-        #: arming, and a batch smaller than asked for means the CQ is drained
-        self._attached = False
 
     # -- receive slots ---------------------------------------------------------------
     def post_all_receives(self) -> None:

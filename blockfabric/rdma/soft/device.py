@@ -69,11 +69,13 @@ class Group:
         # One epoll_wait per wake-up: the reactor waits in the device's epoll, which holds
         # the reactor's own (Reactor.set_waiter; see wait), rather than the other way round
         # (then every wake-up takes a second epoll_wait to learn which sockets are ready).
-        # A reactor that has a waiter already (another device) nests as before.
+        # A reactor that has a waiter already (another device) nests as before, and so does
+        # every group once a device has several (see SoftContext.group): in a device's epoll,
+        # one reactor's readiness would wake the others, which cannot clear it, and spin.
         self._waits = False
         self._own_fd = -1
         set_waiter = getattr(reactor, "set_waiter", None)
-        if set_waiter is not None and set_waiter(self.wait):
+        if not ctx.has_groups() and set_waiter is not None and set_waiter(self.wait):
             try:
                 self._own_fd = reactor.fileno()
                 ctx.watch_fd(self._own_fd)
@@ -152,6 +154,13 @@ class Group:
             self._waits = False
             self.reactor.set_waiter(None)
             self.ctx.unwatch_fd(self._own_fd)
+
+    def nest(self) -> None:
+        """Wait for the device nested in the reactor's epoll, as a reactor that has a waiter
+        already does (reactor thread; see SoftContext.group)."""
+        if self._waits:
+            self._stop_waiting()        # out of the device's epoll first: no loop
+            self.reactor.add_reader(self._ctx_fd, self.dispatch)
 
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
@@ -318,8 +327,16 @@ class SoftContext(Context):
         use; called on the reactor's thread)."""
         group = self._groups.get(id(reactor))
         if group is None or group.reactor is not reactor:
+            for other in list(self._groups.values()):   # a second reactor: none waits
+                try:
+                    other.reactor.call_soon_threadsafe(other.nest)
+                except OSError:
+                    pass                # that reactor is closed: it waits for nothing
             group = self._groups[id(reactor)] = Group(self, reactor)
         return group
+
+    def has_groups(self) -> bool:
+        return bool(self._groups)
 
     def drop_group(self, group: Group) -> None:
         if self._groups.get(id(group.reactor)) is group:

@@ -379,11 +379,14 @@ class SoftContext(Context):
     def defer_ack(self, qp: "SoftQP") -> bool:
         """At the end of a pass, ``qp`` owes an acknowledgement and has nothing else for its
         peer: True if it may wait for traffic (a reactor's pass: its group sends it after
-        ACK_DELAY, unless a request carried it first), False to send it now."""
+        ACK_DELAY, unless a request carried it first), False to send it now.  Only when its
+        owner posted within ACK_DELAY: one whose requests come further apart would only
+        pay a timer's wake-up for an ACK frame it sends anyway."""
         tid = _get_ident()
         group = self.deferrers.get(tid)
         # only on the thread that runs that reactor's loop now (its timers fire there)
-        if group is None or ACK_DELAY <= 0 or getattr(group.reactor, "ident", None) != tid:
+        if group is None or ACK_DELAY <= 0 or getattr(group.reactor, "ident", None) != tid \
+                or time.monotonic() - qp.posted > ACK_DELAY:
             return False
         group.defer(qp)
         return True

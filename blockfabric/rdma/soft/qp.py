@@ -172,6 +172,7 @@ class SoftQP(QP):
         self._rx_psn = M         # the SEND or WRITE whose payload is arriving
         self._ack_due = False
         self.ack_group = None    # the reactor group this QP's owed ACK waits with, if any
+        self.posted = 0.0        # when the owner last posted send work (defer_ack)
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
         self._stage = bytearray(STAGE_FIRST)  # frames as they arrive; [_spos, _sfill) unparsed
@@ -353,8 +354,9 @@ class SoftQP(QP):
                     raise RdmaError(f"bad send WR {wr.wr_id}: opcode {wr.opcode}, "
                                     f"{len(wr.sg_list)} SGEs (max {cap.max_send_sge})",
                                     errno=_errno.EINVAL)
+            self.posted = now = _now()
             if not sq:
-                self._last_progress = _now()
+                self._last_progress = now
             go = not (self._hold or self._stall)
             bufs: list = []
             end = self._tx_queued

@@ -79,6 +79,7 @@ class Reactor:
         self.add_reader(self._wake_r, self._drain_wake)
         self._running = False
         self._stopping = False
+        self.closed = False
         self.thread: threading.Thread | None = None
         #: the thread running :meth:`run_forever` now (None when none is): a provider may
         #: leave work to this loop's timers only from that thread
@@ -194,6 +195,8 @@ class Reactor:
         self._calls.append(callback)
 
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        if self.closed:
+            return      # no loop will run it; and the wake pipe's number may be reused
         self._calls.append(callback)
         try:
             os.write(self._wake_w, b"\0")
@@ -360,6 +363,7 @@ class Reactor:
             self.thread.join(timeout)
 
     def close(self) -> None:
+        self.closed = True
         self._readers.clear()
         self._ep.close()
         for fd in (self._wake_r, self._wake_w):

@@ -153,7 +153,13 @@ class Group:
         if self._waits:
             self._waits = False
             self.reactor.set_waiter(None)
-            self.ctx.unwatch_fd(self._own_fd)
+            try:
+                fd = self.reactor.fileno()
+            except (OSError, ValueError):
+                return      # closed: the kernel took it out of the device's epoll, and its
+                            # number may be another file's now (a socket there: keep it)
+            if fd == self._own_fd:
+                self.ctx.unwatch_fd(fd)
 
     def nest(self) -> None:
         """Wait for the device nested in the reactor's epoll, as a reactor that has a waiter
@@ -327,16 +333,21 @@ class SoftContext(Context):
         use; called on the reactor's thread)."""
         group = self._groups.get(id(reactor))
         if group is None or group.reactor is not reactor:
-            for other in list(self._groups.values()):   # a second reactor: none waits
+            for other in self._live_groups():           # a second reactor: none waits
                 try:
                     other.reactor.call_soon_threadsafe(other.nest)
                 except OSError:
-                    pass                # that reactor is closed: it waits for nothing
+                    pass                # that reactor is closing: it waits for nothing
             group = self._groups[id(reactor)] = Group(self, reactor)
         return group
 
+    def _live_groups(self) -> list[Group]:
+        """The groups whose reactor is not closed (one left with CQs attached when its
+        reactor closed waits for nothing)."""
+        return [g for g in self._groups.values() if not getattr(g.reactor, "closed", False)]
+
     def has_groups(self) -> bool:
-        return bool(self._groups)
+        return bool(self._live_groups())
 
     def drop_group(self, group: Group) -> None:
         if self._groups.get(id(group.reactor)) is group:

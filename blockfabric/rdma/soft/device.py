@@ -170,7 +170,7 @@ class Group:
 
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
-        if qp.ack_group is None:
+        if qp.ack_group is not self:
             qp.ack_group = self
             self.acks.append(qp)
         if self._ack_timer is None:
@@ -396,8 +396,10 @@ class SoftContext(Context):
         tid = _get_ident()
         group = self.deferrers.get(tid)
         # only on the thread that runs that reactor's loop now (its timers fire there)
+        # ... and only for a QP whose completions that group serves: another reactor's pass
+        # may run the engine over this QP's socket, and the timer must outlive the QP's use
         if group is None or ACK_DELAY <= 0 or getattr(group.reactor, "ident", None) != tid \
-                or time.monotonic() - qp.posted > ACK_DELAY:
+                or qp.recv_cq.group is not group or time.monotonic() - qp.posted > ACK_DELAY:
             return False
         group.defer(qp)
         return True

@@ -250,8 +250,9 @@ class Reactor:
             timeout = until if timeout is None else min(timeout, until)
         if self.spin_us and self._pollers and timeout != 0 and self._spin():
             timeout = 0             # a poller ran a pass: serve the rest without sleeping
-        if self._waiter is not None:
-            self._wait_pass(timeout)
+        waiter = self._waiter
+        if waiter is not None:
+            self._wait_pass(waiter, timeout)
             return
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
@@ -274,7 +275,8 @@ class Reactor:
             except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
                 log.exception("%s: unhandled error in %r", self.name, end)
 
-    def _wait_pass(self, timeout: float | None) -> None:
+    def _wait_pass(self, waiter: Callable[[float | None], bool],
+                   timeout: float | None) -> None:
         """:meth:`run_once` with a waiter: the pass opens first, since the waiter serves
         the provider's part of it as it returns."""
         tid = threading.get_ident()
@@ -282,9 +284,9 @@ class Reactor:
         try:
             ready: Any = ()
             try:
-                own = self._waiter(timeout)
+                own = waiter(timeout)
             except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
-                log.exception("%s: unhandled error in waiter %r", self.name, self._waiter)
+                log.exception("%s: unhandled error in waiter %r", self.name, waiter)
                 own = True
             if own:
                 try:

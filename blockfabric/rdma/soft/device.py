@@ -272,6 +272,9 @@ class Group:
             except (OSError, ValueError):
                 pass
         else:
+            # out of the device's epoll now, not when the loop gets to it: a group made for
+            # this reactor meanwhile must find the place free (and no epoll loop to nest into)
+            self._stop_waiting()
             try:
                 reactor.call_soon_threadsafe(unregister)
             except OSError:

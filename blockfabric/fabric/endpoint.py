@@ -44,6 +44,9 @@ class Endpoint:
 
     #: Completions one :meth:`service` call takes at most (0: drain the CQ).
     pass_limit = 0
+    #: the provider calls :meth:`service` for every completion (Reactor.add_cq): no arming,
+    #: and a batch smaller than asked for means the CQ is drained
+    _attached = False
 
     def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
                  send_count: int, send_size: int, max_send_wr: int,
@@ -107,7 +110,7 @@ class Endpoint:
         """Have ``reactor`` service this endpoint's completions (and CM events, through
         ``on_cm_event`` when the side defines it) from now on."""
         def register() -> None:
-            reactor.add_cq(self.cq, self.service)
+            self._attached = reactor.add_cq(self.cq, self.service) is True
             if self.on_cm_event is not None:
                 reactor.add_reader(self.cmid.fileno(), self.on_cm_event)
         self.arm()
@@ -119,6 +122,7 @@ class Endpoint:
         if reactor is None:
             return
         def unregister() -> None:
+            self._attached = False
             reactor.remove_cq(self.cq, self.service)
             if self.on_cm_event is not None:
                 reactor.remove_reader(self.cmid.fileno(), self.on_cm_event)
@@ -141,8 +145,10 @@ class Endpoint:
         done = 0
         limit = self.pass_limit
         cq = self.cq
+        attached = self._attached
         try:
-            cq.ack_events()
+            if not attached:
+                cq.ack_events()
             while not self.closed:
                 if limit:
                     if done >= limit:
@@ -156,6 +162,8 @@ class Endpoint:
                     budget = min(budget, limit - done)
                 wcs = cq.poll(budget)
                 if not wcs:
+                    if attached:
+                        break
                     cq.req_notify()
                     wcs = cq.poll(budget)
                     if not wcs:
@@ -174,6 +182,8 @@ class Endpoint:
                                   exc_info=True)
                         self.on_fault(f"completion {wc.wr_id:#x} failed: "
                                       f"{type(exc).__name__}: {exc}")
+                if attached and len(wcs) < budget:
+                    break               # drained; what arrived since calls us again
         except Exception as exc:      # the CQ itself failed (ibv_poll_cq, the provider)
             self.on_fault(f"completion queue failed: {type(exc).__name__}: {exc}")
         return done

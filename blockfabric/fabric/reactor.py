@@ -66,6 +66,8 @@ class Reactor:
         #: for up to this many microseconds while they have work outstanding (0: never).
         self.spin_us = spin_default() if spin_us is None else max(0.0, float(spin_us))
         self._pollers: list[Callable[[], bool | None]] = []
+        #: a provider that waits for this loop (set_waiter), or None: the loop's own epoll
+        self._waiter: Callable[[float | None], bool] | None = None
         self._ep = select.epoll()
         #: fd -> its callbacks (a list object per registration: a stale event for an fd
         #: unregistered and registered again earlier in the same batch is told apart by it)
@@ -77,7 +79,11 @@ class Reactor:
         self.add_reader(self._wake_r, self._drain_wake)
         self._running = False
         self._stopping = False
+        self.closed = False
         self.thread: threading.Thread | None = None
+        #: the thread running :meth:`run_forever` now (None when none is): a provider may
+        #: leave work to this loop's timers only from that thread
+        self.ident: int | None = None
 
     # -- registration -------------------------------------------------------------------
     def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
@@ -108,15 +114,20 @@ class Reactor:
         except (OSError, ValueError):
             pass        # already closed: the kernel dropped it from the epoll itself
 
-    def add_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+    def add_cq(self, cq: Any, callback: Callable[[], None]) -> bool:
         """Call ``callback`` when ``cq`` (a :class:`~blockfabric.rdma.CQ`) may have
         completions.  A provider that serves many CQs through one engine (soft, in poll
         mode) registers that engine once per reactor (``cq.attach_reactor``): each wake-up
         then runs its progress once and calls back only the owners of CQs that got
-        completions; any other CQ is waited on through its ``fileno()``."""
+        completions; any other CQ is waited on through its ``fileno()``.  True when the
+        provider attached it: ``callback`` then runs again for every completion that arrives
+        after it last polled, so it needs no arming (``req_notify``/``ack_events``) and may
+        stop polling at the first batch smaller than it asked for."""
         attach = getattr(cq, "attach_reactor", None)
         if attach is None or not attach(self, callback):
             self.add_reader(cq.fileno(), callback)
+            return False
+        return True
 
     def remove_cq(self, cq: Any, callback: Callable[[], None]) -> None:
         """Undo :meth:`add_cq`."""
@@ -135,6 +146,22 @@ class Reactor:
             self._pollers.remove(poller)
         except ValueError:
             pass
+
+    def fileno(self) -> int:
+        """The loop's epoll: readable when one of its own file descriptors is."""
+        return self._ep.fileno()
+
+    def set_waiter(self, waiter: Callable[[float | None], bool] | None) -> bool:
+        """Let a provider do this loop's waiting (loop thread, or before it runs): each pass
+        calls ``waiter(timeout)`` instead of waiting in the loop's epoll; the provider waits
+        in an epoll of its own that holds this loop's (:meth:`fileno`), serves what is ready
+        of its own in the pass, and returns True when the loop's file descriptors may be
+        ready too (polled then, without waiting).  One waiter at a time: False if another
+        has the place.  ``None`` gives the place back."""
+        if waiter is not None and self._waiter is not None:
+            return False
+        self._waiter = waiter
+        return True
 
     def _spin(self) -> bool:
         """Busy-poll for up to ``spin_us`` while some poller has work outstanding; True
@@ -168,6 +195,8 @@ class Reactor:
         self._calls.append(callback)
 
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        if self.closed:
+            return      # no loop will run it; and the wake pipe's number may be reused
         self._calls.append(callback)
         try:
             os.write(self._wake_w, b"\0")
@@ -211,13 +240,20 @@ class Reactor:
         every ready callback, due timer and queued call: one pass, for the providers that
         batch per pass (``blockfabric.rdma.base.PASS_HOOKS``: the soft provider sends what
         the pass posted on each connection in one sendmsg at its end)."""
+        timers = self._timers
+        while timers and timers[0][2].cancelled:
+            heapq.heappop(timers)           # a cancelled timer does not wake the loop
         if self._calls:
             timeout = 0
-        elif self._timers:
-            until = max(0.0, self._timers[0][0] - time.monotonic())
+        elif timers:
+            until = max(0.0, timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
         if self.spin_us and self._pollers and timeout != 0 and self._spin():
             timeout = 0             # a poller ran a pass: serve the rest without sleeping
+        waiter = self._waiter
+        if waiter is not None:
+            self._wait_pass(waiter, timeout)
+            return
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
         except InterruptedError:
@@ -230,8 +266,36 @@ class Reactor:
         try:
             self._serve(ready)
         finally:
-            for end in opened:
-                self._run(lambda: end(tid))
+            self._close_pass(opened, tid)
+
+    def _close_pass(self, opened: list, tid: int) -> None:
+        for end in opened:
+            try:
+                end(tid)
+            except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                log.exception("%s: unhandled error in %r", self.name, end)
+
+    def _wait_pass(self, waiter: Callable[[float | None], bool],
+                   timeout: float | None) -> None:
+        """:meth:`run_once` with a waiter: the pass opens first, since the waiter serves
+        the provider's part of it as it returns."""
+        tid = threading.get_ident()
+        opened = [end for begin, end in tuple(_pass_hooks) if begin(tid)]
+        try:
+            ready: Any = ()
+            try:
+                own = waiter(timeout)
+            except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
+                log.exception("%s: unhandled error in waiter %r", self.name, waiter)
+                own = True
+            if own:
+                try:
+                    ready = self._ep.poll(0)
+                except InterruptedError:
+                    pass
+            self._serve(ready)
+        finally:
+            self._close_pass(opened, tid)
 
     def _serve(self, ready: list) -> None:
         """Every ready callback, due timer and queued call: one pass."""
@@ -240,7 +304,11 @@ class Reactor:
             callbacks = readers.get(ready[0][0])
             if callbacks is not None:
                 if len(callbacks) == 1:
-                    self._run(callbacks[0])
+                    callback = callbacks[0]
+                    try:                # self._run, inline: the common wake-up
+                        callback()
+                    except Exception:  # noqa: BLE001
+                        log.exception("%s: unhandled error in %r", self.name, callback)
                 else:
                     self._run_all(callbacks)
         elif ready:
@@ -274,10 +342,12 @@ class Reactor:
 
     def run_forever(self) -> None:
         self._running = True
+        self.ident = threading.get_ident()
         try:
             while not self._stopping:
                 self.run_once(None)
         finally:
+            self.ident = None
             self._running = False
 
     def start(self) -> threading.Thread:
@@ -295,6 +365,7 @@ class Reactor:
             self.thread.join(timeout)
 
     def close(self) -> None:
+        self.closed = True
         self._readers.clear()
         self._ep.close()
         for fd in (self._wake_r, self._wake_w):

@@ -368,11 +368,26 @@ class TargetQueue(Endpoint):
         if cmd.responded or self.closed:
             return
         cmd.responded = True
-        self.repost(cmd.recv_index)
+        qp = self.qp
+        qp.post_recv(self._recv_wrs[cmd.recv_index])        # self.repost, inline
         _pack_cqe(self._cqe_views[cmd.index], 0, 0, self.sqhd if self.sq_flow else 0xFFFF,
                   self.qid, cmd.cid, 0)
         t = cmd.sgl_type
-        if length and (t == TYPE_KEYED or t == TYPE_KEYED_INVALIDATE):
+        if t == TYPE_KEYED and length:
+            # _post_data and _post_response, inline: the slot's RDMA WRITE then its SEND
+            sge = cmd.data_sge
+            sge.addr = addr
+            sge.length = length
+            sge.lkey = lkey
+            wr = cmd.data_wr
+            wr.remote_addr = cmd.sgl_addr
+            wr.rkey = cmd.sgl_key
+            send = cmd.send_wr
+            if send.invalidate_rkey or send.opcode != WrOpcode.SEND:
+                send.opcode = WrOpcode.SEND
+                send.invalidate_rkey = 0
+            qp.post_send(cmd.chain_data)
+        elif length and t == TYPE_KEYED_INVALIDATE:
             self._post_data(cmd, addr, length, lkey)
         else:
             self._post_response(cmd, cmd.chain_send)

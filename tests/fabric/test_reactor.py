@@ -156,8 +156,9 @@ def test_a_cq_removed_and_closed_leaves_nothing_behind_for_the_next_one():
 
 
 def test_poll_mode_cqs_are_served_through_one_registration():
-    """Poll progress: CQs of one device attached to a reactor share one registration; a
-    completion wakes only its own CQ's owner."""
+    """Poll progress: CQs of one device attached to a reactor share one registration (the
+    device does the loop's waiting: its epoll holds the loop's, one epoll_wait per wake-up);
+    a completion wakes only its own CQ's owner."""
     from blockfabric.rdma import WC, WcOpcode, WcStatus
     from blockfabric.rdma.soft import SoftProvider
 
@@ -170,7 +171,8 @@ def test_poll_mode_cqs_are_served_through_one_registration():
         owners = [lambda i=i: (ran.append(i), cqs[i].poll()) for i in range(3)]
         for cq, owner in zip(cqs, owners):
             reactor.add_cq(cq, owner)
-        assert len(reactor._readers) == 3       # the wake pipe, the device, its eventfd
+        assert len(reactor._readers) == 2       # the wake pipe, the device's eventfd
+        assert reactor._waiter is not None      # ... and the device waits for the loop
         cqs[1].push(WC(7, WcStatus.SUCCESS, WcOpcode.RECV))   # as from another thread
         reactor.run_once(2)
         assert ran == [1]
@@ -178,7 +180,38 @@ def test_poll_mode_cqs_are_served_through_one_registration():
             reactor.remove_cq(cq, owner)
             cq.close()
         reactor.run_once(0)                     # the group's last CQ went: unregistered
-        assert len(reactor._readers) == 1
+        assert len(reactor._readers) == 1 and reactor._waiter is None
     finally:
         reactor.close()
+        provider.close()
+
+
+def test_a_device_served_by_two_reactors_nests_in_both():
+    """The first reactor that serves a poll-mode device lets it wait (one epoll_wait per
+    wake-up); once a second reactor serves it too, neither waits in the device's epoll (one
+    loop's ready fds would wake the other, which cannot clear them): both nest it, and a
+    completion still reaches each owner."""
+    from blockfabric.rdma import WC, WcOpcode, WcStatus
+    from blockfabric.rdma.soft import SoftProvider
+
+    provider = SoftProvider(progress="poll")
+    ctx = provider.context
+    first, second = Reactor("first"), Reactor("second")
+    ran: list[str] = []
+    try:
+        cq1, cq2 = ctx.create_cq(), ctx.create_cq()
+        first.add_cq(cq1, lambda: (ran.append("one"), cq1.poll()))
+        assert first._waiter is not None
+        second.add_cq(cq2, lambda: (ran.append("two"), cq2.poll()))
+        assert second._waiter is None
+        first.run_once(0)                   # the nest call queued for the first loop
+        assert first._waiter is None and len(first._readers) == 3
+        cq1.push(WC(1, WcStatus.SUCCESS, WcOpcode.RECV))
+        cq2.push(WC(2, WcStatus.SUCCESS, WcOpcode.RECV))
+        first.run_once(2)
+        second.run_once(2)
+        assert sorted(ran) == ["one", "two"]
+    finally:
+        first.close()
+        second.close()
         provider.close()

@@ -405,7 +405,7 @@ def reactor_side():
     p = SoftProvider(progress="poll")
     lst = p.listen("127.0.0.1", 0)
     reactor = Reactor("soft-test")
-    state = {"answer": True, "seen": 0}
+    state = {"answer": True, "seen": 0, "reactor": reactor}
     made = {}
 
     def accept():
@@ -489,3 +489,74 @@ def test_an_owner_that_does_not_answer_still_acknowledges(reactor_side):
         frames += _frames(peer, 1)
     assert {f[0] for f in frames} == {Frame.ACK}
     assert _wait(lambda: state["seen"] == 4)
+
+
+def _warm_up(peer, state) -> None:
+    """The owner answers one SEND (psn 0), so it has posted lately (defer_ack's condition);
+    the peer acknowledges the answer; from then on the owner does not answer."""
+    peer.sock.sendall(wire.pack(Frame.SEND, 0, 16) + bytes(16))
+    (ftype, flags, psn, *_rest, ack) = _frames(peer, 1)[0]
+    assert (ftype, psn, ack) == (Frame.SEND, 0, 0) and flags & wire.FrameFlags.ACK
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))
+    state["answer"] = False
+
+
+def test_an_ack_with_nothing_to_ride_on_waits_for_traffic(reactor_side, monkeypatch):
+    """Delayed ACK: an owner that posted lately and does not answer in the pass leaves the
+    ACK owed (no frame of its own within ACK_DELAY); the owner's next request carries it, and
+    takes the timer with it; a disconnect sends one still owed before the DREQ, so what was
+    executed never completes flushed at the peer."""
+    from blockfabric.rdma.soft import device
+    monkeypatch.setattr(device, "ACK_DELAY", 30.0)
+    port, accept, state = reactor_side
+    peer = RawPeer(port)
+    made = accept()
+    peer.established()
+    _warm_up(peer, state)
+    peer.sock.sendall(wire.pack(Frame.SEND, 1, 16) + bytes(16))
+    assert _wait(lambda: state["seen"] == 2)
+    peer.sock.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+        peer.sock.recv(64)                  # no ACK frame: it waits for traffic
+    qp, mr, reactor = made["qp"], made["mr"], state["reactor"]
+    reactor.call_soon_threadsafe(lambda: qp.post_send(
+        SendWR(1, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)])))
+    (ftype, flags, psn, *_rest, ack) = _frames(peer, 1)[0]
+    assert (ftype, psn, ack) == (Frame.SEND, 1, 1) and flags & wire.FrameFlags.ACK
+    live: list = []                         # carried: its timer will not wake the loop
+    reactor.call_sync(lambda: live.extend(t for t in reactor._timers if not t[2].cancelled))
+    assert live == []
+    peer.sock.sendall(wire.pack(Frame.ACK, 1))
+    peer.sock.sendall(wire.pack(Frame.SEND, 2, 16) + bytes(16))
+    assert _wait(lambda: state["seen"] == 3)
+    reactor.call_sync(made["cmid"].disconnect)
+    assert [f[:3] for f in _frames(peer, 2)] == [(Frame.ACK, 0, 2), (Frame.DREQ, 0, 0)]
+
+
+def test_a_deferred_ack_goes_out_after_ack_delay(reactor_side, monkeypatch):
+    from blockfabric.rdma.soft import device
+    monkeypatch.setattr(device, "ACK_DELAY", 0.5)
+    port, accept, state = reactor_side
+    peer = RawPeer(port)
+    accept()
+    peer.established()
+    _warm_up(peer, state)
+    start = time.monotonic()
+    peer.sock.sendall(wire.pack(Frame.SEND, 1, 16) + bytes(16))
+    assert _frames(peer, 1)[0][:3] == (Frame.ACK, 0, 1)
+    assert time.monotonic() - start >= 0.4
+
+
+def test_an_owner_that_has_not_posted_lately_is_acknowledged_at_once(reactor_side,
+                                                                      monkeypatch):
+    """No deferral for an owner whose requests come further apart than ACK_DELAY: the timer
+    would only add a wake-up to the ACK frame it sends anyway."""
+    from blockfabric.rdma.soft import device
+    monkeypatch.setattr(device, "ACK_DELAY", 30.0)
+    port, accept, state = reactor_side
+    state["answer"] = False
+    peer = RawPeer(port)
+    accept()
+    peer.established()
+    peer.sock.sendall(wire.pack(Frame.SEND, 0, 16) + bytes(16))
+    assert _frames(peer, 1, timeout=5)[0][:3] == (Frame.ACK, 0, 0)

@@ -28,9 +28,13 @@ executes them in PSN order and answers with READ_RESP (carries the data, and ack
 everything before it), NAK (with the status) or RNR_NAK, and acknowledges the rest
 cumulatively: in the ack field of the first request it sends that peer in the same pass
 (flag ACK), or, when it sends no request by the end of the pass that executed them, in an
-explicit ACK frame (psn: the last request executed), one per pass, so an owner that stops
-posting is still acknowledged.  A pass is one run of the engine (and, under a reactor, its
-owners' work after it); everything a pass has for one connection goes out in one sendmsg.
+explicit ACK frame (psn: the last request executed), so an owner that stops posting is
+still acknowledged.  That frame goes out at the end of the pass when the pass sends the
+peer anything else; when it would leave alone, a reactor's pass lets it wait up to
+``device.ACK_DELAY`` (1 ms) for a request to ride on (a host's next command), as TCP's
+delayed ACK; a disconnect sends one still owed before its DREQ.  A pass is one run of the
+engine (and, under a reactor, its owners' work after it); everything a pass has for one
+connection goes out in one sendmsg.
 
 Version 1 (until 2026-12; headers began b"BFRD", a 16-bit flags field and no ack field, and
 every ACK was a frame of its own) is not spoken.  A listener answers a version-1 CONN_REQ

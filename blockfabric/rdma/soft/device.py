@@ -41,6 +41,10 @@ _IN = select.EPOLLIN
 _OUT = select.EPOLLOUT
 _READ_EVENTS = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 SWEEP_INTERVAL = 0.05   # how often transport (ack) timeouts are checked
+#: How long (s) an acknowledgement with nothing to ride on may wait for traffic to the peer
+#: in a reactor's pass, as TCP's delayed ACK (the peer's next request usually comes first:
+#: at QD1 a host's next command carries it, and the target is not woken for an ACK frame).
+ACK_DELAY = 0.001
 
 
 class Group:
@@ -48,7 +52,8 @@ class Group:
     the device's epoll fd (its sockets) and an eventfd for completions that arrive from
     other threads.  :meth:`dispatch` is the pass."""
 
-    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd")
+    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
+                 "acks", "_ack_timer", "_waits", "_own_fd")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -59,7 +64,26 @@ class Group:
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._signalled = False
         self._ctx_fd = ctx.fileno()
-        reactor.add_reader(self._ctx_fd, self.dispatch)
+        self.acks: list["SoftQP"] = []    # QPs whose ACK waits for traffic (defer_ack)
+        self._ack_timer: Any = None
+        # One epoll_wait per wake-up: the reactor waits in the device's epoll, which holds
+        # the reactor's own (Reactor.set_waiter; see wait), rather than the other way round
+        # (then every wake-up takes a second epoll_wait to learn which sockets are ready).
+        # A reactor that has a waiter already (another device) nests as before, and so does
+        # every group once a device has several (see SoftContext.group): in a device's epoll,
+        # one reactor's readiness would wake the others, which cannot clear it, and spin.
+        self._waits = False
+        self._own_fd = -1
+        set_waiter = getattr(reactor, "set_waiter", None)
+        if not ctx.has_groups() and set_waiter is not None and set_waiter(self.wait):
+            try:
+                self._own_fd = reactor.fileno()
+                ctx.watch_fd(self._own_fd)
+                self._waits = True
+            except OSError:
+                set_waiter(None)
+        if not self._waits:
+            reactor.add_reader(self._ctx_fd, self.dispatch)
         reactor.add_reader(self._efd, self.dispatch)
         add_poller = getattr(reactor, "add_poller", None)
         if add_poller is not None:
@@ -97,9 +121,92 @@ class Group:
             except OSError:
                 pass                        # closed: the group is gone
 
-    def dispatch(self) -> None:
-        """One pass: the engine once (corked), then the owner of every CQ that got
-        completions, then every frame the pass produced goes out."""
+    def wait(self, timeout: float | None) -> bool:
+        """The reactor's wait (on its thread, in its pass): up to ``timeout`` s (None: no
+        bound) for the device's sockets or the reactor's own file descriptors, then a pass
+        over the sockets that are ready.  True when the reactor's own may be ready."""
+        ctx = self.ctx
+        if ctx.rnr_waiters:                 # (the kick keeps the epoll ready meanwhile)
+            timeout = 0.0
+        try:
+            # no lock: what another thread's progress handles first is reported again
+            # (level-triggered) or not at all
+            events = ctx._ep.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            return True
+        except (OSError, ValueError):       # the device closed under the wait
+            self._stop_waiting()
+            return True
+        own = self._own_fd
+        mine = False
+        for fd, _ in events:
+            if fd == own:
+                mine = True
+                if len(events) == 1:
+                    return True
+                break
+        if events:
+            self.dispatch(events)
+        return mine
+
+    def _stop_waiting(self) -> None:
+        if self._waits:
+            self._waits = False
+            self.reactor.set_waiter(None)
+            try:
+                fd = self.reactor.fileno()
+            except (OSError, ValueError):
+                return      # closed: the kernel took it out of the device's epoll, and its
+                            # number may be another file's now (a socket there: keep it)
+            if fd == self._own_fd:
+                self.ctx.unwatch_fd(fd)
+
+    def nest(self) -> None:
+        """Wait for the device nested in the reactor's epoll, as a reactor that has a waiter
+        already does (reactor thread; see SoftContext.group)."""
+        if self._waits:
+            self._stop_waiting()        # out of the device's epoll first: no loop
+            self.reactor.add_reader(self._ctx_fd, self.dispatch)
+
+    def defer(self, qp: "SoftQP") -> None:
+        """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
+        if qp.ack_group is not self:
+            qp.ack_group = self
+            self.acks.append(qp)
+        if self._ack_timer is None:
+            self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
+
+    def carried(self, qp: "SoftQP") -> None:
+        """A request carried ``qp``'s acknowledgement: no timer for it (none at all, and no
+        wake-up, once no other waits).  Only on the reactor's thread; from another, the
+        timer finds nothing owed when it fires."""
+        if _get_ident() != getattr(self.reactor, "ident", None):
+            return
+        qp.ack_group = None
+        acks = self.acks
+        try:
+            acks.remove(qp)
+        except ValueError:
+            pass
+        if not acks and self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+
+    def _send_acks(self) -> None:
+        """ACK_DELAY is over: every deferred acknowledgement no request carried goes out."""
+        self._ack_timer = None
+        acks, self.acks = self.acks, []
+        for qp in acks:
+            qp.ack_group = None
+            try:
+                qp.send_owed_ack()
+            except Exception as exc:  # noqa: BLE001  one connection's, and only its
+                qp.fail(exc)
+
+    def dispatch(self, events: list | None = None) -> None:
+        """One pass: the engine once (corked; over ``events`` when the caller polled the
+        device's epoll already), then the owner of every CQ that got completions, then every
+        frame the pass produced goes out."""
         if self._signalled:
             self._signalled = False
             drain_eventfd(self._efd)
@@ -107,13 +214,14 @@ class Group:
         if ctx.closed:
             return
         tid = _get_ident()
+        ctx.deferrers[tid] = self
         corks = ctx.corks
         outer = tid not in corks
         if outer:
             corks[tid] = []
         self.active = True
         try:
-            ctx.progress(0)
+            ctx.progress(0, events)
             while True:
                 ready = self.ready
                 while ready:
@@ -139,12 +247,22 @@ class Group:
 
     def close(self) -> None:
         reactor = self.reactor
+        for tid, group in list(self.ctx.deferrers.items()):
+            if group is self:
+                del self.ctx.deferrers[tid]
 
         def unregister() -> None:
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                self._ack_timer = None
+            self._send_acks()
             remove_poller = getattr(reactor, "remove_poller", None)
             if remove_poller is not None:
                 remove_poller(self.poll)
-            reactor.remove_reader(self._ctx_fd, self.dispatch)
+            if self._waits:
+                self._stop_waiting()
+            else:
+                reactor.remove_reader(self._ctx_fd, self.dispatch)
             reactor.remove_reader(self._efd, self.dispatch)
             os.close(self._efd)
         thread = getattr(reactor, "thread", None)
@@ -154,6 +272,9 @@ class Group:
             except (OSError, ValueError):
                 pass
         else:
+            # out of the device's epoll now, not when the loop gets to it: a group made for
+            # this reactor meanwhile must find the place free (and no epoll loop to nest into)
+            self._stop_waiting()
             try:
                 reactor.call_soon_threadsafe(unregister)
             except OSError:
@@ -185,6 +306,8 @@ class SoftContext(Context):
         self._groups: dict[int, Group] = {}
         #: thread id -> the QPs with frames queued in that thread's pass (see end_pass)
         self.corks: dict[int, list] = {}
+        #: thread id -> the reactor group whose pass runs there (its ACKs may wait, defer_ack)
+        self.deferrers: dict[int, Group] = {}
         self._hook = (self.begin_pass, self.end_pass)
         PASS_HOOKS.append(self._hook)
         self.closed = False
@@ -213,8 +336,21 @@ class SoftContext(Context):
         use; called on the reactor's thread)."""
         group = self._groups.get(id(reactor))
         if group is None or group.reactor is not reactor:
+            for other in self._live_groups():           # a second reactor: none waits
+                try:
+                    other.reactor.call_soon_threadsafe(other.nest)
+                except OSError:
+                    pass                # that reactor is closing: it waits for nothing
             group = self._groups[id(reactor)] = Group(self, reactor)
         return group
+
+    def _live_groups(self) -> list[Group]:
+        """The groups whose reactor is not closed (one left with CQs attached when its
+        reactor closed waits for nothing)."""
+        return [g for g in self._groups.values() if not getattr(g.reactor, "closed", False)]
+
+    def has_groups(self) -> bool:
+        return bool(self._live_groups())
 
     def drop_group(self, group: Group) -> None:
         if self._groups.get(id(group.reactor)) is group:
@@ -253,6 +389,23 @@ class SoftContext(Context):
                 qp.end_pass()
             except Exception as exc:  # noqa: BLE001  one connection's, and only its
                 qp.fail(exc)
+
+    def defer_ack(self, qp: "SoftQP") -> bool:
+        """At the end of a pass, ``qp`` owes an acknowledgement and has nothing else for its
+        peer: True if it may wait for traffic (a reactor's pass: its group sends it after
+        ACK_DELAY, unless a request carried it first), False to send it now.  Only when its
+        owner posted within ACK_DELAY: one whose requests come further apart would only
+        pay a timer's wake-up for an ACK frame it sends anyway."""
+        tid = _get_ident()
+        group = self.deferrers.get(tid)
+        # only on the thread that runs that reactor's loop now (its timers fire there)
+        # ... and only for a QP whose completions that group serves: another reactor's pass
+        # may run the engine over this QP's socket, and the timer must outlive the QP's use
+        if group is None or ACK_DELAY <= 0 or getattr(group.reactor, "ident", None) != tid \
+                or qp.recv_cq.group is not group or time.monotonic() - qp.posted > ACK_DELAY:
+            return False
+        group.defer(qp)
+        return True
 
     def watch_fd(self, fd: int) -> None:
         self._ep.register(fd, _IN)
@@ -293,9 +446,10 @@ class SoftContext(Context):
             self._kicked = True     # after the write: progress() reads it only when set
 
     # ------------------------------------------------------------------ the engine
-    def progress(self, timeout: float = 0.0) -> int:
+    def progress(self, timeout: float = 0.0, events: list | None = None) -> int:
         """Do all pending network work, waiting up to ``timeout`` s for some; return the
-        number of ready sockets handled.  Re-entrant calls from other threads return 0."""
+        number of ready sockets handled.  Re-entrant calls from other threads return 0.
+        ``events``: what the caller's wait in this epoll returned (no second wait)."""
         if not self._plock.acquire(blocking=False):
             return 0
         tid = _get_ident()
@@ -306,10 +460,11 @@ class SoftContext(Context):
         try:
             if self.rnr_waiters:
                 timeout = min(timeout, self._fire_rnr(time.monotonic()))
-            try:
-                events = self._ep.poll(timeout)
-            except InterruptedError:
-                events = []
+            if events is None:
+                try:
+                    events = self._ep.poll(timeout)
+                except InterruptedError:
+                    events = []
             fds = self._fds
             for fd, ev in events:
                 qp = fds.get(fd)

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 M = wire.PSN_MASK
 HDR = wire.HEADER_SIZE
 _pack = wire.pack
+_hdr = wire.HEADER.pack         # (MAGIC, VERSION, type, flags, psn, length, key, extra, ack,
+_MAGIC, _VERSION = wire.MAGIC, wire.VERSION     # addr): wire.pack without its call
 _decode = wire.decode
 _now = time.monotonic
 _get_ident = threading.get_ident
@@ -169,6 +171,8 @@ class SoftQP(QP):
         self._done_psn = M
         self._rx_psn = M         # the SEND or WRITE whose payload is arriving
         self._ack_due = False
+        self.ack_group = None    # the reactor group this QP's owed ACK waits with, if any
+        self.posted = 0.0        # when the owner last posted send work (defer_ack)
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
         self._stage = bytearray(STAGE_FIRST)  # frames as they arrive; [_spos, _sfill) unparsed
@@ -208,6 +212,8 @@ class SoftQP(QP):
     def disconnect(self) -> None:
         with self._lock:
             if self.sock is not None and not self._dead:
+                if self._ack_due:       # a deferred ACK: what was executed completes there
+                    self._queue_ack()
                 self._tx_queued += HDR
                 self._outq.append(_pack(Frame.DREQ))
                 if not self._blocked:
@@ -348,8 +354,9 @@ class SoftQP(QP):
                     raise RdmaError(f"bad send WR {wr.wr_id}: opcode {wr.opcode}, "
                                     f"{len(wr.sg_list)} SGEs (max {cap.max_send_sge})",
                                     errno=_errno.EINVAL)
+            self.posted = now = _now()
             if not sq:
-                self._last_progress = _now()
+                self._last_progress = now
             go = not (self._hold or self._stall)
             bufs: list = []
             end = self._tx_queued
@@ -366,7 +373,8 @@ class SoftQP(QP):
                     e.end = end
             if bufs:
                 self._xmit(bufs, end - self._tx_queued)
-            self._retire()
+            if sq and sq[0].psn is None:
+                self._retire()
 
     def _build(self, wr: SendWR, cap: QPCap, ack: bool = False) -> _Entry:
         """A send-queue entry with its frame; ``psn`` None when local checks failed.  With
@@ -380,7 +388,23 @@ class SoftQP(QP):
         e.signaled = self.sig_all or bool(flags & _SIGNALED)
         e.rnr = 0
         e.sent = False
-        views, total, status = self._resolve(wr.sg_list, op == WrOpcode.RDMA_READ)
+        sg = wr.sg_list
+        if len(sg) == 1 and op != WrOpcode.RDMA_READ:
+            # _resolve of one SGE read from (no LOCAL_WRITE needed), inline: the per-I/O case
+            sge = sg[0]
+            mr = self.ctx.lkeys.get(sge.lkey)
+            addr, total = sge.addr, sge.length
+            if (mr is None or mr.pd is not self.pd or addr < mr.addr or addr + total > mr.end
+                    or total < 0):
+                views, total, status = [], 0, WcStatus.LOC_PROT_ERR
+            elif total > wire.MAX_MESSAGE:
+                views, total, status = [], 0, WcStatus.LOC_LEN_ERR
+            else:
+                off = addr - mr.addr
+                views = [mr.buf[off:off + total]] if total else []
+                status = 0
+        else:
+            views, total, status = self._resolve(sg, op == WrOpcode.RDMA_READ)
         e.byte_len = total
         e.views = views
         e.status = status
@@ -399,15 +423,18 @@ class SoftQP(QP):
         if ack:
             self._ack_due = False
             flags, done = _F_ACK, self._done_psn
+            if self.ack_group is not None:     # it waited for this request (defer_ack)
+                self.ack_group.carried(self)
         else:
             flags = done = 0
         # (a frame sent again after an RNR NAK carries this ACK again: an older cumulative
         # ACK than the peer has seen completes nothing, and is allowed)
         if op == WrOpcode.RDMA_READ:
-            e.frame = [_pack(_READ_REQ, psn, total, wr.rkey, 0, wr.remote_addr, flags, done)]
+            e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
+                            wr.remote_addr)]
         elif op == WrOpcode.RDMA_WRITE:
-            e.frame = [_pack(_WRITE, psn, total, wr.rkey, 0, wr.remote_addr, flags, done),
-                       *views]
+            e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
+                            wr.remote_addr), *views]
         elif op == WrOpcode.RDMA_WRITE_WITH_IMM:
             e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
                              flags | _F_IMM, done), *views]
@@ -418,7 +445,7 @@ class SoftQP(QP):
             e.frame = [_pack(_SEND, psn, total, 0, wr.imm_data, 0, flags | _F_IMM, done),
                        *views]
         else:
-            e.frame = [_pack(_SEND, psn, total, 0, 0, 0, flags, done), *views]
+            e.frame = [_hdr(_MAGIC, _VERSION, _SEND, flags, psn, total, 0, 0, done, 0), *views]
         return e
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
@@ -461,7 +488,9 @@ class SoftQP(QP):
                     dirty.append(self)
                 if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
                     self._flush()       # a long pass: let the peer start on this much
-                self._check_unsent()
+                if q and self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q) > \
+                        (self.max_unsent or DEFAULT_MAX_UNSENT):
+                    self._check_unsent()
                 return
         if not q and len(bufs) <= IOV_BATCH:
             try:
@@ -524,15 +553,26 @@ class SoftQP(QP):
 
     def end_pass(self) -> None:
         """The pass that queued frames here is over: the acknowledgement owed, then
-        everything out in one sendmsg (what the socket does not take waits for EPOLLOUT)."""
+        everything out in one sendmsg (what the socket does not take waits for EPOLLOUT).
+        An acknowledgement that would leave alone (no other frame for this peer) may wait
+        for traffic instead, up to the reactor's ACK_DELAY (see SoftContext.defer_ack)."""
         with self._lock:
             self._dirty = False
             if self._dead:
                 return
-            if self._ack_due:
+            if self._ack_due and (self._outq or not self.ctx.defer_ack(self)):
                 self._queue_ack()
             if not self._blocked:
                 self._flush()
+
+    def send_owed_ack(self) -> None:
+        """The delay an acknowledgement could wait for traffic is over: send it, unless a
+        request carried it meanwhile."""
+        with self._lock:
+            if self._ack_due and not self._dead:
+                self._queue_ack()
+                if not self._blocked:
+                    self._flush()
 
     def _queue_ack(self) -> None:
         self._ack_due = False
@@ -682,9 +722,11 @@ class SoftQP(QP):
         if flags & _F_ACK and self._state != QPState.ERR:
             # the peer's request carries its ACK of ours (validated like an ACK frame)
             self._ack_upto(ack)
-            self._retire()
-            if self._dead:
-                return
+            sq = self._sq
+            if sq and sq[0].psn is None:
+                self._retire()
+                if self._dead:
+                    return
         if ftype == Frame.SEND or ftype == Frame.WRITE or ftype == Frame.READ_REQ:
             if psn != self._exp_psn or self._state == QPState.ERR:
                 # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB);
@@ -707,7 +749,9 @@ class SoftQP(QP):
             return              # answers to what was flushed
         elif ftype == Frame.ACK:
             self._ack_upto(psn)
-            self._retire()
+            sq = self._sq
+            if sq and sq[0].psn is None:
+                self._retire()
         elif ftype == Frame.NAK:
             self._answered(psn, "NAK")
             self._fail_head(WcStatus(key))
@@ -741,7 +785,8 @@ class SoftQP(QP):
         self._discard(length)
 
     def _rx_send(self, psn: int, flags: int, length: int, extra: int) -> None:
-        recv = self._take_recv(psn, length)
+        rq = self._rq
+        recv = rq.popleft() if rq else self._take_recv(psn, length)
         if recv is None:
             return
         wr_id, views, total, status = recv
@@ -762,7 +807,13 @@ class SoftQP(QP):
             wc.imm_data = extra
         self._rwc = wc
         self._rx_psn = psn
-        self._expect(_cut(views, length), length, RX_RECV)
+        if not length:
+            self._expect(None, 0, RX_RECV)
+            return
+        self._rkind = RX_RECV
+        self._rleft = length
+        self._rviews = _cut(views, length) if len(views) != 1 else \
+            [views[0][:length] if len(views[0]) > length else views[0]]
 
     def _rkey_mr(self, key: int, addr: int, length: int, need: int):
         """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
@@ -812,7 +863,10 @@ class SoftQP(QP):
             # executed only now that every byte is in place: an ACK never runs ahead of the
             # data (the requester may then free or reuse what it sent)
             self._done_psn = self._rx_psn
-            self._owe_ack()
+            if self._dirty:             # owed at the end of this pass already
+                self._ack_due = True
+            else:
+                self._owe_ack()
             if self._rwc is not None:
                 self.recv_cq.push(self._rwc)
                 self._rwc = None
@@ -854,11 +908,11 @@ class SoftQP(QP):
         it has not answered, is lying, and the connection ends (WireError)."""
         self._last_progress = _now()
         sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
-        le = wire.psn_le
         sent = self._tx_sent
         while sq:
             e = sq[0]
-            if e.psn is None or not le(e.psn, psn):
+            # e.psn <= psn in serial-number arithmetic (wire.psn_le, inline)
+            if e.psn is None or (psn - e.psn) & M >= 0x80000000:
                 break
             if not e.sent or e.end > sent or e.opcode == WcOpcode.RDMA_READ:
                 raise wire.WireError(f"acknowledgement of PSN {psn}: request {e.psn} was "
@@ -868,7 +922,7 @@ class SoftQP(QP):
             self._acked = e.psn
             if e.signaled:
                 push(WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
-        if not le(psn, self._acked):
+        if (self._acked - psn) & M >= 0x80000000:
             raise wire.WireError(f"acknowledgement of PSN {psn}, never sent")
 
     def _retire(self) -> None:

@@ -349,7 +349,11 @@ class KernelFuse:
         free = bufs.free
         iovs = bufs.iovs
         fd = self.fd
-        for _ in range(64):
+        # With no request in hand (a QD1 reader: fio psync, dd), one is likely all there is:
+        # reading on until EAGAIN would cost a system call and an exception per I/O.  If
+        # more were queued, the descriptor is still readable (level-triggered) and the next
+        # pass, with this one in hand, reads the rest in one go.
+        for _ in range(64 if len(free) < self.nbuf else 1):
             if self._parked is not None or not free:
                 self._stop_reading()
                 return

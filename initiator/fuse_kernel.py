@@ -239,6 +239,7 @@ class KernelFuse:
         self._inflight = 0                      # NVMe commands issued from the fast path
         self._parked: tuple[int, int] | None = None   # (buffer, length) waiting for slots
         self._reading = False
+        self._several = True                    # the last wake-up found several requests
         self._resume_due = False                # a _resume is queued on the reactor
         self._limit_of: tuple[Any, int, int] = (None, 0, 1)  # (io_queues, len, limit)
         self._files_seen: Any = None            # fs.files that _node_ns was made from
@@ -349,11 +350,14 @@ class KernelFuse:
         free = bufs.free
         iovs = bufs.iovs
         fd = self.fd
-        # With no request in hand (a QD1 reader: fio psync, dd), one is likely all there is:
-        # reading on until EAGAIN would cost a system call and an exception per I/O.  If
-        # more were queued, the descriptor is still readable (level-triggered) and the next
-        # pass, with this one in hand, reads the rest in one go.
-        for _ in range(64 if len(free) < self.nbuf else 1):
+        # A reader that keeps one request in flight (fio psync, dd) wakes us with nothing in
+        # hand, and one request is all there is: reading on until EAGAIN would cost a system
+        # call and an exception per I/O.  So with nothing in hand, and the last wake-up
+        # having found a single request, read one: if more were queued, the descriptor is
+        # still readable (level-triggered) and the next pass, with this one in hand, reads
+        # the rest in one go.
+        got = 0
+        for _ in range(64 if self._several or len(free) < self.nbuf else 1):
             if self._parked is not None or not free:
                 self._stop_reading()
                 return
@@ -362,6 +366,7 @@ class KernelFuse:
                 n = os.readv(fd, iovs[index])
             except BlockingIOError:
                 free.append(index)
+                self._several = got > 1
                 return
             except OSError as exc:
                 free.append(index)
@@ -369,6 +374,7 @@ class KernelFuse:
                     continue
                 self._ended(exc)
                 return
+            got += 1
             if n < IN_SIZE:
                 free.append(index)
                 continue

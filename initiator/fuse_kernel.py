@@ -240,6 +240,8 @@ class KernelFuse:
         self._parked: tuple[int, int] | None = None   # (buffer, length) waiting for slots
         self._reading = False
         self._several = True                    # the last wake-up found several requests
+        self._turn = 0
+        self._queue: Any = None                 # the I/O queue of this wake-up's commands
         self._resume_due = False                # a _resume is queued on the reactor
         self._limit_of: tuple[Any, int, int] = (None, 0, 1)  # (io_queues, len, limit)
         self._files_seen: Any = None            # fs.files that _node_ns was made from
@@ -356,6 +358,14 @@ class KernelFuse:
         # having found a single request, read one: if more were queued, the descriptor is
         # still readable (level-triggered) and the next pass, with this one in hand, reads
         # the rest in one go.
+        # Every command of this wake-up goes on one I/O queue, the next queue at the next
+        # wake-up: the reactor sends a pass's frames in one sendmsg per connection, so
+        # spreading one batch over the queues costs a sendmsg (and a target wake-up) per
+        # queue.  (A queue holds the whole fast-path limit: _limit is one queue's depth.)
+        queues = self.ctrl.io_queues
+        if queues:
+            turn = self._turn = self._turn + 1
+            self._queue = queues[turn % len(queues)]
         got = 0
         for _ in range(64 if self._several or len(free) < self.nbuf else 1):
             if self._parked is not None or not free:
@@ -684,9 +694,12 @@ class KernelFuse:
         req.left = req.pieces = pieces
         req.error = None
         cmds = req.cmds
+        queue = self._queue
+        if queue is not None and len(queue.free_slots) < pieces:
+            queue = None        # the workers' commands filled it: round robin
         for i in range(pieces):
             try:
-                ctrl.issue(cmds[i])
+                ctrl.issue(cmds[i], queue)
             except Exception as exc:  # noqa: BLE001 - not sent: those pieces fail here
                 log.warning("FUSE request %d: %s", unique, exc)
                 for _ in range(i, pieces):

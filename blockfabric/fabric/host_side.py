@@ -140,6 +140,8 @@ class HostQueue(Endpoint):
                                   SendFlags.SIGNALED))
                       for i in range(depth)]
         self._free = list(range(depth - 1, -1, -1))
+        #: the free slots' indexes (the same list: read it, never change it, from outside)
+        self.free_slots = self._free
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._waiters = 0           # submitters waiting for a slot (under the lock)

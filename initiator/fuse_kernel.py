@@ -77,6 +77,7 @@ FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1, 2, 4, 8
 IN_HDR = struct.Struct("<IIQQIIIHH")             # fuse_in_header, 40
 OUT_HDR = struct.Struct("<IiQ")                  # fuse_out_header, 16
 IN_SIZE = IN_HDR.size
+_unpack_in = IN_HDR.unpack_from
 _ATTR = "QQQQQQIIIIIIIIII"                       # fuse_attr, 88
 ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)     # fuse_entry_out, 128
 ATTR_OUT = struct.Struct("<QII" + _ATTR)         # fuse_attr_out, 104
@@ -96,6 +97,7 @@ _pack_out = OUT_HDR.pack_into
 _READ, _WRITE = IOOpcode.READ.value, IOOpcode.WRITE.value
 IO_ARGS = struct.Struct("<8xQI")                 # fuse_read_in / fuse_write_in: offset, size
 WRITE_REPLY = struct.Struct("<IiQII")            # fuse_out_header + fuse_write_out, 24
+_write = os.write
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MNT_DETACH = 1, 2, 4, 2
 _TERM_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -214,8 +216,8 @@ class _IoRequest:
     def io_done(self, _cmd: Any, error: BaseException | None) -> None:
         if error is not None and self.error is None:
             self.error = error
-        self.left -= 1
-        if not self.left:
+        left = self.left = self.left - 1
+        if not left:
             self.server._io_finished(self)
 
 
@@ -237,6 +239,9 @@ class KernelFuse:
         self._inflight = 0                      # NVMe commands issued from the fast path
         self._parked: tuple[int, int] | None = None   # (buffer, length) waiting for slots
         self._reading = False
+        self._several = True                    # the last wake-up found several requests
+        self._turn = 0
+        self._queue: Any = None                 # the I/O queue of this wake-up's commands
         self._resume_due = False                # a _resume is queued on the reactor
         self._limit_of: tuple[Any, int, int] = (None, 0, 1)  # (io_queues, len, limit)
         self._files_seen: Any = None            # fs.files that _node_ns was made from
@@ -347,7 +352,22 @@ class KernelFuse:
         free = bufs.free
         iovs = bufs.iovs
         fd = self.fd
-        for _ in range(64):
+        # A reader that keeps one request in flight (fio psync, dd) wakes us with nothing in
+        # hand, and one request is all there is: reading on until EAGAIN would cost a system
+        # call and an exception per I/O.  So with nothing in hand, and the last wake-up
+        # having found a single request, read one: if more were queued, the descriptor is
+        # still readable (level-triggered) and the next pass, with this one in hand, reads
+        # the rest in one go.
+        # Every command of this wake-up goes on one I/O queue, the next queue at the next
+        # wake-up: the reactor sends a pass's frames in one sendmsg per connection, so
+        # spreading one batch over the queues costs a sendmsg (and a target wake-up) per
+        # queue.  (A queue holds the whole fast-path limit: _limit is one queue's depth.)
+        queues = self.ctrl.io_queues
+        if queues:
+            turn = self._turn = self._turn + 1
+            self._queue = queues[turn % len(queues)]
+        got = 0
+        for _ in range(64 if self._several or len(free) < self.nbuf else 1):
             if self._parked is not None or not free:
                 self._stop_reading()
                 return
@@ -356,6 +376,7 @@ class KernelFuse:
                 n = os.readv(fd, iovs[index])
             except BlockingIOError:
                 free.append(index)
+                self._several = got > 1
                 return
             except OSError as exc:
                 free.append(index)
@@ -363,6 +384,7 @@ class KernelFuse:
                     continue
                 self._ended(exc)
                 return
+            got += 1
             if n < IN_SIZE:
                 free.append(index)
                 continue
@@ -376,8 +398,13 @@ class KernelFuse:
 
     def _dispatch(self, index: int, n: int) -> None:
         view = self.bufs.views[index]
-        _len, opcode, unique, nodeid, _uid, _gid, _pid, _ext, _pad = IN_HDR.unpack_from(view)
-        op = self._ops.get(opcode)
+        _len, opcode, unique, nodeid, _uid, _gid, _pid, _ext, _pad = _unpack_in(view)
+        if opcode == READ:
+            op = self._read
+        elif opcode == WRITE:
+            op = self._write
+        else:
+            op = self._ops.get(opcode)
         try:
             if op is not None:
                 if op(index, unique, nodeid, view, n):
@@ -400,13 +427,6 @@ class KernelFuse:
         self.bufs.free.append(index)
         if not self._reading and not self._ended_flag:
             self.reactor.call_soon_threadsafe(self._resume)
-
-    def _release_here(self, index: int) -> None:
-        """:meth:`_release` on the reactor thread: no wake-up, one queued resume at most."""
-        self.bufs.free.append(index)
-        if not self._reading and not self._ended_flag and not self._resume_due:
-            self._resume_due = True
-            self.reactor.call_soon(self._resume)
 
     def _resume(self) -> None:
         self._resume_due = False
@@ -587,7 +607,9 @@ class KernelFuse:
         if nodeid == STATUS_ID:
             self._reply(unique, self.fs.status_text()[offset:offset + size])
             return False
-        ns = self._ns_of(nodeid)
+        ns = self._node_ns.get(nodeid) if self.fs.files is self._files_seen else None
+        if ns is None:
+            ns = self._ns_of(nodeid)
         end = offset + size
         nsize = ns.nblocks * ns.block_size
         if end > nsize:
@@ -655,7 +677,11 @@ class KernelFuse:
         most = ctrl.max_transfer
         pieces = 1 if length <= most else -(-length // most)
         inflight = self._inflight
-        if inflight and inflight + pieces > self._limit():
+        queues = ctrl.io_queues
+        seen, count, limit = self._limit_of
+        if queues is not seen or len(queues) != count:
+            limit = self._limit()
+        if inflight and inflight + pieces > limit:
             self._parked = (req.index, n)
             self.fs.counters.parked += 1
             self._stop_reading()
@@ -668,9 +694,12 @@ class KernelFuse:
         req.left = req.pieces = pieces
         req.error = None
         cmds = req.cmds
+        queue = self._queue
+        if queue is not None and len(queue.free_slots) < pieces:
+            queue = None        # the workers' commands filled it: round robin
         for i in range(pieces):
             try:
-                ctrl.issue(cmds[i])
+                ctrl.issue(cmds[i], queue)
             except Exception as exc:  # noqa: BLE001 - not sent: those pieces fail here
                 log.warning("FUSE request %d: %s", unique, exc)
                 for _ in range(i, pieces):
@@ -695,7 +724,10 @@ class KernelFuse:
             # the reply header goes right before the data, over what the request held
             _pack_out(self.bufs.views[req.index], lo - OUT_SIZE, OUT_SIZE + hi - lo, 0,
                       req.unique)
-            self._send(req.reply)
+            try:
+                _write(self.fd, req.reply)
+            except OSError as exc:
+                self._send_failed(exc)
             counters.reads += 1
             counters.read_bytes += hi - lo
         else:
@@ -704,15 +736,24 @@ class KernelFuse:
             self._send(req.write_reply)
             counters.writes += 1
             counters.write_bytes += size
-        self._release_here(req.index)
+        # the buffer back (on the reactor: no wake-up, one queued resume at most)
+        self.bufs.free.append(req.index)
+        if not self._reading and not self._ended_flag and not self._resume_due:
+            self._resume_due = True
+            self.reactor.call_soon(self._resume)
 
     def _send(self, reply) -> None:
         """One write of a whole reply (header included)."""
         try:
-            os.write(self.fd, reply)
+            _write(self.fd, reply)
         except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.EBADF, errno.ENODEV):
-                log.warning("FUSE reply: %s", exc)
+            self._send_failed(exc)
+
+    @staticmethod
+    def _send_failed(exc: OSError) -> None:
+        # ENOENT: the request was interrupted; EBADF, ENODEV: the session is over
+        if exc.errno not in (errno.ENOENT, errno.EBADF, errno.ENODEV):
+            log.warning("FUSE reply: %s", exc)
 
     # -- what must wait: worker threads -----------------------------------------------------
     def _blocking(self, index: int, unique: int, work: Callable[[], Any],

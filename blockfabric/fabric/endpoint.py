@@ -168,25 +168,33 @@ class Endpoint:
                     wcs = cq.poll(budget)
                     if not wcs:
                         break
-                on_completion = self.on_completion
-                for wc in wcs:
-                    if self.closed:
-                        break
-                    done += 1
-                    try:
-                        on_completion(wc)
-                    except Exception as exc:
-                        # A bug, or a completion that makes no sense: this queue's state can
-                        # no longer be trusted, and only this queue's
-                        log.error("%s: completion %#x failed", self.name, wc.wr_id,
-                                  exc_info=True)
-                        self.on_fault(f"completion {wc.wr_id:#x} failed: "
-                                      f"{type(exc).__name__}: {exc}")
+                done += self.handle(wcs)
                 if attached and len(wcs) < budget:
                     break               # drained; what arrived since calls us again
         except Exception as exc:      # the CQ itself failed (ibv_poll_cq, the provider)
             self.on_fault(f"completion queue failed: {type(exc).__name__}: {exc}")
         return done
+
+    def handle(self, wcs: list[WC]) -> int:
+        """Hand each completion of a batch to :meth:`on_completion` (a side may override
+        this to take a batch at once); returns how many it handled."""
+        done = 0
+        on_completion = self.on_completion
+        for wc in wcs:
+            if self.closed:
+                break
+            done += 1
+            try:
+                on_completion(wc)
+            except Exception as exc:
+                self.completion_failed(wc.wr_id, exc)
+        return done
+
+    def completion_failed(self, wr_id: int, exc: Exception) -> None:
+        """A bug, or a completion that makes no sense: this queue's state can no longer be
+        trusted, and only this queue's."""
+        log.error("%s: completion %#x failed", self.name, wr_id, exc_info=exc)
+        self.on_fault(f"completion {wr_id:#x} failed: {type(exc).__name__}: {exc}")
 
     def _service_again(self) -> None:
         self._again = False

@@ -50,6 +50,7 @@ STATUS_BITS = 0x7FF << 1
 _KEYED = TYPE_KEYED << 56
 _OFFSET = TYPE_OFFSET << 56
 _CQE_RAW = struct.Struct("<QHHHH")
+_unpack_cqe = _CQE_RAW.unpack_from
 _get_ident = threading.get_ident
 
 Callback = Callable[[CQE | None, str | None], None]
@@ -139,6 +140,8 @@ class HostQueue(Endpoint):
                                   SendFlags.SIGNALED))
                       for i in range(depth)]
         self._free = list(range(depth - 1, -1, -1))
+        #: the free slots' indexes (the same list: read it, never change it, from outside)
+        self.free_slots = self._free
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._waiters = 0           # submitters waiting for a slot (under the lock)
@@ -183,10 +186,40 @@ class HostQueue(Endpoint):
                                      True)
         if self.dead_reason is not None:
             raise ConnectionError(self.dead_reason)
-        if not self._free:
+        free = self._free
+        if not free:
             raise self._full()
-        slot = self._take(self._free.pop(), owner)
-        return self._post_rw(slot, opcode, nsid, slba, nlb, addr, length, rkey, data, False)
+        # The reactor's path: _take, _post_rw, _count and _post in one frame (a Python call
+        # costs more than any of their lines).
+        slot = self.slots[free.pop()]
+        gen = (slot.gen + 1) & GEN_MASK
+        slot.gen = gen
+        cid = slot.cid = gen << SLOT_BITS | slot.index
+        slot.owner = owner
+        slot.sent = False
+        slot.raw = None
+        slot.busy = True
+        view = slot.view
+        if data is not None and length <= self.inline_size:
+            view[SQE_SIZE:SQE_SIZE + length] = data
+            pack_rw_into(view, opcode, cid, nsid, slba, nlb, 0, length | _OFFSET)
+            slot.sge.length = SQE_SIZE + length
+        else:
+            pack_rw_into(view, opcode, cid, nsid, slba, nlb, addr,
+                         length | rkey << 24 | _KEYED)
+            slot.sge.length = SQE_SIZE
+        stats = self.stats
+        slot.seq = stats.submitted_loop + stats.submitted_other
+        stats.submitted_loop += 1
+        inflight = self.depth - len(free)
+        if inflight > stats.max_inflight:
+            stats.max_inflight = inflight
+        try:
+            self.qp.post_send(slot.wrs)
+        except Exception:
+            self._free_slot(slot, False)
+            raise
+        return cid
 
     def _post_rw(self, slot: Slot, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
                  length: int, rkey: int, data: Any, locked: bool) -> int:
@@ -300,34 +333,63 @@ class HostQueue(Endpoint):
         return slot.cid
 
     # -- completions (reactor thread) ---------------------------------------------------
+    def handle(self, wcs: list[WC]) -> int:
+        """:meth:`Endpoint.handle` for a host queue, a batch at once: the response capsules
+        are read first and their receives posted again in one ``post_recv``, then the
+        completions are handled in order (a response, a SEND) in this frame.  A receive goes
+        back before any slot of its batch is freed, so no new command can draw a response
+        while fewer receives than before are posted."""
+        views, wrs = self.recv_views, self._recv_wrs
+        raws = []
+        again = []
+        for wc in wcs:
+            wid = wc.wr_id
+            if wid >> KIND_SHIFT == KIND_RECV and not wc.status and wc.byte_len >= CQE_SIZE:
+                index = wid & INDEX_MASK
+                raws.append(_unpack_cqe(views[index]))
+                again.append(wrs[index])
+        if again and not self.closed:
+            try:
+                self.qp.post_recv(again)
+            except Exception as exc:  # noqa: BLE001  (as a failed repost would: this queue)
+                self.on_fault(f"reposting {len(again)} receives failed: "
+                              f"{type(exc).__name__}: {exc}")
+                return 0
+        slots = self.slots
+        k = done = 0
+        for wc in wcs:
+            if self.closed:
+                break
+            done += 1
+            wid = wc.wr_id
+            try:
+                kind = wid >> KIND_SHIFT
+                if wc.status:
+                    status = WcStatus(wc.status).name \
+                        if wc.status in WcStatus._value2member_map_ else str(wc.status)
+                    self.fail(f"work completion {status}", expected=self.closed)
+                elif kind == KIND_RECV and wc.byte_len < CQE_SIZE:
+                    # a host that gets a short response capsule has lost the transfer
+                    self.repost(wid & INDEX_MASK)
+                    self.fail(f"malformed response capsule: {wc.byte_len} bytes, a CQE is "
+                              f"{CQE_SIZE}")
+                elif kind == KIND_RECV:
+                    self._on_cqe(raws[k])
+                    k += 1
+                elif kind == KIND_SEND:
+                    slot = slots[wid & INDEX_MASK]
+                    slot.sent = True
+                    if slot.busy and slot.raw is not None:
+                        self._complete(slot)
+            except Exception as exc:
+                self.completion_failed(wid, exc)
+        return done
+
     def on_completion(self, wc: WC) -> None:
-        wid = wc.wr_id
-        if wc.status:
-            status = WcStatus(wc.status).name if wc.status in WcStatus._value2member_map_ \
-                else str(wc.status)
-            self.fail(f"work completion {status}", expected=self.closed)
-            return
-        kind = wid >> KIND_SHIFT
-        if kind == KIND_RECV:
-            self._on_response(wid & INDEX_MASK, wc.byte_len)
-        elif kind == KIND_SEND:
-            slot = self.slots[wid & INDEX_MASK]
-            slot.sent = True
-            if slot.busy and slot.raw is not None:
-                self._complete(slot)
+        self.handle([wc])
 
     def on_fault(self, reason: str) -> None:
         self.fail(reason, expected=self.closed)
-
-    def _on_response(self, recv_index: int, length: int) -> None:
-        if length < CQE_SIZE:
-            # a host that gets a short response capsule has lost the transfer
-            self.repost(recv_index)
-            self.fail(f"malformed response capsule: {length} bytes, a CQE is {CQE_SIZE}")
-            return
-        raw = _CQE_RAW.unpack_from(self.recv_views[recv_index])
-        self.repost(recv_index)
-        self._on_cqe(raw)
 
     def _on_cqe(self, raw: tuple[int, int, int, int, int]) -> None:
         """A response capsule's CQE (as the raw tuple): complete its slot, or drop it if no
@@ -356,7 +418,12 @@ class HostQueue(Endpoint):
         stats.completed += 1
         if raw[4] & STATUS_BITS:
             stats.errors += 1
-        self._free_slot(slot)
+        slot.busy = False
+        slot.owner = None
+        self._free.append(slot.index)
+        if self._waiters:
+            with self._space:
+                self._space.notify()
         try:
             owner.complete(raw, None)
         except Exception:

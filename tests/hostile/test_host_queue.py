@@ -1,0 +1,193 @@
+"""A hostile target against the host's end of a queue (blockfabric.fabric.host_side), over a
+real soft-provider connection on loopback: the target side is a bare QP driven by the test,
+so it can answer with responses a real target never sends.  What the host must do with
+each: a response for a cid it never issued, for an earlier generation of a slot, or a second
+one for the same command is dropped and the queue goes on; a response capsule too short to
+be a CQE fails this queue only, and every command outstanding on it completes once, with the
+error.  Every command completes exactly once, and the receives a batch consumes are posted
+again (the queue keeps working for many times its depth)."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import threading
+import time
+
+import pytest
+
+from blockfabric.fabric.host_side import SLOT_BITS, SLOT_MASK, HostQueue
+from blockfabric.fabric.reactor import Reactor
+from blockfabric.rdma import SGE, Access, QPCap, RecvWR, SendFlags, SendWR, WrOpcode
+from blockfabric.rdma.soft import SoftProvider
+
+DEPTH = 4
+CQE = struct.Struct("<QHHHH")
+SQE_SIZE = 64
+SLOTS = 32                  # the target's capsule receives and response sends
+READ = 0x02
+
+
+class Owner:
+    """A command's owner: records every ``complete`` call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.done = threading.Event()
+
+    def complete(self, raw, error) -> None:
+        self.calls.append((raw, error))
+        self.done.set()
+
+
+class Target:
+    """The far end: a QP with posted capsule receives and a slab to send responses from."""
+
+    def __init__(self, cmid) -> None:
+        self.cmid = cmid
+        self.pd = cmid.context.alloc_pd()
+        self.cq = cmid.context.create_cq(4 * SLOTS)
+        self.qp = cmid.create_qp(self.pd, self.cq, self.cq,
+                                 QPCap(max_send_wr=SLOTS, max_recv_wr=SLOTS, max_send_sge=1,
+                                       max_recv_sge=1))
+        self.slab = mmap.mmap(-1, 2 * SLOTS * SQE_SIZE)
+        self.mr = self.pd.reg_mr(self.slab, Access.LOCAL_WRITE)
+        self.qp.post_recv([RecvWR(i, [self._sge(i, SQE_SIZE)]) for i in range(SLOTS)])
+        self.sent = 0
+
+    def _sge(self, i: int, length: int) -> SGE:
+        return SGE(self.mr.addr + i * SQE_SIZE, length, self.mr.lkey)
+
+    def command(self, timeout: float = 5.0) -> int:
+        """The cid of the next command capsule that arrives (its receive is posted again)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for wc in self.cq.poll(1):
+                if wc.wr_id < SLOTS:        # a receive
+                    assert wc.status == 0 and wc.byte_len >= SQE_SIZE, wc
+                    cid = struct.unpack_from("<H", self.mr.buf, wc.wr_id * SQE_SIZE + 2)[0]
+                    self.qp.post_recv([RecvWR(wc.wr_id, [self._sge(wc.wr_id, SQE_SIZE)])])
+                    return cid
+            time.sleep(0.001)
+        raise AssertionError("no command capsule arrived")
+
+    def respond(self, cid: int, status: int = 0, length: int = CQE.size) -> None:
+        """SEND a response capsule for ``cid`` (only ``length`` bytes of it)."""
+        i = SLOTS + self.sent % SLOTS
+        self.sent += 1
+        CQE.pack_into(self.mr.buf, i * SQE_SIZE, 0, 0, 1, cid, status << 1)
+        self.qp.post_send([SendWR(1000 + i, WrOpcode.SEND, [self._sge(i, length)],
+                                  SendFlags.SIGNALED)])
+
+    def close(self) -> None:
+        for thing in (self.cmid, self.mr, self.cq, self.pd):
+            try:
+                thing.close()
+            except Exception:  # noqa: BLE001  (teardown goes on)
+                pass
+
+
+@pytest.fixture(params=["thread", "poll"])
+def link(request):
+    """(host queue, target) connected over loopback; the queue serviced by a reactor."""
+    provider = SoftProvider(progress=request.param)        # the host's
+    far = SoftProvider(progress=request.param)             # the target's: its own engine
+    listener = far.listen("127.0.0.1", 0)
+    reactor = Reactor("hostile-target-test")
+    reactor.start()
+    box: dict = {}
+
+    def connect() -> None:
+        try:
+            cmid = provider.create_id()
+            cmid.resolve("127.0.0.1", listener.local_address[1], timeout=5)
+            queue = HostQueue(cmid, cmid.context.alloc_pd(), qid=1, depth=DEPTH,
+                              inline_size=0)
+            queue.post_all_receives()
+            cmid.connect(b"", timeout=5)
+            queue.attach(reactor)
+            box["queue"] = queue
+        except BaseException as exc:  # handed to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    cmid = listener.get_request(5)
+    assert cmid is not None, "the host did not connect"
+    target = Target(cmid)
+    cmid.accept(b"")
+    thread.join(5)
+    assert "error" not in box, box.get("error")
+    queue = box["queue"]
+    yield queue, target
+    queue.close()
+    target.close()
+    reactor.stop()
+    reactor.join(5)
+    reactor.close()
+    listener.close()
+    for prov in (provider, far):
+        if hasattr(prov, "close"):
+            prov.close()
+
+
+def submit(queue: HostQueue, owner: Owner) -> None:
+    """A Read submitted from the queue's reactor thread (the FUSE server's path)."""
+    queue.reactor.call_sync(lambda: queue.submit_rw(owner, READ, 1, 0, 0, 0x1000, 4096, 0x77))
+
+
+def settle(queue: HostQueue) -> None:
+    """Wait until the reactor has handled what has arrived so far (two round trips)."""
+    for _ in range(2):
+        queue.reactor.call_sync(lambda: None)
+    time.sleep(0.05)
+    queue.reactor.call_sync(lambda: None)
+
+
+def test_forged_stale_and_duplicate_responses_are_dropped_and_the_queue_goes_on(link, caplog):
+    queue, target = link
+    owners = []
+    for round_ in range(3 * DEPTH):      # many times the depth: receives are posted again
+        owner = Owner()
+        submit(queue, owner)
+        cid = target.command()
+        index, gen = cid & SLOT_MASK, cid >> SLOT_BITS
+        # forged first: an index past the depth, then this slot's previous generation
+        target.respond((DEPTH + 1) | gen << SLOT_BITS)
+        target.respond(index | ((gen - 1) & 0xF) << SLOT_BITS)
+        target.respond(cid, status=0x2 if round_ == 1 else 0)
+        target.respond(cid)                      # and the real one twice
+        assert owner.done.wait(5), f"command {cid:#x} never completed"
+        owners.append((owner, cid))
+        settle(queue)
+    assert queue.dead_reason is None
+    for i, (owner, cid) in enumerate(owners):
+        assert len(owner.calls) == 1, (cid, owner.calls)
+        raw, error = owner.calls[0]
+        assert error is None and raw[3] == cid
+        assert (raw[4] >> 1) == (0x2 if i == 1 else 0)
+    assert queue.stats.completed == 3 * DEPTH and queue.stats.errors == 1
+    assert queue.outstanding == 0
+    text = caplog.text
+    assert "response for unknown cid" in text and "stale or duplicate response" in text
+
+
+def test_a_short_response_capsule_fails_only_this_queue_and_each_command_once(link):
+    queue, target = link
+    owners = [Owner() for _ in range(DEPTH)]
+    for owner in owners:
+        submit(queue, owner)
+    cids = [target.command() for _ in owners]
+    target.respond(cids[0])                  # one completes normally
+    assert owners[0].done.wait(5)
+    target.respond(cids[1], length=CQE.size - 4)
+    for owner in owners[1:]:
+        assert owner.done.wait(5), "an outstanding command was not failed"
+    target.respond(cids[2])                  # too late: the queue is dead
+    settle(queue)
+    assert "malformed response capsule" in (queue.dead_reason or "")
+    assert [len(o.calls) for o in owners] == [1] * DEPTH
+    assert owners[0].calls[0][1] is None
+    assert all(o.calls[0][0] is None and o.calls[0][1] for o in owners[1:])
+    with pytest.raises(ConnectionError):
+        submit(queue, Owner())

@@ -108,6 +108,7 @@ class TcpHostQueue(PduConnection, HostQueue):
         #: per slot, the data the transport moves: [view, length, moved, to host, bad]
         self._data: list[list | None] = [None] * depth
         self._free = list(range(depth - 1, -1, -1))
+        self.free_slots = self._free        # read-only to others, as HostQueue's
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._waiters = 0
@@ -121,6 +122,14 @@ class TcpHostQueue(PduConnection, HostQueue):
         self._loop_ident = thread.ident if thread is not None else None
 
     # -- sending commands -----------------------------------------------------------------
+    def submit_rw(self, owner, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
+                  length: int, rkey: int, data=None) -> int:
+        """:meth:`HostQueue.submit_rw` without the RDMA queue's reactor fast path, which
+        posts the slot's SEND work request itself: here every command goes out through
+        :meth:`_post` (the CapsuleCmd PDU, and the data's transport SGL)."""
+        return self._submit_with(owner, lambda slot, locked: self._post_rw(
+            slot, opcode, nsid, slba, nlb, addr, length, rkey, data, locked), None)
+
     def _post(self, slot: Slot, length: int, locked: bool) -> int:
         view = slot.view
         addr, word = _SGL_WORDS.unpack_from(view, 24)

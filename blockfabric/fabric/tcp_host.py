@@ -8,7 +8,16 @@ protection domain goes out with an NVMe/TCP transport SGL (0x5A) instead, and it
 moves as H2CData answering the controller's R2Ts (writes) or arrives as C2HData (reads),
 each checked against the command it names (cid, direction, offset in order, length within
 the command's; SUCCESS only with LAST), as the Linux host checks them.  In-capsule data goes
-in the CapsuleCmd.  A data digest that does not match fails that command (Data Transfer
+in the CapsuleCmd, with an in-capsule SGL (0x01, offset 0).
+
+**Writes that fit the capsule go in it, always** (as the Linux host sends them): a Fabrics
+command's data up to 8 KiB (NVME_TCP_ADMIN_CCSZ, so Connect carries its 1024 bytes), other
+admin commands' up to 8 KiB less the SQE, I/O commands' up to IOCCSZ less the SQE.  Linux
+nvmet-tcp depends on it: for a write of at most its port's inline_data_size (16 KiB by
+default) it waits for in-capsule data and drops the R2T it would send (its
+``nvmet_tcp_queue_response`` returns early while the command is the one being received), so
+a Connect sent with a transport SGL and an R2T expected got no R2T, no answer, and the
+queue's next command ("out of commands") made it close the connection.  A data digest that does not match fails that command (Data Transfer
 Error) and the queue goes on; a termination request or any other violation ends the queue.
 
 :func:`open_connection` makes the TCP connection and runs ICReq/ICResp before the queue
@@ -35,6 +44,7 @@ log = logging.getLogger(__name__)
 _SGL_WORDS = struct.Struct("<QQ")
 _CQE_RAW = struct.Struct("<QHHHH")
 _TRANSPORT_WORD = tp.SGL_TRANSPORT << 56
+_INCAPSULE_WORD = tp.SGL_INCAPSULE << 56
 #: the largest data PDU a host takes (its commands are at most 8 MiB: Controller.max_transfer)
 MAX_DATA = 8 << 20
 #: the status word (CQE byte 14) of Data Transfer Error, for a data digest mismatch
@@ -98,6 +108,10 @@ class TcpHostQueue(PduConnection, HostQueue):
         self.qid = qid
         self.depth = depth
         self.inline_size = inline_size
+        #: the most in-capsule data a write of this queue carries (what the Linux host
+        #: sends): IOCCSZ less the SQE on an I/O queue, NVME_TCP_ADMIN_CCSZ less the SQE on
+        #: the admin queue, NVME_TCP_ADMIN_CCSZ for a Fabrics command on any queue
+        self.capsule_data = inline_size if qid else tp.ADMIN_CCSZ - SQE_SIZE
         self.maxh2cdata = resp.maxh2cdata
         self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA)
         self.slots = []
@@ -137,8 +151,10 @@ class TcpHostQueue(PduConnection, HostQueue):
         data_len = 0
         index = slot.index
         self._data[index] = None
+        data = None
         if kind == TYPE_KEYED:
             n = word & 0xFFFFFF
+            sgl_word = n | _TRANSPORT_WORD
             if n:
                 try:
                     mem = resolve(self.pd, addr, n, (word >> 24) & 0xFFFFFFFF)
@@ -146,14 +162,19 @@ class TcpHostQueue(PduConnection, HostQueue):
                     self._free_slot(slot, locked)
                     raise ValueError(f"{self.name}: the command's data: {exc}") from None
                 # the data's direction: opcode bits 1:0 (fctype for a Fabrics command)
-                op = view[4] if view[0] == 0x7F else view[0]
-                self._data[index] = [mem, n, 0, op & 3 == 2, False]
-            _SGL_WORDS.pack_into(view, 24, 0, n | _TRANSPORT_WORD)
+                fabrics = view[0] == 0x7F
+                op = view[4] if fabrics else view[0]
+                if op & 3 == 1 and n <= (tp.ADMIN_CCSZ if fabrics else self.capsule_data):
+                    data, data_len = mem, n     # a write that fits: in the capsule
+                    sgl_word = n | _INCAPSULE_WORD
+                else:
+                    self._data[index] = [mem, n, 0, op & 3 == 2, False]
+            _SGL_WORDS.pack_into(view, 24, 0, sgl_word)
         elif length > SQE_SIZE:
             data_len = length - SQE_SIZE
+            data = bytes(view[SQE_SIZE:length])
         out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst)]
         if data_len:
-            data = bytes(view[SQE_SIZE:length])
             out.append(data)
             if self.ddgst:
                 out.append(tp.pack_digest(tp.digest(data)))

@@ -31,6 +31,7 @@ class FakeController:
         self.port = self.server.getsockname()[1]
         self.script, self.ddgst = script, ddgst
         self.icresp = icresp or tp.ICResp(ddgst=ddgst, maxh2cdata=65536).pack()
+        self.pdus: list[bytes] = []     # every PDU after the ICReq, as received
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
@@ -54,6 +55,7 @@ class FakeController:
                     pdu = self.recv_pdu(conn)
                     if not pdu:
                         return
+                    self.pdus.append(pdu)
                     self.script(conn, struct.unpack_from("<H", pdu, 8 + 2)[0])
                 conn.recv(1)            # until the host closes
             except OSError:             # the host ended the connection first: its right
@@ -160,3 +162,112 @@ def test_an_icresp_that_differs_from_the_request_is_refused():
                           icresp=tp.ICResp(hdgst=True, maxh2cdata=65536).pack())
     with pytest.raises(ConnectionError, match="bad ICResp"):
         open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=False, timeout=5)
+
+
+# -- where a write's data travels: the layout Linux nvmet-tcp depends on -----------------
+
+NVMET_INLINE = 16384        # NVMET_TCP_DEF_INLINE_DATA_SIZE: nvmet's default port setting
+
+
+def nvmet_like(fake_pdus: list, inline: int = NVMET_INLINE, hdgst: bool = False):
+    """A script that answers a CapsuleCmd as Linux nvmet-tcp 6.1 does: a write of at most
+    ``inline`` bytes is answered only once its data came in the capsule (nvmet waits for
+    in-capsule data and drops the R2T otherwise), a larger one gets one R2T for all of it
+    (ttag 0xFFFF, as for a Connect) and its answer once the H2CData came."""
+    def answer(conn, cid: int) -> None:
+        conn.sendall(tp.capsule_resp(CQE.pack(0, 1, 1, cid, 0), hdgst))
+
+    def script(conn, cid: int) -> None:
+        pdu = fake_pdus[-1]
+        if pdu[0] == tp.H2C_DATA:
+            answer(conn, struct.unpack_from("<H", pdu, 8)[0])
+            return
+        length = struct.unpack_from("<I", pdu, 8 + 32)[0]
+        if pdu[8 + 39] == tp.SGL_INCAPSULE or not length:
+            answer(conn, cid)
+        elif length > inline:
+            conn.sendall(tp.data_header(tp.R2T, 0, cid, 0xFFFF, 0, length, hdgst, False))
+    return script
+
+
+def send_through(reactor, sqe_for, data: bytes, *, qid: int, inline_size: int,
+                 digests: bool = False, inline: int = NVMET_INLINE):
+    """One command with ``data`` (registered memory, named by a keyed SGL) through a host
+    queue against :func:`nvmet_like`; (result, the PDUs the controller received)."""
+    fake = FakeController(None, icresp=tp.ICResp(hdgst=digests, ddgst=digests,
+                                                 maxh2cdata=65536).pack())
+    fake.script = nvmet_like(fake.pdus, inline, digests)
+    pd = local_pd()
+    mem = bytearray(data)
+    mr = pd.reg_mr(mem)
+    sock, icresp = open_connection("127.0.0.1", fake.port, hdgst=digests, ddgst=digests,
+                                   timeout=5)
+    queue = TcpHostQueue(sock, pd, icresp, qid=qid, depth=4, inline_size=inline_size,
+                         name="t")
+    queue.attach(reactor)
+    try:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        queue.submit(sqe_for(KeyedSGL(mr.addr, len(data), mr.rkey)),
+                     lambda cqe, err: fut.set_result((cqe, err)))
+        return fut.result(10), fake.pdus
+    finally:
+        queue.close()
+        mr.close()
+        pd.close()
+
+
+def check_incapsule(pdu: bytes, data: bytes, digests: bool) -> None:
+    """The CapsuleCmd as nvmet parses it: hlen 72, the data right after the header (and
+    its digest), plen covering the data (and its digest), the digest flags set, and an
+    SGL of type 0x01 (data block, offset) at offset 0 whose length is the data's."""
+    hd = 4 if digests else 0
+    ptype, flags, hlen, pdo, plen = tp.header(pdu)
+    assert (ptype, hlen, pdo) == (tp.CAPSULE_CMD, 72, 72 + hd)
+    assert plen == 72 + hd + len(data) + hd == len(pdu)
+    assert flags == (tp.F_HDGST | tp.F_DDGST if digests else 0)
+    addr, length, _rsvd, sgl_type = struct.unpack_from("<QI3sB", pdu, 8 + 24)
+    assert (sgl_type, addr, length) == (tp.SGL_INCAPSULE, 0, len(data))
+    assert pdu[pdo:pdo + len(data)] == data
+    if digests:
+        assert tp.unpack_digest(pdu, 72)[0] == tp.digest(pdu[:72])
+        assert tp.unpack_digest(pdu, plen - 4)[0] == tp.digest(data)
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
+def test_admin_connect_carries_its_data_in_the_capsule(reactor, digests):
+    """The admin queue's Connect: its 1024 bytes in the CapsuleCmd (the Linux host's
+    NVME_TCP_ADMIN_CCSZ), never behind a transport SGL waiting for an R2T that nvmet
+    does not send."""
+    from blockfabric.protocol import ConnectCommand
+    data = bytes(range(256)) * 4
+    (cqe, err), pdus = send_through(
+        reactor, lambda sgl: ConnectCommand(recfmt=0, qid=0, sqsize=31).to_sqe(sgl=sgl),
+        data, qid=0, inline_size=0, digests=digests)
+    assert err is None and cqe.status == StatusCode.SUCCESS
+    assert len(pdus) == 1
+    check_incapsule(pdus[0], data, digests)
+
+
+def write_sqe(sgl):
+    return ReadWrite(IOOpcode.WRITE, 1, 0, sgl.length // 512 - 1).to_sqe(sgl=sgl)
+
+
+def test_an_io_write_that_fits_ioccsz_goes_in_the_capsule(reactor):
+    data = b"\x77" * 4096
+    (cqe, err), pdus = send_through(reactor, write_sqe, data, qid=1, inline_size=16320)
+    assert err is None and cqe.status == StatusCode.SUCCESS
+    check_incapsule(pdus[0], data, False)
+
+
+def test_a_write_larger_than_the_capsule_waits_for_the_r2t(reactor):
+    """Past IOCCSZ (here 4 KiB) the data goes behind a transport SGL (0x5A, no address)
+    and moves as H2CData for the controller's R2T, echoing its ttag."""
+    data = bytes(range(256)) * 96          # 24 KiB: past nvmet's inline size too
+    (cqe, err), pdus = send_through(reactor, write_sqe, data, qid=1, inline_size=4032)
+    assert err is None and cqe.status == StatusCode.SUCCESS
+    cmd, h2c = pdus
+    assert tp.header(cmd) == (tp.CAPSULE_CMD, 0, 72, 0, 72)
+    assert struct.unpack_from("<QI3sB", cmd, 8 + 24)[::3] == (0, tp.SGL_TRANSPORT)
+    assert struct.unpack_from("<I", cmd, 8 + 32)[0] == len(data)
+    assert h2c[0] == tp.H2C_DATA and tp.unpack_data_fields(h2c)[1:] == (0xFFFF, 0, len(data))
+    assert h2c[24:] == data

@@ -3,7 +3,9 @@
 # (a boot costs ~10 s, and pyverbs' import ~3 s per process under TCG).
 #   1. tests/lab/run-suite.sh  the verbs smoke test and the RDMA contract suite on rxe0
 #   2. tests/lab/interop.sh    blockfabric against the Linux kernel's NVMe-oF host and target
-#   3. tests/lab/gateways.sh   the kernel host (native multipath) against two gateways of ours
+#   3. tests/lab/tcp.sh        NVMe/TCP both ways: the kernel's nvme-tcp host against our tcp
+#                              listener, our host and mount against the kernel's nvmet-tcp
+#   4. tests/lab/gateways.sh   the kernel host (native multipath) against two gateways of ours
 #                              on one RBD image (Ceph in the guest): ANA paths, failover, failback
 # Exit status 0 only when all passed; each part's own summary says what failed.
 set -u
@@ -16,6 +18,9 @@ echo; echo "##### run-suite.sh: rc=$rc in $(awk -v a="$t0" -v b="$t1" 'BEGIN{pri
 bash tests/lab/interop.sh || rc=1
 t2=$EPOCHREALTIME
 echo "##### interop.sh done in $(awk -v a="$t1" -v b="$t2" 'BEGIN{printf "%.0f", b-a}') s; rc=$rc"
+bash tests/lab/tcp.sh || rc=1
+t3=$EPOCHREALTIME
+echo "##### tcp.sh done in $(awk -v a="$t2" -v b="$t3" 'BEGIN{printf "%.0f", b-a}') s; rc=$rc"
 bash tests/lab/gateways.sh || rc=1
-echo "##### gateways.sh done in $(awk -v a="$t2" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
+echo "##### gateways.sh done in $(awk -v a="$t3" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
 exit $rc

@@ -37,8 +37,8 @@ from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL
 from blockfabric.protocol.rw import pack_rw_into
 from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_OFFSET
 from blockfabric.protocol.status import status_code
-from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, SendFlags, SendWR, WcStatus,
-                              WrOpcode)
+from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, QPState, SendFlags, SendWR,
+                              WcStatus, WrOpcode)
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,8 @@ class HostQueue(Endpoint):
             stats.max_inflight = inflight
         try:
             self.qp.post_send(slot.wrs)
-        except Exception:
-            self._free_slot(slot, False)
-            raise
+        except Exception as exc:
+            raise self._post_failed(slot, False, exc) from exc
         return cid
 
     def _post_rw(self, slot: Slot, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
@@ -327,10 +326,21 @@ class HostQueue(Endpoint):
         self._count(slot, locked)
         try:
             self.post_send(slot.wrs)
-        except Exception:
-            self._free_slot(slot, locked)
-            raise
+        except Exception as exc:
+            raise self._post_failed(slot, locked, exc) from exc
         return slot.cid
+
+    def _post_failed(self, slot: Slot, locked: bool, exc: Exception) -> Exception:
+        """A SEND that could not be posted: the slot goes back.  On a QP that is no longer
+        ready to send (the connection just ended; its completions, which fail this queue,
+        are not handled yet) that is this queue's loss: a ConnectionError, which the
+        controller answers by holding the command and re-issuing it (on another path, or
+        after the reconnect), as for a queue already known dead; never the command's own
+        error, which a FUSE mount would turn into EIO."""
+        self._free_slot(slot, locked)
+        if self.closed or self.qp.state is not QPState.RTS:
+            return ConnectionError(f"{self.name}: connection lost: {exc}")
+        return exc
 
     # -- completions (reactor thread) ---------------------------------------------------
     def handle(self, wcs: list[WC]) -> int:

@@ -47,11 +47,14 @@ class PathsMount(Mount):
     def argv(self) -> list[str]:
         return ["mount", "-a", "127.0.0.1", "-s", str(self.ports[0]), "--path",
                 f"127.0.0.1:{self.ports[1]}", "-n", NQN, "--provider", "soft", "-q",
-                HOSTNQN, "-k", "1", "-c", "1", "-l", "30", "-f", self.path]
+                HOSTNQN, "-k", "3", "-c", "1", "-l", "30", "-f", self.path]
+
+    def program(self) -> list[str]:
+        return [str(BIN / "blockfabric")]
 
     def start(self) -> PathsMount:
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([str(BIN / "blockfabric"), *self.argv()],
+            self.proc = subprocess.Popen([*self.program(), *self.argv()],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          env=self.env)
         wait_for(lambda: mounted_at(self.path) or self.proc.poll() is not None, 30,
@@ -122,7 +125,7 @@ def test_host_multipath_kill_optimized_gateway_then_failback(ceph, tmp_path):
     try:
         ctrl = Controller(ConnectOptions("127.0.0.1", NQN, ports[0], provider="soft",
                                          hostnqn=HOSTNQN, paths=[("127.0.0.1", ports[1])],
-                                         keep_alive_tmo=1, reconnect_delay=0.5,
+                                         keep_alive_tmo=3, reconnect_delay=0.5,
                                          ctrl_loss_tmo=30)).connect()
         wait_for(lambda: ctrl._serving.get(1) == {0}, 15, "I/O on A only (A optimized)")
         view = {p["path"]: p for p in ctrl.paths_view()}
@@ -136,7 +139,7 @@ def test_host_multipath_kill_optimized_gateway_then_failback(ceph, tmp_path):
         bench = subprocess.Popen(
             [str(BIN / "blockfabric"), "bench", "-a", "127.0.0.1", "-s", str(ports[0]),
              "--path", f"127.0.0.1:{ports[1]}", "-n", NQN, "-q", HOSTNQN, "--provider",
-             "soft", "-k", "1", "-c", "1", "-l", "30", "--size", "16M", "--verify", "crc32c",
+             "soft", "-k", "3", "-c", "1", "-l", "30", "--size", "16M", "--verify", "crc32c",
              "--rw", "randrw", "--bs", "4k", "--iodepth", "8", "--runtime", "18", "-o",
              "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         fio = subprocess.Popen(
@@ -217,7 +220,7 @@ def test_host_multipath_steers_by_ana_state_and_reroutes_ana_statuses(ceph, tmp_
     try:
         with Controller(ConnectOptions("127.0.0.1", NQN, ports[0], provider="soft",
                                        hostnqn=HOSTNQN, paths=[("127.0.0.1", ports[1])],
-                                       keep_alive_tmo=1, reconnect_delay=0.5,
+                                       keep_alive_tmo=3, reconnect_delay=0.5,
                                        ctrl_loss_tmo=30)).connect() as ctrl:
             wait_for(lambda: ctrl._serving.get(1) == {0}, 15, "I/O on A only")
             a, b = ctrl.path_ctrls

@@ -97,9 +97,13 @@ field() { "$PY" -c "import json,sys; d=json.load(sys.stdin); print(eval(sys.argv
 
 say "setup: blockfabric-target on $IP:$PORT ($T), two kernel host identities"
 nvme version
+# nvme connect needs /dev/nvme-fabrics, which only the transport's module makes
+modprobe -a "nvme-$T" > /dev/null 2>&1 || { echo "cannot load nvme-$T"; exit 1; }
 start_target || exit 1
 nvme connect -t "$T" -a "$IP" -s "$PORT" -n "$NQN" -q "$H1" -I "$I1" || exit 1
-nvme connect -t "$T" -a "$IP" -s "$PORT" -n "$NQN" -q "$H2" -I "$I2" || exit 1
+# nvme-cli 2.3 takes a second controller to the same address for the one already there
+# ("already connected") whatever its host NQN: --duplicate-connect
+nvme connect -t "$T" -a "$IP" -s "$PORT" -n "$NQN" -q "$H2" -I "$I2" --duplicate-connect || exit 1
 POLL_MAX=100 poll ctrl_of "$H2" > /dev/null || { echo "no second controller"; exit 1; }
 C1=$(ctrl_of "$H1"); C2=$(ctrl_of "$H2")
 echo "host 1: $C1, host 2: $C2"

@@ -135,23 +135,32 @@ class HostQueue(Endpoint):
                          send_count=depth, send_size=SQE_SIZE + inline_size,
                          max_send_wr=depth, max_send_sge=2, name=name or f"q{qid}")
         pool = self.send_pool
-        self.slots = [Slot(i, pool.views[i],
-                           SendWR(wr_id(KIND_SEND, i), WrOpcode.SEND, [pool.sge(i, SQE_SIZE)],
-                                  SendFlags.SIGNALED))
-                      for i in range(depth)]
-        self._free = list(range(depth - 1, -1, -1))
+        self._init_slots([Slot(i, pool.views[i],
+                               SendWR(wr_id(KIND_SEND, i), WrOpcode.SEND,
+                                      [pool.sge(i, SQE_SIZE)], SendFlags.SIGNALED))
+                          for i in range(depth)])
+        self.on_cm_event = self._on_cm_event
+
+    def _init_slots(self, slots: list[Slot]) -> None:
+        """The command slots and their accounting, whatever moves the capsules (the NVMe/TCP
+        queue calls this too)."""
+        self.slots = slots
+        self._free = list(range(len(slots) - 1, -1, -1))
         #: the free slots' indexes (the same list: read it, never change it, from outside)
         self.free_slots = self._free
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)
         self._waiters = 0           # submitters waiting for a slot (under the lock)
         self._loop_ident: int | None = None     # the reactor thread, once attached
-        self.stats = QueueStats(depth, self._free)
+        self.stats = QueueStats(len(slots), self._free)
         self.dead_reason: str | None = None
-        self.on_cm_event = self._on_cm_event
 
     def attach(self, reactor) -> None:
         super().attach(reactor)
+        self._note_loop(reactor)
+
+    def _note_loop(self, reactor) -> None:
+        """Remember the reactor's thread: submissions from it take the lock-free path."""
         thread = getattr(reactor, "thread", None)
         self._loop_ident = thread.ident if thread is not None else None
 

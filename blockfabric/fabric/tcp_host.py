@@ -29,10 +29,9 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 import time
 
-from blockfabric.fabric.host_side import HostQueue, QueueStats, Slot
+from blockfabric.fabric.host_side import HostQueue, Slot
 from blockfabric.fabric.tcp import PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu as tp
@@ -114,26 +113,16 @@ class TcpHostQueue(PduConnection, HostQueue):
         self.capsule_data = inline_size if qid else tp.ADMIN_CCSZ - SQE_SIZE
         self.maxh2cdata = resp.maxh2cdata
         self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA)
-        self.slots = []
-        for i in range(depth):
-            view = memoryview(bytearray(SQE_SIZE + inline_size))
-            self.slots.append(Slot(i, view, SendWR(i, WrOpcode.SEND, [SGE(0, SQE_SIZE, 0)],
-                                                   SendFlags.SIGNALED)))
+        self._init_slots([Slot(i, memoryview(bytearray(SQE_SIZE + inline_size)),
+                               SendWR(i, WrOpcode.SEND, [SGE(0, SQE_SIZE, 0)],
+                                      SendFlags.SIGNALED))
+                          for i in range(depth)])
         #: per slot, the data the transport moves: [view, length, moved, to host, bad]
         self._data: list[list | None] = [None] * depth
-        self._free = list(range(depth - 1, -1, -1))
-        self.free_slots = self._free        # read-only to others, as HostQueue's
-        self._lock = threading.Lock()
-        self._space = threading.Condition(self._lock)
-        self._waiters = 0
-        self._loop_ident = None
-        self.stats = QueueStats(depth, self._free)
-        self.dead_reason = None
 
     def attach(self, reactor) -> None:
         PduConnection.attach(self, reactor)
-        thread = getattr(reactor, "thread", None)
-        self._loop_ident = thread.ident if thread is not None else None
+        self._note_loop(reactor)
 
     # -- sending commands -----------------------------------------------------------------
     def submit_rw(self, owner, opcode: int, nsid: int, slba: int, nlb: int, addr: int,

@@ -65,8 +65,7 @@ def refuse_exclusive_lock(namespaces: Iterable[Namespace]) -> None:
     (30 s), longer than any failover.  Refuse such an image, saying how to fix it."""
     for ns in namespaces:
         if getattr(ns.backend, "exclusive_lock", False):
-            rbd = ns.conf.rbd
-            name = f"{rbd.pool}/{rbd.namespace + '/' if rbd.namespace else ''}{rbd.image}"
+            name = ns.conf.rbd.spec
             raise GatewayError(
                 f"nsid {ns.nsid}: rbd image {name} has the exclusive-lock feature, which a "
                 "gateway group cannot share (its gateways write the image concurrently; "

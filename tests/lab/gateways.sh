@@ -16,6 +16,7 @@
 # so) where Ceph's daemons are not installed (make test installs them).
 set -u
 [ -f tests/lab/gateways.sh ] || { echo "gateways.sh: run from the project root" >&2; exit 2; }
+. tests/lab/nvme-lib.sh     # say, since
 PY=${PY:-$PWD/.venv/bin/python}
 BIN=$(dirname "$PY")
 IP=${LAB_IP:-10.99.0.1}
@@ -30,8 +31,6 @@ declare -A PID
 fail=0
 results=()
 
-say() { echo; echo "===== $*"; }
-since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.1f", b-a}'; }
 result() {
     local line; line=$(printf 'RESULT %-28s %-4s %s' "$1" "$2" "$3")
     echo "$line"; results+=("$line"); [ "$2" = OK ] || [ "$2" = SKIP ] || fail=1

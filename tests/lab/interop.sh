@@ -106,13 +106,7 @@ kernel_host_case() {  # kernel_host_case NAME NR_IO_QUEUES
          "$dev2=$(blockdev --getsize64 "$dev2") B"
 
     # dd: 8 MiB of random data through nsid 1 (file backend), read back, then on our file
-    head -c $((8 << 20)) /dev/urandom > "$W/pattern"
-    dd if="$W/pattern" of="$dev1" bs=1M oflag=direct status=none || ok=FAIL
-    nvme flush "$dev1" || ok=FAIL
-    dd if="$dev1" of="$W/readback" bs=1M count=8 iflag=direct status=none || ok=FAIL
-    if cmp "$W/pattern" "$W/readback" && cmp -n $((8 << 20)) "$W/pattern" "$W/vols/file1.img"; then
-        bytes=$((bytes + (8 << 20))); echo "dd: 8 MiB written, read back, and found on the backing file"
-    else echo "dd: DATA MISMATCH"; ok=FAIL; fi
+    if dd_verify "$dev1"; then bytes=$((bytes + (8 << 20))); else ok=FAIL; fi
 
     # fio verify through nsid 2 (ramdisk): several jobs on distinct regions, crc32c
     if fio --name=verify --filename="$dev2" --direct=1 --ioengine=libaio --rw=randwrite \

@@ -31,3 +31,15 @@ ns_dev() {  # ns_dev NQN NSID -> /dev/nvmeXnY once the block device exists
     done
     return 1
 }
+# dd_verify DEV: 8 MiB of random data through DEV (direct), flushed, read back, and found at
+# the start of the caller's backing file $W/vols/file1.img; status 0 only when all of it matched
+dd_verify() {
+    head -c $((8 << 20)) /dev/urandom > "$W/pattern"
+    dd if="$W/pattern" of="$1" bs=1M oflag=direct status=none || return 1
+    nvme flush "$1" || return 1
+    dd if="$1" of="$W/readback" bs=1M count=8 iflag=direct status=none || return 1
+    if cmp "$W/pattern" "$W/readback" && cmp -n $((8 << 20)) "$W/pattern" "$W/vols/file1.img"; then
+        echo "dd: 8 MiB written, read back, and found on the backing file"; return 0
+    fi
+    echo "dd: DATA MISMATCH"; return 1
+}

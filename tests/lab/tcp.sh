@@ -85,13 +85,7 @@ kernel_host_case() {  # kernel_host_case NAME [nvme connect digest flags]
     echo "controller $ctrl: transport=$(cat /sys/class/nvme/${ctrl#/dev/}/transport)" \
          "address=$(cat /sys/class/nvme/${ctrl#/dev/}/address)" \
          "queues=$(ls -d /sys/block/${dev1#/dev/}/mq/* | wc -l)"
-    head -c $((8 << 20)) /dev/urandom > "$W/pattern"
-    dd if="$W/pattern" of="$dev1" bs=1M oflag=direct status=none || ok=FAIL
-    nvme flush "$dev1" || ok=FAIL
-    dd if="$dev1" of="$W/readback" bs=1M count=8 iflag=direct status=none || ok=FAIL
-    if cmp "$W/pattern" "$W/readback" && cmp -n $((8 << 20)) "$W/pattern" "$W/vols/file1.img"; then
-        bytes=$((bytes + (8 << 20))); echo "dd: 8 MiB written, read back, and found on the backing file"
-    else echo "dd: DATA MISMATCH"; ok=FAIL; fi
+    if dd_verify "$dev1"; then bytes=$((bytes + (8 << 20))); else ok=FAIL; fi
     if fio --name=verify --filename="$dev2" --direct=1 --ioengine=libaio --rw=randwrite \
            --bs=4k --bsrange=4k-256k --size=8M --numjobs=3 --offset_increment=9M \
            --iodepth=16 --verify=crc32c --verify_fatal=1 --do_verify=1 --randseed=18 \

@@ -773,6 +773,8 @@ class Bench:
                 # Reconnects and failovers during the run (see docs/reliability.md).
                 "paths": [format_path(a, p) for a, p in first.paths] if first else [],
                 "recovery": [c.recovery_stats() for c in self.controllers],
+                "ana_paths": [c.paths_view() for c in self.controllers
+                              if hasattr(c, "paths_view")],
             },
         }
 

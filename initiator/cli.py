@@ -73,8 +73,10 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
     if multipath:
         p.add_argument("--path", dest="paths", action="append", type=_path,
                        metavar="ADDR[:PORT]",
-                       help="another listener of the same subsystem, tried in turn when the "
-                            "current path is lost (multipath failover); repeatable; PORT "
+                       help="another listener (gateway) of the same subsystem: the host "
+                            "connects to every path at once and sends I/O to the ANA-"
+                            "optimized ones, moving it when a path is lost (multipath "
+                            "failover); repeatable; PORT "
                             "defaults to -s; write an IPv6 address as [ADDR] or [ADDR]:PORT")
     if needs_nqn:
         p.add_argument(*s("-n"), "--nqn", required=True, metavar="SUBNQN",

@@ -78,6 +78,8 @@ def controller_dict(ctrl: Controller) -> dict[str, Any]:
         else f"rdma ({ctrl.provider.name} provider)",
         "traddr": ctrl.opts.traddr, "trsvcid": ctrl.opts.trsvcid, "hostnqn": ctrl.hostnqn,
         "paths": [format_path(a, p) for a, p in ctrl.paths],
+        # every path's controller and ANA states (a multipath controller), else None
+        "ana_paths": ctrl.paths_view() if hasattr(ctrl, "paths_view") else None,
         "io_queues": len(ctrl.io_queues),
         "queue_size": ctrl.io_queues[0].depth if ctrl.io_queues else 0,
         "max_transfer": ctrl.max_transfer, "inline_data": ctrl.inline_size,
@@ -93,6 +95,7 @@ def controller_dict(ctrl: Controller) -> dict[str, Any]:
 def cmd_connect(args: argparse.Namespace) -> int:
     with Controller(options(args, args.nqn)).connect() as ctrl:
         info = controller_dict(ctrl)
+        path_lines = ctrl.paths_lines() if hasattr(ctrl, "paths_lines") else []
     if args.output_format == "json":
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -100,8 +103,10 @@ def cmd_connect(args: argparse.Namespace) -> int:
     print(f"connected to {info['subnqn']} at {info['traddr']}:{info['trsvcid']} "
           f"({info['transport']}), controller {info['cntlid']}")
     print(f"  model {info['model']!r}, serial {info['serial']!r}, firmware {info['firmware']!r}")
-    if len(info["paths"]) > 1:
-        print(f"  paths (failover order): {', '.join(info['paths'])}")
+    if path_lines:
+        print("  paths (ANA state per namespace; * where I/O goes):")
+        for line in path_lines:
+            print(f"    +- {line}")
     print(f"  {info['io_queues']} I/O queue(s) of depth {info['queue_size']}, max transfer "
           f"{human_size(info['max_transfer'])}, in-capsule data {info['inline_data']} B")
     if info["authentication"]:

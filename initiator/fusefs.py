@@ -400,15 +400,20 @@ def status_report(fs: VolumeFS) -> str:
         f"max transfer {ctrl.max_transfer} bytes, in-capsule data {ctrl.inline_size} bytes",
         f"mount       {','.join(fs.options.words())}, up since "
         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fs.started))}",
-        "namespaces",
     ]
+    if hasattr(ctrl, "paths_lines"):
+        lines.append(f"failover    {rec['failovers']} failover(s), {rec['failbacks']} "
+                     f"failback(s), {rec['path_errors']} ANA/path status(es) re-routed")
+        lines.append("paths (ANA state per namespace; * where I/O goes)")
+        lines.extend(f"  {line}" for line in ctrl.paths_lines())
+    lines.append("namespaces")
     for name, ns in fs.files.items():
         ro = "read-only" if not fs.writable(ns) else "read-write"
         lines.append(f"  {name}: {ns.size} bytes, {ns.nblocks} blocks of {ns.block_size} "
                      f"bytes, {ro}")
     lines.append("queues")
     for qid, st in ctrl.queue_stats().items():
-        kind = "admin" if qid == 0 else "io"
+        kind = "admin" if qid % 1000 == 0 else "io"    # path N's queues: N * 1000 + qid
         lines.append(f"  queue {qid} ({kind}): submitted {st['submitted']}, completed "
                      f"{st['completed']}, in flight {st['inflight']}, max in flight "
                      f"{st['max_inflight']}, errors {st['errors']}")

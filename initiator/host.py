@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
+import importlib
 import itertools
 import logging
 import mmap
@@ -118,6 +119,7 @@ class RecoveryStats:
     held: int = 0               # commands held while reconnecting (new or in flight)
     retried: int = 0            # held commands re-issued after a reconnect
     failed: int = 0             # held commands failed after ctrl_loss_tmo
+    path_errors: int = 0        # path-related statuses (SCT 3, ANA) re-routed (multipath)
     last_reason: str = ""
 
     def as_dict(self) -> dict[str, int | str]:
@@ -128,7 +130,8 @@ class _Request:
     """An I/O command that can be issued again: read, write, flush, write zeroes and DSM
     are idempotent, so a command lost with its queue is simply re-sent after a reconnect."""
 
-    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen", "sgl", "held")
+    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen", "sgl", "held",
+                 "path", "nsid")
 
     def __init__(self, make_sqe: Callable[[], SQE], callback: Callable, data_out=None,
                  data_in: int = 0, inline: bool = False,
@@ -140,6 +143,8 @@ class _Request:
         self.inline = inline
         self.gen = -1
         self.held = 0
+        self.path: Controller | None = None     # the path it was last sent on (multipath)
+        self.nsid: int | None = None
         #: The data already sits in memory the caller registered with this controller's PD:
         #: the target moves it by RDMA from/to there (no arena block, no copy).
         self.sgl = sgl
@@ -169,7 +174,7 @@ class IoCommand:
     on the way: the queue packs the SQE into its slot's buffer from these fields."""
 
     __slots__ = ("ctrl", "parent", "opcode", "nsid", "slba", "nlb", "addr", "length", "rkey",
-                 "data", "gen", "held")
+                 "data", "gen", "held", "path")
 
     def __init__(self, ctrl: Controller, parent: Any) -> None:
         self.ctrl = ctrl
@@ -179,6 +184,7 @@ class IoCommand:
         self.data: Any = None
         self.gen = -1
         self.held = 0
+        self.path: Controller | None = None     # the path it was last sent on (multipath)
 
     def send(self, ctrl: Controller, queue: HostQueue) -> None:
         queue.submit_rw(self, self.opcode, self.nsid, self.slba, self.nlb, self.addr,
@@ -191,6 +197,9 @@ class IoCommand:
             return
         word = raw[4]
         if word & STATUS_BITS:
+            if word & 0x0E00 == 0x0600:     # SCT 3, path related (ANA): another path may serve
+                self.ctrl._path_status(self, word, raw[0])
+                return
             self.parent.io_done(self, NvmeError("Read" if self.opcode == _READ else "Write",
                                                 (word >> 1) & 0x7FF, bool(word & 0x8000),
                                                 raw[0]))
@@ -458,10 +467,21 @@ class ConnectOptions:
     #: The controller's secret (--dhchap-ctrl-secret): the host then authenticates the
     #: controller too (bidirectional), and refuses one that cannot prove it holds it.
     dhchap_ctrl_secret: str | None = None
-    #: Further listeners (traddr, trsvcid) of the same subsystem: after a loss, reconnecting
-    #: tries the lost path and then these in turn (multipath failover).
+    #: Further listeners (traddr, trsvcid) of the same subsystem: the host connects to all
+    #: of them at once and routes I/O by their ANA states (see
+    #: :mod:`blockfabric.initiator.pathset`); a lost path reconnects in the background.
     paths: list[tuple[str, int]] = field(default_factory=list)
 
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
 
 #: Bytes of ANA log read: the header, 128 group descriptors and 1024 NSIDs (what the
 #: Linux host sizes its buffer to: 16 + NANAGRPID * 32 + MNAN * 4).
@@ -470,9 +490,24 @@ ANA_LOG_READ = 16 + 128 * 32 + 1024 * 4
 
 class Controller:
     """A connected controller: its queues, namespaces and reactor.  Use as a context
-    manager, or call :meth:`close`."""
+    manager, or call :meth:`close`.
 
-    def __init__(self, opts: ConnectOptions) -> None:
+    Given further ``paths``, ``Controller(opts)`` is a
+    :class:`~blockfabric.initiator.pathset.MultipathController`: one controller per path,
+    all connected at once, I/O routed by ANA state (the same interface, so the library, the
+    bench and the mount use it unchanged).  ``share``: the multipath controller whose
+    reactor, protection domain and arena this one path uses."""
+
+    def __new__(cls, opts: ConnectOptions | None = None, *args: Any, **kwargs: Any):
+        if cls is Controller and opts is not None and opts.paths \
+                and kwargs.get("share") is None:
+            # the pathset of this very module (tests import it as initiator.host too)
+            pathset = importlib.import_module(__name__.rpartition(".")[0] + ".pathset")
+            return super().__new__(pathset.MultipathController)
+        return super().__new__(cls)
+
+    def __init__(self, opts: ConnectOptions, *, share: Controller | None = None) -> None:
+        self._share = share
         self.opts = opts
         self.hostnqn = opts.hostnqn or default_hostnqn()
         self.hostid = opts.hostid or default_hostid()
@@ -489,7 +524,7 @@ class Controller:
             raise ValueError(f"transport {opts.transport!r}: rdma or tcp")
         self.provider = TCP if opts.transport == "tcp" else \
             get_provider(opts.provider, opts.traddr)
-        self.reactor = Reactor(f"host-{opts.traddr}")
+        self.reactor = share.reactor if share is not None else Reactor(f"host-{opts.traddr}")
         self.admin: HostQueue | None = None
         self.io_queues: list[HostQueue] = []
         self.namespaces: dict[int, Namespace] = {}
@@ -505,6 +540,9 @@ class Controller:
         #: Called as ``fn(controller, changed_nsids)`` after namespaces were added, removed
         #: or changed (resized, read-only flipped); on the event worker thread.
         self.namespace_listeners: list[Callable[[Controller, set[int]], None]] = []
+        #: Called as ``fn(controller)`` after a reconnect succeeded or was given up (on the
+        #: reconnect thread): a multipath controller re-ranks its paths then.
+        self.state_listeners: list[Callable[[Controller], None]] = []
         #: ANA (a gateway group): the last ANA log read, as (chgcnt, groups), and who wants
         #: to hear of a change: ``fn(controller, (chgcnt, groups))`` on the event worker.
         self.ana_log: tuple[int, list] | None = None
@@ -540,8 +578,12 @@ class Controller:
         try:
             cmid.resolve(traddr, trsvcid, timeout=opts.connect_timeout)
             if self.pd is None:
-                self.pd = cmid.context.alloc_pd()
-                self.arena = Arena(self.pd, opts.arena_size)
+                owner = self._share or self
+                with owner._state_lock if owner is not self else _NO_LOCK:
+                    if owner.pd is None:
+                        owner.pd = cmid.context.alloc_pd()
+                        owner.arena = Arena(owner.pd, opts.arena_size)
+                self.pd, self.arena = owner.pd, owner.arena
             inline = self.inline_size if qid else 0
             queue = HostQueue(cmid, self.pd, qid=qid, depth=depth, inline_size=inline,
                               name=f"{traddr}:{trsvcid} q{qid}")
@@ -1186,6 +1228,28 @@ class Controller:
         with self._state_lock:
             self._start_recovery(reason)
 
+    def _path_status(self, cmd: IoCommand, word: int, result: int) -> None:
+        """A path-related status (SCT 3, e.g. ANA Inaccessible) on a single path: there is
+        no other path to try, so the caller gets it (a multipath controller re-routes)."""
+        cmd.parent.io_done(cmd, NvmeError("Read" if cmd.opcode == _READ else "Write",
+                                          (word >> 1) & 0x7FF, bool(word & 0x8000), result))
+
+    def reconnect_in_background(self, reason: str) -> None:
+        """A path whose first connect failed: keep trying it (reconnect_delay,
+        ctrl_loss_tmo) as if it had been lost, while the other paths serve."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self.state = CtrlState.LIVE
+            self._start_recovery(reason)
+
+    def _tell_state(self) -> None:
+        for listener in list(self.state_listeners):
+            try:
+                listener(self)
+            except Exception:
+                log.exception("state listener %r failed", listener)
+
     def _start_recovery(self, reason: str) -> None:
         """With ``_state_lock`` held."""
         if self.state != CtrlState.LIVE or self._closed or self._closing:
@@ -1271,6 +1335,7 @@ class Controller:
                     *self.path, self.opts.subnqn, self.cntlid, len(held))
         for req in held:
             self._dispatch(req)
+        self._tell_state()
 
     def _give_up(self, why: str) -> None:
         with self._state_lock:
@@ -1282,6 +1347,7 @@ class Controller:
         if not self._closed:
             log.error("%s: %s: failing %d held commands", self.opts.subnqn, why, len(held))
         self._lose(held, ControllerLost(f"controller lost: {reason}"))
+        self._tell_state()
 
     # -- information -----------------------------------------------------------------
     def queue_stats(self) -> dict[int, dict[str, int]]:
@@ -1329,6 +1395,21 @@ class Controller:
             self._events.shutdown(wait=False, cancel_futures=True)
         if self._ka_timer is not None:
             self._ka_timer.cancel()
+        if self._share is not None:         # one path of a multipath controller: its
+            queues = self.io_queues + ([self.admin] if self.admin else [])   # reactor,
+            self.io_queues, self.admin = [], None          # PD and arena are the owner's
+
+            def fail_all() -> None:
+                for queue in queues:
+                    queue.fail("controller closed", expected=True)
+            try:
+                self.reactor.call_sync(fail_all, timeout=10)
+            except (TimeoutError, RuntimeError):
+                fail_all()
+            for queue in queues:
+                queue.close()
+            self.arena = self.pd = None
+            return
         self.reactor.stop()
         self.reactor.join(5)
         for queue in self.io_queues + ([self.admin] if self.admin else []):

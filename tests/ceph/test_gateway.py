@@ -5,8 +5,9 @@ group ownership with RADOS leases (lease 3 s, renewal every 1 s: a failover is b
 
 The gateways run side by side on 127.0.0.1 (the throwaway cluster listens on loopback
 only, which a network namespace would not reach), on different ports; the host is our
-host library, which connects to one path at a time (issue 16 item 4, host multipath, is
-not built yet), so the I/O under failover goes through the surviving gateway's path.
+host library connected to one path per controller here (test_multipath.py has the host
+connected to both paths at once), so the I/O under failover goes through the surviving
+gateway's path.
 """
 
 from __future__ import annotations

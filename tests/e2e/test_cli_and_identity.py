@@ -39,11 +39,15 @@ def test_cli_discover_connect_identify(ram_target):
     res = cli("connect", *common, "-n", NQN)
     assert res.returncode == 0 and "namespace 1: 64 MiB" in res.stdout, res.stdout
     assert "paths" not in res.stdout
-    # Further paths are listed in failover order (connecting uses the first).
+    # Every path is connected at once and listed with its state; the ones that do not
+    # answer (nothing listens there) keep reconnecting while the first serves.
     res = cli("connect", *common, "-n", NQN, "--path", "[::1]", "--path", "127.0.0.2:4430")
     assert res.returncode == 0, res.stderr
-    assert f"paths (failover order): 127.0.0.1:{port}, [::1]:{port}, 127.0.0.2:4430" \
-        in res.stdout, res.stdout
+    assert "paths (ANA state per namespace; * where I/O goes):" in res.stdout, res.stdout
+    assert f"+- 127.0.0.1:{port} live, controller " in res.stdout, res.stdout
+    assert "n1 optimized*" in res.stdout, res.stdout
+    assert "+- 127.0.0.2:4430 reconnecting: n1 -" in res.stdout, res.stdout
+    assert "re-ranked" not in res.stderr, res.stderr      # closing is no failover
 
     res = cli("identify", *common, "-n", NQN, "-o", "json")
     assert res.returncode == 0, res.stderr

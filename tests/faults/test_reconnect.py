@@ -36,13 +36,16 @@ def run_with_fault(ctrl, fault, seconds: float = 5.0, at: float = 1.0, **kw) -> 
     return result
 
 
-def assert_held_and_retried(result: dict) -> None:
+def assert_held_and_retried(result: dict, multipath: bool = False) -> None:
+    """``multipath``: the other path was connected all along, so the I/O moved to it
+    without any reconnect (the lost path keeps reconnecting in the background)."""
     rec = result["recovery"]
     print(f"\nobserved: ios {result['ios']} errors {result['errors']} mismatches "
           f"{result['mismatches']} recovery {rec}")     # for docs/reliability.md (pytest -s)
     assert result["mismatches"] == 0, result
     assert result["errors"] == 0, result
-    assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
+    moved = rec["failovers"] if multipath else rec["reconnects"]
+    assert moved >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
     assert rec["state"] == "live" and rec["held_now"] == 0, rec
     assert result["ios"] > 100, result
 
@@ -102,7 +105,7 @@ def test_multipath_fails_over_to_the_second_listener(tmp_path, start_target):
     try:
         with host(proxy.port, paths=[("127.0.0.1", port_b)]) as ctrl:
             result = run_with_fault(ctrl, proxy.down, seconds=4.0)
-            assert_held_and_retried(result)
+            assert_held_and_retried(result, multipath=True)
             rec = result["recovery"]
             assert rec["failovers"] >= 1 and rec["path"] == f"127.0.0.1:{port_b}", rec
     finally:
@@ -124,8 +127,8 @@ def test_bench_cli_fails_over_to_the_listener_given_with_path(tmp_path, start_ta
          "--size", "8m", "--iodepth", "8", "--runtime", "4", "-o", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # its I/O goes through P1 first (a start slower than a fixed sleep must not leave
-        # P1 dead before it was ever used)
+        # the bench connected both paths and its I/O goes through P1 too (a start slower
+        # than a fixed sleep must not leave P1 dead before it was ever used)
         proxy.wait_forwarded(1 << 20)
         proxy.down()
         out, err = bench.communicate(timeout=45)
@@ -157,18 +160,26 @@ def test_io_fails_only_after_ctrl_loss_tmo(file_target):
         ns = ctrl.namespaces[1]
         ns.write(0, b"x" * 4096)
         file_target.kill()
-        lost_at = time.monotonic()
-        with pytest.raises(ControllerLost):
-            ns.read(0, 4096)
-        waited = time.monotonic() - lost_at
-        assert loss_tmo <= waited < loss_tmo + 2.0, waited
-        rec = ctrl.recovery_stats()
-        assert rec["state"] == CtrlState.FAILED.value and rec["failed"] >= 1, rec
+        rec = assert_lost_after_tmo(ctrl, loss_tmo, time.monotonic())
         assert rec["held"] >= 1 and rec["reconnects"] == 0, rec
-        started = time.monotonic()
-        with pytest.raises(ControllerLost):
-            ns.read(0, 4096)
-        assert time.monotonic() - started < 0.5
+
+
+def assert_lost_after_tmo(ctrl, loss_tmo: float, lost_at: float) -> dict:
+    """A read fails (ControllerLost) once ctrl_loss_tmo has passed since ``lost_at``, not
+    before, the controller is failed, and the next read fails at once; returns the
+    recovery counters as the first failure left them."""
+    ns = ctrl.namespaces[1]
+    with pytest.raises(ControllerLost):
+        ns.read(0, 4096)
+    waited = time.monotonic() - lost_at
+    assert loss_tmo <= waited < loss_tmo + 2.0, waited
+    rec = ctrl.recovery_stats()
+    assert rec["state"] == CtrlState.FAILED.value and rec["failed"] >= 1, rec
+    started = time.monotonic()
+    with pytest.raises(ControllerLost):
+        ns.read(0, 4096)
+    assert time.monotonic() - started < 0.5
+    return rec
 
 
 def test_an_idle_host_reconnects_by_itself(file_target):
@@ -184,3 +195,41 @@ def test_an_idle_host_reconnects_by_itself(file_target):
             time.sleep(0.05)
         assert ctrl.recovery.reconnects == 1 and ctrl.state == CtrlState.LIVE, ctrl.recovery
         assert ctrl.recovery.held == 0, ctrl.recovery          # nothing was in flight
+
+
+def test_multipath_holds_io_until_ctrl_loss_tmo_when_no_path_is_left(tmp_path, start_target):
+    """Two paths (two proxies in front of one target's two listeners), and both taken
+    down: I/O has nowhere to go.  It is held, not failed: when a path is back within
+    ctrl_loss_tmo the read completes with the data; with both down for good it fails
+    (ControllerLost, EIO through FUSE) only once ctrl_loss_tmo has passed on every path,
+    and new I/O then fails at once."""
+    from .conftest import file_config, free_port
+    loss_tmo = 2.5
+    port_a, port_b = free_port(), free_port()
+    start_target(file_config(port_a, tmp_path / "vol.img", extra_ports=(port_b,)))
+    proxies = [TcpProxy(("127.0.0.1", port_a)), TcpProxy(("127.0.0.1", port_b))]
+    try:
+        with host(proxies[0].port, paths=[("127.0.0.1", proxies[1].port)],
+                  ctrl_loss_tmo=loss_tmo) as ctrl:
+            ns = ctrl.namespaces[1]
+            ns.write(0, b"m" * 4096)
+            # -- both paths lost, one back within ctrl_loss_tmo: no error -----------------
+            for proxy in proxies:
+                proxy.down()
+            box: dict = {}
+            reader = threading.Thread(target=lambda: box.update(data=ns.read(0, 4096)))
+            reader.start()
+            time.sleep(1.0)         # the read waits meanwhile: no path to send it to
+            assert reader.is_alive() and not box, box
+            proxies[1].up()
+            reader.join(15)
+            assert box.get("data") == b"m" * 4096, box
+            rec = ctrl.recovery_stats()
+            assert rec["state"] == "live" and rec["failed"] == 0 and rec["held"] >= 1, rec
+            # -- both down for good: EIO after ctrl_loss_tmo, not before ------------------
+            proxies[1].down()
+            assert_lost_after_tmo(ctrl, loss_tmo, time.monotonic())
+            assert [p["state"] for p in ctrl.paths_view()] == ["failed", "failed"]
+    finally:
+        for proxy in proxies:
+            proxy.close()

@@ -1,0 +1,501 @@
+"""ANA multipath: one subsystem reached through several paths (gateways) at once.
+
+:class:`MultipathController` is what ``Controller(opts)`` returns when ``opts.paths`` names
+further listeners.  It connects one :class:`~blockfabric.initiator.host.Controller` per path
+at the same time (each its own admin and I/O queues and controller ID on one gateway, the
+same subsystem NQN), checks that they are one subsystem (Identify CMIC's ANA bit and every
+namespace's NGUID agree), reads each path's ANA log and routes I/O:
+
+* to the paths whose ANA state for the namespace's group is **optimized**; if none, to the
+  **non-optimized** ones; never to inaccessible, persistent-loss or changing ones;
+* round-robin over the I/O queues of those paths.  Round-robin, not queue-depth: the
+  choice is one index into a precomputed tuple (O(1), no counter to keep per completion),
+  and our gateways in one ANA state serve alike, so keeping depth per path would cost the
+  completion path work for nothing;
+* a command that completes with a path-related status (SCT 3: ANA Inaccessible, Persistent
+  Loss, Transition) or is lost with its queue is re-issued on another path, or held until a
+  path can serve it; the caller sees an error only once every path has given up
+  (ctrl_loss_tmo on each) or the controller is closed;
+* ANA change events (each path's controller re-reads its log) and reconnects re-rank the
+  paths; lost paths reconnect in the background (reconnect_delay, ctrl_loss_tmo).
+
+The routes are rebuilt off the I/O path (event worker, reconnect threads, or the reactor on
+a lost command) and swapped in as one dict; the per-I/O path reads that dict without a lock.
+All paths share one reactor (so every completion runs on one thread, as with one path), one
+protection domain and one arena: memory a caller registers (:attr:`pd`) is valid on every
+path.  That needs every path to go through one RDMA device (always so with the soft
+provider).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from blockfabric.errors import BlockfabricError
+# relative: the host module this controller subclasses is the one that returns it
+from .host import (ConnectOptions, Controller, ControllerLost, CtrlState, IoCommand,
+                   Namespace, NvmeError, _Request)
+from blockfabric.initiator.multipath import format_path
+from blockfabric.protocol.identify import CMIC_ANA
+from blockfabric.protocol.logpages import AnaState
+
+log = logging.getLogger(__name__)
+
+_USABLE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED)
+#: How often held commands look again for a path when no event said anything changed (an
+#: ANA transition with no event, a lost event): each look re-reads the live paths' ANA logs.
+HELD_POLL = 0.5
+
+
+class SubsystemMismatch(BlockfabricError):
+    """Two paths lead to different subsystems (or namespaces): not one multipath device."""
+
+
+class MultipathController(Controller):
+    """Several paths to one subsystem, used as one controller (see the module text)."""
+
+    def __init__(self, opts: ConnectOptions) -> None:
+        super().__init__(opts)
+        self.path_ctrls: list[Controller] = []
+        for address, port in self.paths:
+            popts = dataclasses.replace(opts, traddr=address, trsvcid=int(port), paths=[],
+                                        hostnqn=self.hostnqn, hostid=self.hostid)
+            pc = Controller(popts, share=self)
+            pc.state_listeners.append(self._path_changed)
+            pc.ana_listeners.append(self._ana_changed)
+            pc.namespace_listeners.append(self._namespaces_changed)
+            self.path_ctrls.append(pc)
+        #: nsid -> ((path controller, queue), ...): where its I/O goes now
+        self._route: dict[int, tuple] = {}
+        self._serving: dict[int, frozenset[int]] = {}   # nsid -> path indexes serving it
+        self._veto: set[tuple[int, int]] = set()    # (path, nsid) answered with SCT 3
+        self._excluded: dict[int, str] = {}         # path -> why it is not this subsystem
+        self._mp_lock = threading.RLock()
+        self._poll_timer = None
+        self.failbacks = 0
+        self.last_failover: float | None = None
+        self.last_failback: float | None = None
+        self.anatt = 0
+
+    # -- set-up ------------------------------------------------------------------------
+    def connect(self) -> MultipathController:
+        self.reactor.start()
+        errors: dict[int, BaseException] = {}
+
+        def one(index: int, pc: Controller) -> None:
+            try:
+                pc._establish()
+                pc.state = CtrlState.LIVE
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors[index] = exc
+                try:
+                    pc._teardown_queues(f"connect failed: {exc}")
+                except Exception:  # noqa: BLE001
+                    log.debug("tearing down path %d", index, exc_info=True)
+        threads = [threading.Thread(target=one, args=(i, pc), name=f"nvme-path{i}",
+                                    daemon=True) for i, pc in enumerate(self.path_ctrls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(errors) == len(self.path_ctrls):
+            self.close()
+            raise errors[0]
+        try:
+            live = [pc for pc in self.path_ctrls if pc.state is CtrlState.LIVE]
+            first = live[0]
+            for pc in live[1:]:
+                self._check_same(first, pc)
+        except BaseException:
+            self.close()
+            raise
+        for index, exc in sorted(errors.items()):
+            pc = self.path_ctrls[index]
+            log.warning("path %s: %s; retrying it in the background every %g s",
+                        format_path(*pc.path), exc, self.opts.reconnect_delay)
+            if isinstance(exc, NvmeError) and exc.dnr:
+                pc.state = CtrlState.FAILED
+                pc.recovery.last_reason = str(exc)
+            else:
+                pc.reconnect_in_background(f"connect failed: {exc}")
+        self.max_transfer = min(pc.max_transfer for pc in live)
+        self.inline_size = min(pc.inline_size for pc in live)
+        for nsid, pns in first.namespaces.items():
+            self.namespaces[nsid] = Namespace(self, nsid, pns.block_size, pns.nblocks,
+                                              pns.read_only, pns.nguid, pns.identify)
+        self.state = CtrlState.LIVE
+        self._rerank("connected")
+        return self
+
+    def _check_same(self, first: Controller, pc: Controller) -> None:
+        """Raise SubsystemMismatch unless ``pc`` leads to the subsystem ``first`` does."""
+        a, b = first.identify, pc.identify
+        where = f"paths {format_path(*first.path)} and {format_path(*pc.path)}"
+        if a is None or b is None:
+            return
+        if a.subnqn.strip("\0 ") != b.subnqn.strip("\0 "):
+            raise SubsystemMismatch(f"{where} lead to different subsystems "
+                                    f"({a.subnqn!r}, {b.subnqn!r})")
+        if bool(a.cmic & CMIC_ANA) != bool(b.cmic & CMIC_ANA):
+            raise SubsystemMismatch(f"{where}: one reports ANA (Identify CMIC bit 3) and "
+                                    "the other not: not one gateway group")
+        for nsid, ns in first.namespaces.items():
+            other = pc.namespaces.get(nsid)
+            if other is not None and ns.nguid != other.nguid:
+                raise SubsystemMismatch(
+                    f"{where}: namespace {nsid} has NGUID {ns.nguid.hex()} on one and "
+                    f"{other.nguid.hex()} on the other: not the same namespace")
+
+    # -- routing -------------------------------------------------------------------------
+    def path_state(self, index: int, nsid: int) -> AnaState | None:
+        """The ANA state of namespace ``nsid`` through path ``index`` as last read (None:
+        the path does not report ANA, so it serves everything as optimized)."""
+        if (index, nsid) in self._veto:
+            return AnaState.INACCESSIBLE
+        ana = self.path_ctrls[index].ana_log
+        if ana is None:
+            return None
+        for group in ana[1]:
+            if nsid in group.nsids:
+                return group.state
+        return AnaState.INACCESSIBLE
+
+    def _rerank(self, why: str) -> None:
+        """Rebuild the routes from the paths' states and ANA logs; re-issue held commands
+        that now have a path; count failovers (a path leaves a namespace's route) and
+        failbacks (an optimized path joins it)."""
+        with self._mp_lock:
+            live = [(i, pc) for i, pc in enumerate(self.path_ctrls)
+                    if pc.state is CtrlState.LIVE and pc.io_queues and i not in self._excluded]
+            route: dict[int, tuple] = {}
+            serving: dict[int, frozenset[int]] = {}
+            moved_off = moved_back = False
+            for nsid in self.namespaces:
+                best, fallback = [], []
+                for i, pc in live:
+                    state = self.path_state(i, nsid)
+                    if state is None or state == AnaState.OPTIMIZED:
+                        best.append((i, pc))
+                    elif state == AnaState.NON_OPTIMIZED:
+                        fallback.append((i, pc))
+                chosen = best or fallback
+                # interleaved (A q1, B q1, A q2, ...): consecutive I/Os alternate paths
+                lanes = [[(pc, q) for q in pc.io_queues] for _, pc in chosen]
+                route[nsid] = tuple(x for row in itertools.zip_longest(*lanes)
+                                    for x in row if x is not None)
+                now = frozenset(i for i, _ in chosen)
+                before = self._serving.get(nsid)
+                serving[nsid] = now
+                if before is not None:
+                    if before - now:
+                        moved_off = True
+                    if now - before:        # a path (back) in the route: failback
+                        moved_back = True
+            self._route = route
+            self._serving = serving
+            if moved_off:
+                self.recovery.failovers += 1
+                self.last_failover = time.time()
+            if moved_back:
+                self.failbacks += 1
+                self.last_failback = time.time()
+            primary = next((pc for i, pc in live), None) or next(
+                (pc for pc in self.path_ctrls if pc.identify is not None), self.path_ctrls[0])
+            self.admin, self.io_queues = primary.admin, primary.io_queues
+            self.cntlid, self.identify = primary.cntlid, primary.identify
+            self.authenticated = primary.authenticated
+            self.ana_log = primary.ana_log
+            if self.state is not CtrlState.CLOSED:
+                states = {pc.state for pc in self.path_ctrls}
+                self.state = (CtrlState.LIVE if live else CtrlState.RECONNECTING
+                              if CtrlState.RECONNECTING in states else CtrlState.FAILED)
+            held, self._held = self._held, []
+        if moved_off or moved_back:
+            log.warning("%s: paths re-ranked (%s): %s", self.opts.subnqn, why,
+                        self.describe_routes())
+        self._release(held)
+
+    def describe_routes(self) -> str:
+        return "; ".join(
+            f"n{nsid} via " + (", ".join(format_path(*self.path_ctrls[i].path)
+                                         for i in sorted(idx)) or "no path")
+            for nsid, idx in sorted(self._serving.items()))
+
+    def issue(self, cmd: IoCommand, queue: Any = None, held: bool = False) -> None:
+        """Send ``cmd`` on the next queue of a path that serves its namespace best (the
+        ``queue`` a caller names is a hint for one path; it is not used here), or hold it
+        until one can (``held``: it was held already, and counted then).  No lock, no
+        allocation: one dict look-up and one index."""
+        route = self._route.get(cmd.nsid)
+        if route:
+            pc, q = route[next(self._rr) % len(route)]
+            cmd.path = pc
+            cmd.gen = pc._gen
+            try:
+                q.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
+                            cmd.length, cmd.rkey, cmd.data)
+            except ConnectionError as exc:
+                self._hold(cmd, str(exc))
+            return
+        self._park(cmd, held)
+
+    def _dispatch(self, req: _Request | IoCommand, held: bool = False) -> None:
+        if isinstance(req, IoCommand):
+            self.issue(req, held=held)
+            return
+        if req.nsid is None:
+            req.nsid = req.make_sqe().nsid
+        route = self._route.get(req.nsid)
+        if not route:
+            self._park(req, held)
+            return
+        pc, q = route[next(self._rr) % len(route)]
+        req.path = pc
+        req.gen = pc._gen
+        try:
+            req.send(self, q)
+        except ConnectionError as exc:
+            self._hold(req, str(exc))
+
+    def _io_done(self, req: _Request, cqe, data, error: str | None) -> None:
+        if error is not None:
+            self._hold(req, error)
+        elif cqe is not None and (int(cqe.status) >> 8) & 7 == 3:
+            self._path_status(req, int(cqe.status) << 1, cqe.result)
+        else:
+            req.callback(cqe, data, None)
+
+    def _park(self, req: _Request | IoCommand, held: bool = False) -> None:
+        """No path serves ``req`` now: hold it for a re-rank, or fail it if none ever will
+        (``held``: it was held before, and counted then; failing it counts as ``failed``)."""
+        with self._mp_lock:
+            if self.state is CtrlState.CLOSED or all(
+                    pc.state in (CtrlState.FAILED, CtrlState.CLOSED)
+                    for pc in self.path_ctrls):
+                fail = True
+                if held:
+                    self.recovery.failed += 1
+            else:
+                fail = False
+                self._held.append(req)
+                if not held:
+                    req.held += 1
+                    self.recovery.held += 1
+                if self._poll_timer is None:
+                    self._poll_timer = True
+                    self.reactor.call_soon_threadsafe(self._poll_later)
+        if fail:
+            why = self.recovery.last_reason or "every path gave up"
+            self._lose([req], ControllerLost(f"no path left: {why}"))
+
+    def _hold(self, req: _Request | IoCommand, reason: str) -> None:
+        """Lost with its queue (reactor thread, or a submitter): that path reconnects in
+        the background; the command goes to another path now, or waits for one."""
+        req.held += 1
+        pc = req.path
+        self.recovery.held += 1
+        self.recovery.last_reason = reason
+        if pc is not None:
+            if req.gen == pc._gen:          # not a leftover of an earlier connection
+                pc._lost(reason)            # LIVE -> RECONNECTING at once (no wait)
+            index = self.path_ctrls.index(pc)
+            if any(index in s for s in self._serving.values()):
+                self._rerank(f"path {format_path(*pc.path)} lost: {reason}")
+        self.recovery.retried += 1
+        self._dispatch(req, held=True)
+
+    def _path_status(self, req: _Request | IoCommand, word: int, result: int) -> None:
+        """SCT 3 (ANA Inaccessible, Persistent Loss, Transition...): not through this path
+        for now.  Its ANA log is read again (the event worker), the path leaves the route
+        for that namespace meanwhile, and the command goes to another path."""
+        pc = req.path
+        self.recovery.path_errors += 1
+        if pc is not None:
+            index = self.path_ctrls.index(pc)
+            key = (index, req.nsid)
+            if key not in self._veto:
+                self._veto.add(key)
+                log.info("path %s answered %#05x for namespace %s: re-reading its ANA log",
+                         format_path(*pc.path), (word >> 1) & 0x7FF, req.nsid)
+                self._reread(pc)
+                self._rerank(f"path {format_path(*pc.path)}: status {(word >> 1) & 0x7FF:#05x}")
+        self.recovery.retried += 1
+        self._dispatch(req)
+
+    def _reread(self, pc: Controller) -> None:
+        if pc._events is None or pc.state is not CtrlState.LIVE:
+            return
+
+        def read() -> None:
+            try:
+                ana = pc.read_ana_log()
+            except (BlockfabricError, ConnectionError, TimeoutError) as exc:
+                log.info("re-reading the ANA log of %s: %s", format_path(*pc.path), exc)
+                return
+            self._ana_changed(pc, ana)
+        try:
+            pc._events.submit(read)
+        except RuntimeError:        # closing
+            pass
+
+    def _poll_later(self) -> None:
+        self._poll_timer = self.reactor.call_later(HELD_POLL, self._poll)
+
+    def _poll(self) -> None:
+        """Held commands still waiting: look at every live path's ANA log again."""
+        with self._mp_lock:
+            self._poll_timer = None
+            waiting = bool(self._held)
+        if not waiting:
+            return
+        for pc in self.path_ctrls:
+            self._reread(pc)
+        self._rerank("held commands waiting")
+        with self._mp_lock:
+            if self._held and self._poll_timer is None:
+                self._poll_timer = self.reactor.call_later(HELD_POLL, self._poll)
+
+    def _release(self, held: list) -> None:
+        for req in held:
+            self._dispatch(req, held=True)
+
+    # -- what the paths tell -------------------------------------------------------------
+    def _ana_changed(self, pc: Controller, ana: tuple[int, list]) -> None:
+        index = self.path_ctrls.index(pc)
+        with self._mp_lock:
+            self._veto = {k for k in self._veto if k[0] != index}
+        self._rerank(f"ANA log of {format_path(*pc.path)}: chgcnt {ana[0]}")
+
+    def _path_changed(self, pc: Controller) -> None:
+        if self._closing:           # our own close: nothing to re-rank
+            return
+        index = self.path_ctrls.index(pc)
+        if pc.state is CtrlState.LIVE:
+            live = [p for p in self.path_ctrls if p is not pc and p.state is CtrlState.LIVE]
+            try:
+                if live:
+                    self._check_same(live[0], pc)
+                self._excluded.pop(index, None)
+            except SubsystemMismatch as exc:
+                log.error("%s: leaving that path unused", exc)
+                self._excluded[index] = str(exc)
+            with self._mp_lock:
+                self._veto = {k for k in self._veto if k[0] != index}
+        else:
+            self.recovery.last_reason = pc.recovery.last_reason
+        self._rerank(f"path {format_path(*pc.path)} {pc.state.value}")
+        if all(p.state in (CtrlState.FAILED, CtrlState.CLOSED) for p in self.path_ctrls):
+            with self._mp_lock:
+                held, self._held = self._held, []
+                self.recovery.failed += len(held)
+            self._lose(held, ControllerLost(f"every path gave up: {pc.recovery.last_reason}"))
+
+    def _namespaces_changed(self, pc: Controller, changed: set[int]) -> None:
+        """A path saw namespaces added, removed or changed: bring ours along, in place."""
+        mine = set()
+        with self._mp_lock:
+            for nsid in changed:
+                pns = pc.namespaces.get(nsid)
+                ns = self.namespaces.get(nsid)
+                if pns is None:
+                    if ns is not None:
+                        ns.active = False
+                        del self.namespaces[nsid]
+                        mine.add(nsid)
+                elif ns is None:
+                    self.namespaces[nsid] = Namespace(self, nsid, pns.block_size,
+                                                      pns.nblocks, pns.read_only, pns.nguid,
+                                                      pns.identify)
+                    mine.add(nsid)
+                elif (ns.block_size, ns.nblocks, ns.read_only) != (
+                        pns.block_size, pns.nblocks, pns.read_only):
+                    ns.block_size, ns.nblocks, ns.read_only = (pns.block_size, pns.nblocks,
+                                                               pns.read_only)
+                    ns.identify = pns.identify
+                    mine.add(nsid)
+        if mine:
+            self._rerank("namespaces changed")
+        for listener in list(self.namespace_listeners):
+            try:
+                listener(self, mine)
+            except Exception:
+                log.exception("namespace listener %r failed", listener)
+
+    # -- information ---------------------------------------------------------------------
+    def paths_view(self) -> list[dict[str, Any]]:
+        """Every path: address, controller state and ID, and per namespace its ANA state
+        and whether I/O goes there now (``blockfabric connect``, ``.status``)."""
+        out = []
+        for i, pc in enumerate(self.path_ctrls):
+            ana = {}
+            for nsid in sorted(self.namespaces):
+                state = self.path_state(i, nsid) if pc.state is CtrlState.LIVE else None
+                ana[nsid] = ("optimized" if state is None and pc.state is CtrlState.LIVE
+                             else state.name.lower().replace("_", "-") if state is not None
+                           else "-")
+            out.append({"path": format_path(*pc.path), "state": pc.state.value,
+                        "cntlid": pc.cntlid if pc.state is CtrlState.LIVE else None,
+                        "ana": ana,
+                        "serving": sorted(n for n, idx in self._serving.items() if i in idx),
+                        "losses": pc.recovery.losses, "reconnects": pc.recovery.reconnects,
+                        "excluded": self._excluded.get(i)})
+        return out
+
+    def paths_lines(self) -> list[str]:
+        """One line per path, as ``nvme list-subsys`` shows them: address, controller
+        state and ID, each namespace's ANA state, ``*`` where its I/O goes now."""
+        lines = []
+        for p in self.paths_view():
+            ana = ", ".join(f"n{nsid} {state}{'*' if nsid in p['serving'] else ''}"
+                            for nsid, state in p["ana"].items())
+            ctrl = f", controller {p['cntlid']}" if p["cntlid"] is not None else ""
+            lines.append(f"{p['path']} {p['state']}{ctrl}: {ana or 'no namespaces'}"
+                         + (f" (not used: {p['excluded']})" if p["excluded"] else ""))
+        return lines
+
+    def recovery_stats(self) -> dict[str, int | str]:
+        with self._mp_lock:
+            out = self.recovery.as_dict()
+            serving = sorted({i for idx in self._serving.values() for i in idx})
+            out.update(state=self.state.value,
+                       path=", ".join(format_path(*self.path_ctrls[i].path) for i in serving)
+                       or "-",
+                       held_now=len(self._held), failbacks=self.failbacks,
+                       reconnects=sum(pc.recovery.reconnects for pc in self.path_ctrls),
+                       losses=sum(pc.recovery.losses for pc in self.path_ctrls),
+                       attempts=sum(pc.recovery.attempts for pc in self.path_ctrls),
+                       last_failover=self.last_failover, last_failback=self.last_failback)
+        return out
+
+    def queue_stats(self) -> dict[int, dict[str, int]]:
+        """Every live path's queues, numbered path * 1000 + qid past the first path."""
+        out: dict[int, dict[str, int]] = {}
+        for i, pc in enumerate(self.path_ctrls):
+            for qid, st in pc.queue_stats().items():
+                out[i * 1000 + qid] = st
+        return out
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        for pc in self.path_ctrls:
+            if pc.state is CtrlState.LIVE:
+                pc.shutdown(timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closing = True
+        for pc in self.path_ctrls:
+            try:
+                pc.close()
+            except Exception:  # noqa: BLE001 - close the others all the same
+                log.exception("closing path %s", format_path(*pc.path))
+        with self._mp_lock:
+            self.state = CtrlState.CLOSED
+            self._route = {}
+        self.admin, self.io_queues = None, []
+        super().close()

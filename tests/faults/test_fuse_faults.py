@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -43,13 +44,17 @@ class FaultMount(Mount):
                             argv[-1]]
 
     def start(self) -> FaultMount:
-        if self.netns is None:
-            return super().start()
-        done = subprocess.run(["nsenter", f"--net=/run/netns/{self.netns}", str(BIN /
-                               "blockfabric"), *self.argv()], capture_output=True, text=True,
-                              env=self.env, timeout=30, stdin=subprocess.DEVNULL)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert mounted_at(self.path), "mount command returned 0 but nothing is mounted"
+        pre = [] if self.netns is None else ["nsenter", f"--net=/run/netns/{self.netns}"]
+        self.log_path = pathlib.Path(self.path).parent / "mount.log"
+        self.logf = open(self.log_path, "w")
+        self.proc = subprocess.Popen([*pre, str(BIN / "blockfabric"), *self.argv()[:-1], "-f", "-v",
+                                      self.argv()[-1]], stdout=self.logf, stderr=self.logf,
+                                     env=self.env, stdin=subprocess.DEVNULL)
+        for _ in range(300):
+            if mounted_at(self.path) or self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert mounted_at(self.path), self.log_path.read_text()
         return self
 
 
@@ -88,7 +93,10 @@ def test_fio_verify_through_a_target_restart(target, tmp_path):
         time.sleep(1.0)
         target.start()
         out, err = fio.communicate(timeout=60)
-        assert fio.returncode == 0, out + err
+        assert fio.returncode == 0, out + err + "\nMOUNTLOG\n" + "\n".join(
+            line for line in mount.log_path.read_text().splitlines()
+            if "DEBUG" not in line or "error" in line.lower())[-3000:] + "\nTARGETLOG\n" + "\n".join(
+            line for line in target.proc.log.splitlines() if "DEBUG" not in line)[-6000:]
         rec = recovery(mount.status())
         assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
         assert rec["failed"] == 0, rec
@@ -133,7 +141,10 @@ def fails_over(mount: FaultMount, target: Restartable, fault, first: str, second
         time.sleep(1.0)
         fault()
         out, err = fio.communicate(timeout=60)
-        assert fio.returncode == 0, out + err
+        assert fio.returncode == 0, out + err + "\nMOUNTLOG\n" + "\n".join(
+            line for line in mount.log_path.read_text().splitlines()
+            if "DEBUG" not in line or "error" in line.lower())[-3000:] + "\nTARGETLOG\n" + "\n".join(
+            line for line in target.proc.log.splitlines() if "DEBUG" not in line)[-6000:]
         status = mount.status()
         rec = recovery(status)
         print(f"\nobserved: {rec}")          # for docs/reliability.md (pytest -s)

@@ -11,6 +11,7 @@ Providers are imported lazily, so importing this package loads neither pyverbs n
 from __future__ import annotations
 
 import logging
+import threading
 
 from blockfabric.errors import ProviderUnavailable
 from blockfabric.rdma.base import (  # noqa: F401  (the public interface)
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 PROVIDERS = ("soft", "verbs")
 _instances: dict[str, Provider] = {}
+_instances_lock = threading.Lock()
 
 
 def get_provider(name: str = "auto", address: str | None = None) -> Provider:
@@ -46,11 +48,15 @@ def get_provider(name: str = "auto", address: str | None = None) -> Provider:
     if name not in PROVIDERS:
         raise ProviderUnavailable(f"unknown RDMA provider {name!r}: expected one of "
                                   f"auto, {', '.join(PROVIDERS)}")
-    if name not in _instances:
-        if name == "soft":
-            from blockfabric.rdma.soft import SoftProvider
-            _instances[name] = SoftProvider()
-        else:
-            from blockfabric.rdma.verbs import VerbsProvider
-            _instances[name] = VerbsProvider()
-    return _instances[name]
+    provider = _instances.get(name)
+    if provider is None:
+        with _instances_lock:       # one per process, also when paths connect in parallel
+            provider = _instances.get(name)
+            if provider is None:
+                if name == "soft":
+                    from blockfabric.rdma.soft import SoftProvider
+                    provider = _instances[name] = SoftProvider()
+                else:
+                    from blockfabric.rdma.verbs import VerbsProvider
+                    provider = _instances[name] = VerbsProvider()
+    return provider

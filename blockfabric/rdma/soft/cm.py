@@ -12,6 +12,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 from collections import deque
 
@@ -497,13 +498,20 @@ class SoftProvider(Provider):
         if self.progress not in ("thread", "poll"):
             raise ValueError(f"progress must be 'thread' or 'poll', not {self.progress!r}")
         self._ctx: SoftContext | None = None
+        self._ctx_lock = threading.Lock()
 
     @property
     def context(self) -> SoftContext:
-        """The one device, soft0 (opened on first use)."""
-        if self._ctx is None or self._ctx.closed:
-            self._ctx = SoftContext(self.progress)
-        return self._ctx
+        """The one device, soft0 (opened on first use; under a lock, since a multipath host
+        resolves its paths in parallel threads, and two devices would split one host's
+        queues between two engines)."""
+        ctx = self._ctx
+        if ctx is None or ctx.closed:
+            with self._ctx_lock:
+                ctx = self._ctx
+                if ctx is None or ctx.closed:
+                    ctx = self._ctx = SoftContext(self.progress)
+        return ctx
 
     def devices(self) -> list[DeviceInfo]:
         return [DeviceInfo("soft0", self.name, "",
@@ -534,6 +542,7 @@ class SoftProvider(Provider):
 
     def close(self) -> None:
         """Close the device (its progress thread and every connection)."""
-        if self._ctx is not None:
-            self._ctx.close()
-            self._ctx = None
+        with self._ctx_lock:
+            ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.close()

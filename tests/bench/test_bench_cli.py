@@ -107,7 +107,10 @@ def test_lost_target_is_an_io_error_with_exit_status_1(start_target):
     proc = subprocess.Popen(bench_cmd(port, "--runtime", "20", "--size", "16m", "-l", "2"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.5)
+        # killed once the bench's I/O queues are connected (not at a fixed time: on a loaded
+        # machine the bench may still be connecting, and fail for that instead)
+        assert tgt.wait_log("qid=2: connected", 30), tgt.log
+        time.sleep(0.5)
         tgt.proc.send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=15)
     finally:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.target import config as cfg
+from blockfabric.target.rbdvolume import caps_hint
 
 if TYPE_CHECKING:
     from blockfabric.target.ana import Ana
@@ -126,7 +127,9 @@ class Coordinator:
         except rados.Error as exc:
             self._shutdown_cluster()
             raise GatewayError(f"gateway {self.gw.name}: Ceph pool {c.pool} via "
-                               f"{c.ceph_conf}: {exc}") from exc
+                               f"{c.ceph_conf} as {c.client}: {exc}"
+                               f"{caps_hint(getattr(exc, 'errno', None), c.pool, c.namespace)}"
+                               ) from exc
         except GatewayError:
             self._shutdown_cluster()
             raise

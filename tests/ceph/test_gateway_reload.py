@@ -95,6 +95,11 @@ def test_reload_moves_an_ana_group_to_another_gateway_under_io(pair):
         out, _ = bench.communicate(timeout=60)
         assert bench.returncode == 0, out
         assert "err= 0" in out and "verified" in out, out
+    text = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket",
+                           a_svc.config["control_socket"]], capture_output=True, text=True,
+                          timeout=30).stdout
+    assert "gateway gw-a in group" in text and "home groups none  ANA groups: 1 " \
+        "non-optimized" in text, text
     for svc in pair:
         assert "reload rejected" not in svc.proc.log, svc.proc.log
     print(f"\nreload moved ANA group 1 from gw-a to gw-b: A's reload -> B's ANA change "

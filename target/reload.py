@@ -18,9 +18,11 @@ def listener_key(listener: cfg.Listener) -> tuple[str, str, str, int]:
 
 
 def same_volume(old: cfg.Namespace, new: cfg.Namespace) -> bool:
-    """Whether ``new`` is the same volume as ``old`` (size and read_only may differ)."""
-    return (old.backend, old.path, old.block_size, old.uuid, old.nguid) == \
-        (new.backend, new.path, new.block_size, new.uuid, new.nguid)
+    """Whether ``new`` is the same volume as ``old`` (size, read_only and the ANA group may
+    differ; any change of an rbd section, another image or other client settings, reopens
+    it)."""
+    return (old.backend, old.path, old.rbd, old.block_size, old.uuid, old.nguid) == \
+        (new.backend, new.path, new.rbd, new.block_size, new.uuid, new.nguid)
 
 
 @dataclass
@@ -31,7 +33,7 @@ class SubsystemChange:
     new: cfg.Subsystem
     added: list[cfg.Namespace] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
-    #: A different volume under the same nsid (backend, path, block size or ids changed):
+    #: A different volume under the same nsid (backend, path, rbd, block size or ids changed):
     #: the old one is removed and the new one added.
     replaced: list[cfg.Namespace] = field(default_factory=list)
     resized: list[cfg.Namespace] = field(default_factory=list)

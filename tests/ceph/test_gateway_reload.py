@@ -6,6 +6,7 @@ what needs a restart is refused naming the key, the running configuration kept."
 from __future__ import annotations
 
 import copy
+import socket
 import subprocess
 import time
 import uuid
@@ -109,7 +110,10 @@ def test_reload_moves_an_ana_group_to_another_gateway_under_io(pair):
 def test_reload_refuses_what_needs_a_restart_and_keeps_running(pair):
     a_svc, b_svc = pair
     sock = a_svc.config["control_socket"]
-    with connect("127.0.0.1", NQN, a_svc.port, provider="soft", hostnqn=HOSTNQN) as a:
+    with connect("127.0.0.1", NQN, a_svc.port, provider="soft", hostnqn=HOSTNQN) as a, \
+            socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
         wait_for(lambda: states(a) == {1: OPT, 2: NON}, 10, "home group owned")
         cntlid = a.identify.cntlid
         refused = [
@@ -123,6 +127,11 @@ def test_reload_refuses_what_needs_a_restart_and_keeps_running(pair):
              f"controller(s) {cntlid} would be outside it"),
             # overlaps B's range in the group (checked through Ceph)
             (edited(a_svc, cntlid_max=150), "overlaps gateway gw-b's 100-199"),
+            # a range registered in the group, then the reload fails after all (the metrics
+            # port is taken): the registration is put back (B's reload below shows it)
+            ({**edited(a_svc, cntlid_max=60),
+              "metrics": {"address": "127.0.0.1", "port": busy.getsockname()[1]}},
+             "Address already in use"),
         ]
         original = copy.deepcopy(a_svc.config)
         for conf, message in refused:
@@ -134,6 +143,11 @@ def test_reload_refuses_what_needs_a_restart_and_keeps_running(pair):
             assert st["gateway"]["cntlid_range"] == [1, 99]
         assert a_svc.proc.log.count("reload rejected") == len(refused)
         a_svc.config = original
+        b_svc.reload(edited(b_svc, cntlid_min=61, cntlid_max=199))
+        assert "overlaps gateway gw-a's 1-99" in \
+            request(b_svc.config["control_socket"], "status")["last_reload_error"]
+        b_svc.config = edited(b_svc)        # (Service.reload kept the refused one)
+        b_svc.config["gateway"].update(cntlid_min=100, cntlid_max=199)
         # still serving, still the owner
         a.namespaces[1].write(0, b"r" * 4096)
         assert a.namespaces[1].read(0, 4096) == b"r" * 4096

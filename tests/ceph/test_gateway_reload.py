@@ -15,8 +15,9 @@ import pytest
 
 from ceph.test_gateway import NQN, _image, _remove, gateway_config, states, wait_for
 from e2e.conftest import BIN, HOSTNQN, TargetProc, free_port
-from initiator.host import connect
+from initiator.host import NvmeError, connect
 from service.conftest import Service
+from blockfabric.protocol import StatusCode
 from blockfabric.protocol import identify as idn
 from blockfabric.protocol.logpages import AnaState
 from blockfabric.target.control import request
@@ -96,11 +97,21 @@ def test_reload_moves_an_ana_group_to_another_gateway_under_io(pair):
         out, _ = bench.communicate(timeout=60)
         assert bench.returncode == 0, out
         assert "err= 0" in out and "verified" in out, out
+        # others: inaccessible, by reload: at once, with an event, and I/O on A now gets
+        # the ANA status (the host would retry on another path)
+        conf = copy.deepcopy(a_svc.config)
+        conf["gateway"]["others"] = "inaccessible"
+        a_svc.reload(conf)
+        wait_for(lambda: seen["a"][-1] == {1: (AnaState.INACCESSIBLE, (1, 2))}, 10,
+                 "ANA change event: group 1 inaccessible on A")
+        with pytest.raises(NvmeError) as err:
+            a.namespaces[1].read(0, 4096)
+        assert err.value.status == StatusCode.ANA_INACCESSIBLE
     text = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket",
                            a_svc.config["control_socket"]], capture_output=True, text=True,
                           timeout=30).stdout
     assert "gateway gw-a in group" in text and "home groups none  ANA groups: 1 " \
-        "non-optimized" in text, text
+        "inaccessible" in text, text
     for svc in pair:
         assert "reload rejected" not in svc.proc.log, svc.proc.log
     print(f"\nreload moved ANA group 1 from gw-a to gw-b: A's reload -> B's ANA change "

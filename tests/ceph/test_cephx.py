@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
 import uuid
 
 import pytest
@@ -97,3 +98,24 @@ def test_too_few_caps_refuse_to_start_at_once(ceph_cephx, tmp_path):
     assert "permission error" in last and "it needs mon 'profile rbd' osd 'profile rbd " \
         f"pool={ceph.pool}'" in last, out.stderr
     print(f"\nread-only caps: refused in {took:.2f} s: {last}")
+
+
+def test_a_coordination_pool_outside_the_caps_is_refused_at_start(ceph_cephx, tmp_path):
+    """Images in pool rbd (covered by the caps), the group's objects in another pool (not):
+    the gateway does not start, and says which pool its user needs caps on."""
+    ceph = ceph_cephx
+    subprocess.run(["ceph", "--conf", ceph.conf, "osd", "pool", "create", "gwq", "8"],
+                   check=True, capture_output=True, timeout=30)
+    keyring = ceph.user("bfgq", documented_caps(ceph.pool))
+    image = f"gw-{uuid.uuid4().hex[:8]}"
+    ceph.rbd("create", "--size", "16M", "--image-feature", "layering", f"{ceph.pool}/{image}")
+    conf = as_user(gateway_config(ceph, [image], free_port(), "gw-q", f"q{uuid.uuid4().hex[:6]}",
+                                  (1, 9), [1]), "client.bfgq", keyring)
+    conf["gateway"]["ceph"] = {"pool": "gwq", "ceph_conf": ceph.conf, "client": "client.bfgq",
+                               "keyring": keyring}
+    out, took = start_refused(tmp_path, conf)
+    assert took < 30, (took, out.stderr)
+    last = out.stderr.strip().splitlines()[-1]
+    assert "gateway gw-q: Ceph pool gwq" in last and "as client.bfgq" in last and \
+        "osd 'profile rbd pool=gwq'" in last, out.stderr
+

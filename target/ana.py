@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: ANACAP: optimized, non-optimized, inaccessible, persistent loss and change reportable
-#: (bits 0-4, nvmet's 0x1F), plus bit 6: a namespace's ANAGRPID does not change while it
-#: is attached (only a reload moves it).
-ANACAP = 0x1F | 1 << 6
+#: (bits 0-4, nvmet's 0x1F).  Not bit 6 (ANAGRPID never changes while attached): a reload
+#: may move a namespace to another ANA group, announced by an ANA change event (as nvmet
+#: does when its ana_grpid changes).
+ANACAP = 0x1F
 
 _STATUS = {lp.AnaState.INACCESSIBLE: StatusCode.ANA_INACCESSIBLE,
            lp.AnaState.PERSISTENT_LOSS: StatusCode.ANA_PERSISTENT_LOSS,
@@ -90,12 +91,28 @@ class Ana:
             if self.owned.pop(group, None) is None:
                 return
             self.releases += 1
+        self.changed(f"group={group} -> {self.state(group).name.lower()} ({why or '-'})")
+
+    def changed(self, what: str) -> None:
+        """The ANA log reads differently (an owner, ``others``, a namespace's group): a new
+        change count, every path flag again, and an ANA change event to the hosts."""
         self.chgcnt += 1
         self.last_change = time.time()
-        log.warning("ana: gateway=%s group=%d -> %s (%s) chgcnt=%d", self.gw.name, group,
-                    self.state(group).name.lower(), why or "-", self.chgcnt)
+        log.warning("ana: gateway=%s %s chgcnt=%d", self.gw.name, what, self.chgcnt)
         self.refresh()
         self._tell_hosts()
+
+    def reconfigure(self, gw: cfg.Gateway) -> None:
+        """A reload's new ``gateway`` section (what gateway.Coordinator.reconfigure does
+        not: what this gateway reports for the groups it does not own)."""
+        others = (lp.AnaState.INACCESSIBLE if gw.others == "inaccessible"
+                  else lp.AnaState.NON_OPTIMIZED)
+        self.gw = gw
+        if others != self.others:
+            self.others = others
+            self.changed(f"others -> {gw.others} (reload)")
+        else:
+            self.refresh()
 
     def renewed(self, group: int, deadline: float) -> None:
         if group in self.owned:

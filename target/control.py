@@ -157,6 +157,14 @@ def format_status(st: dict[str, Any]) -> str:
                 if st.get("buffer_hold_disconnects") else "")]
     if st.get("last_reload_error"):
         lines.append(f"last reload FAILED: {st['last_reload_error']}")
+    gw = st.get("gateway")
+    if gw:
+        groups = ", ".join(f"{g} {state.replace('_', '-')}"
+                           for g, state in gw["groups"].items()) or "none"
+        lo, hi = gw["cntlid_range"]
+        lines.append(f"gateway {gw['name']} in group {gw['group']}  cntlid {lo}-{hi}  home "
+                     f"groups {gw['home_groups'] or 'none'}  ANA groups: {groups}  chgcnt "
+                     f"{gw['chgcnt']}  takeovers {gw['takeovers']} releases {gw['releases']}")
     lines.append("")
     lines.append("listeners:")
     for x in st["listeners"]:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.target import config as cfg
+from blockfabric.target.rbdvolume import caps_hint
 
 if TYPE_CHECKING:
     from blockfabric.target.ana import Ana
@@ -91,6 +92,7 @@ class Coordinator:
         self._io: Any = None
         self._watch: Any = None
         self._rados: Any = None
+        self._announce = False      # notify the others at the next step (after a reload)
 
     # -- objects ----------------------------------------------------------------------
     def group_obj(self, group: int) -> str:
@@ -121,18 +123,21 @@ class Coordinator:
             for group in self.gw.ana_groups:
                 self._io.set_xattr(self.group_obj(group), "home", self.gw.name.encode())
             self._io.write_full(f"{self.prefix}.notify", b"")
-            self._watch = self._io.watch(f"{self.prefix}.notify",
-                                         lambda *_a: self._wake.set())
+            self._watch = self._io.watch(f"{self.prefix}.notify", self._notified)
         except rados.Error as exc:
             self._shutdown_cluster()
             raise GatewayError(f"gateway {self.gw.name}: Ceph pool {c.pool} via "
-                               f"{c.ceph_conf}: {exc}") from exc
+                               f"{c.ceph_conf} as {c.client}: {exc}"
+                               f"{caps_hint(getattr(exc, 'errno', None), c.pool, c.namespace)}"
+                               ) from exc
         except GatewayError:
             self._shutdown_cluster()
             raise
 
-    def _register(self) -> None:
-        rados, io, gw = self._rados, self._io, self.gw
+    def _register(self, gw: cfg.Gateway | None = None) -> None:
+        """Record ``gw``'s controller id range (default: this gateway's) in the group,
+        refusing one that overlaps another gateway's."""
+        rados, io, gw = self._rados, self._io, gw or self.gw
         obj = f"{self.prefix}.gateways"
         with rados.ReadOpCtx() as op:
             it, _ret = io.get_omap_vals(op, "", "", 1024)
@@ -152,6 +157,46 @@ class Coordinator:
         with rados.WriteOpCtx() as op:
             io.set_omap(op, (gw.name,), (f"{gw.cntlid_min}-{gw.cntlid_max}".encode(),))
             io.operate_write_op(op, obj)
+
+    # -- reload -----------------------------------------------------------------------
+    def prepare(self, new: cfg.Gateway, old: cfg.Gateway | None = None) -> None:
+        """The part of a reload from ``old`` (default: the running one) to ``new`` that can
+        fail (on the reactor, bounded by the op timeout): register a changed controller id
+        range (refused if it overlaps another gateway's), and say in the cluster which
+        groups are now this gateway's home (the ``home`` xattr; a dropped home group's is
+        removed if it still names this gateway: whoever holds it keeps it until its new
+        home asks).  Raises GatewayError."""
+        rados, old = self._rados, old or self.gw
+        try:
+            if (new.cntlid_min, new.cntlid_max) != (old.cntlid_min, old.cntlid_max):
+                self._register(new)
+            for group in sorted(set(new.ana_groups) - set(old.ana_groups)):
+                self._io.set_xattr(self.group_obj(group), "home", new.name.encode())
+            for group in sorted(set(old.ana_groups) - set(new.ana_groups)):
+                try:
+                    if self._io.get_xattr(self.group_obj(group), "home") == new.name.encode():
+                        self._io.rm_xattr(self.group_obj(group), "home")
+                except (rados.ObjectNotFound, rados.NoData):
+                    pass
+        except rados.Error as exc:
+            raise GatewayError(f"gateway {new.name}: Ceph pool {new.ceph.pool}: {exc}") from exc
+
+    def rollback(self, new: cfg.Gateway) -> None:
+        """A reload prepared for ``new`` was rejected after all: the range and the home
+        groups as they were (best effort: the next reload or start rewrites them)."""
+        try:
+            self.prepare(self.gw, old=new)
+        except GatewayError as exc:
+            log.warning("gateway %s: restoring its registration: %s", self.gw.name, exc)
+
+    def reconfigure(self, new: cfg.Gateway) -> None:
+        """Commit a reload: the thread uses ``new`` from its next step, which comes now and
+        tells the other gateways to look again (a home group moved: its holder hands it
+        back to its new home on that notify)."""
+        self.gw = new
+        self._homes = {}
+        self._announce = True
+        self._wake.set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
@@ -180,6 +225,12 @@ class Coordinator:
             self._cluster.shutdown()
             self._cluster = None
 
+    def _notified(self, *_args: Any) -> None:
+        """Another gateway changed something: look now, and read the homes again (a
+        reload may have moved one)."""
+        self._homes = {}
+        self._wake.set()
+
     # -- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
         due = time.monotonic()
@@ -199,7 +250,7 @@ class Coordinator:
     def _step(self) -> None:
         rados = self._rados
         self._lock(self.alive_obj(self.gw.name), LOCK_ALIVE, renew=True)
-        changed = False
+        changed, self._announce = self._announce, False
         for group in sorted(self.ana.groups | self.held):
             if self._stop.is_set():
                 return
@@ -240,12 +291,15 @@ class Coordinator:
                                 flags=LOCK_FLAG_RENEW if renew else 0)
 
     def _home(self, group: int) -> str | None:
-        if group not in self._homes or self._homes[group] is None:
+        homes = self._homes         # replaced (not cleared) by _notified on another thread
+        home = homes.get(group)
+        if home is None:
             try:
-                self._homes[group] = self._io.get_xattr(self.group_obj(group), "home").decode()
+                home = self._io.get_xattr(self.group_obj(group), "home").decode() or None
             except self._rados.Error:
-                self._homes[group] = None
-        return self._homes[group]
+                home = None
+            homes[group] = home
+        return home
 
     def _alive(self, name: str) -> bool:
         """Whether gateway ``name`` holds its ``alive`` lock: probed by trying to take it

@@ -72,12 +72,22 @@ def _error(ret: int, what: str) -> OSError:
     return OSError(err, msg)
 
 
-def _from_exception(exc: BaseException, what: str) -> OSError:
+def caps_hint(err: int | None, pool: str, namespace: str | None) -> str:
+    """For a permission error: the caps the Ceph user needs (docs/ceph.md)."""
+    if err not in (errno.EPERM, errno.EACCES):
+        return ""
+    ns = f" namespace={namespace}" if namespace else ""
+    return (f" (the Ceph user lacks caps: it needs mon 'profile rbd' osd 'profile rbd "
+            f"pool={pool}{ns}', docs/ceph.md)")
+
+
+def _from_exception(exc: BaseException, what: str, conf: cfg.Rbd | None = None) -> OSError:
     """A rados/rbd exception (they carry a positive errno) as an OSError."""
     err = getattr(exc, "errno", None) or errno.EIO
     if err in _UNREACHABLE:
         return Unavailable(err, f"{what}: {exc}")
-    return OSError(err, f"{what}: {exc}")
+    hint = caps_hint(err, conf.pool, conf.namespace) if conf is not None else ""
+    return OSError(err, f"{what}: {exc}{hint}")
 
 
 class RbdBackend(Backend):
@@ -121,23 +131,25 @@ class RbdBackend(Backend):
                     raise OSError(errno.ETIMEDOUT, f"{what}: no answer from the Ceph monitors "
                                   f"within {conf.connect_timeout} s (rbd.connect_timeout): is "
                                   "the cluster up and mon host right?") from None
-                raise _from_exception(exc, f"{what}: connecting to the cluster") from None
+                raise _from_exception(exc, f"{what}: connecting to the cluster", conf
+                                      ) from None
             try:
                 self._ioctx = self._cluster.open_ioctx(conf.pool)
             except rados.Error as exc:
-                raise _from_exception(exc, f"{what}: opening pool {conf.pool!r}") from None
+                raise _from_exception(exc, f"{what}: opening pool {conf.pool!r}", conf
+                                      ) from None
             if conf.namespace:
                 self._ioctx.set_namespace(conf.namespace)
             try:
                 self._image = rbd.Image(self._ioctx, conf.image, read_only=read_only)
             except rbd.Error as exc:
-                raise _from_exception(exc, f"{what}: opening the image") from None
+                raise _from_exception(exc, f"{what}: opening the image", conf) from None
             size = self._image.size()
             #: the image has exclusive-lock: fine for one target, refused in a gateway group
             self.exclusive_lock = bool(self._image.features() & rbd.RBD_FEATURE_EXCLUSIVE_LOCK)
         except rados.Error as exc:
             self._teardown()
-            raise _from_exception(exc, what) from None
+            raise _from_exception(exc, what, conf) from None
         except BaseException:
             self._teardown()
             raise

@@ -18,9 +18,11 @@ def listener_key(listener: cfg.Listener) -> tuple[str, str, str, int]:
 
 
 def same_volume(old: cfg.Namespace, new: cfg.Namespace) -> bool:
-    """Whether ``new`` is the same volume as ``old`` (size and read_only may differ)."""
-    return (old.backend, old.path, old.block_size, old.uuid, old.nguid) == \
-        (new.backend, new.path, new.block_size, new.uuid, new.nguid)
+    """Whether ``new`` is the same volume as ``old`` (size, read_only and the ANA group may
+    differ; any change of an rbd section, another image or other client settings, reopens
+    it)."""
+    return (old.backend, old.path, old.rbd, old.block_size, old.uuid, old.nguid) == \
+        (new.backend, new.path, new.rbd, new.block_size, new.uuid, new.nguid)
 
 
 @dataclass
@@ -31,12 +33,14 @@ class SubsystemChange:
     new: cfg.Subsystem
     added: list[cfg.Namespace] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
-    #: A different volume under the same nsid (backend, path, block size or ids changed):
+    #: A different volume under the same nsid (backend, path, rbd, block size or ids changed):
     #: the old one is removed and the new one added.
     replaced: list[cfg.Namespace] = field(default_factory=list)
     resized: list[cfg.Namespace] = field(default_factory=list)
     #: read_only flipped on a memory volume (a file volume is reopened: ``replaced``).
     flipped: list[cfg.Namespace] = field(default_factory=list)
+    #: The same volume moved to another ANA group (hosts hear of it by an ANA change event).
+    regrouped: list[cfg.Namespace] = field(default_factory=list)
 
     @property
     def access_changed(self) -> bool:
@@ -60,6 +64,9 @@ class ReloadPlan:
     changed: list[SubsystemChange] = field(default_factory=list)
     metrics_changed: bool = False
     control_socket_changed: bool = False
+    #: The ``gateway`` section differs (Target.reload applies what it safely can, refuses
+    #: the rest: see gateway_refusal).
+    gateway_changed: bool = False
 
     @property
     def discovery_changed(self) -> bool:
@@ -79,11 +86,14 @@ class ReloadPlan:
             bits = [f"{k}={','.join(str(n.nsid) if hasattr(n, 'nsid') else str(n) for n in v)}"
                     for k, v in (("ns_added", c.added), ("ns_removed", c.removed),
                                  ("ns_replaced", c.replaced), ("ns_resized", c.resized),
-                                 ("ns_read_only", c.flipped)) if v]
+                                 ("ns_read_only", c.flipped),
+                                 ("ns_ana_group", c.regrouped)) if v]
             if c.access_changed:
                 bits.append("access")
             if bits:
                 parts.append(f"subnqn={c.new.nqn} " + " ".join(bits))
+        if self.gateway_changed:
+            parts.append("gateway")
         return "; ".join(parts) or "no changes"
 
 
@@ -120,7 +130,42 @@ def plan(old: cfg.TargetConfig, new: cfg.TargetConfig) -> ReloadPlan:
                     change.flipped.append(ns)
                 if before.size != ns.size:
                     change.resized.append(ns)
+                if before.ana_group_id != ns.ana_group_id:
+                    change.regrouped.append(ns)
         out.changed.append(change)
     out.metrics_changed = old.metrics != new.metrics
     out.control_socket_changed = old.control_socket != new.control_socket
+    out.gateway_changed = old.gateway != new.gateway
     return out
+
+
+def gateway_refusal(old: cfg.Gateway | None, new: cfg.Gateway | None) -> str | None:
+    """Why a reload cannot change the ``gateway`` section from ``old`` to ``new`` without a
+    restart, naming the key; None when what changed can be applied to the running gateway
+    (its home ANA groups, ``others``, ``lease``, ``renew_interval``, and its controller id
+    range, which the target checks against its controllers and the group)."""
+    restart = "restart the gateway to change it (systemctl restart blockfabric-target)"
+    if old is None and new is not None:
+        return f"gateway: a reload cannot make a standalone target a gateway: {restart}"
+    if old is not None and new is None:
+        return f"gateway: a reload cannot take a gateway out of its group: {restart}"
+    if old is None or new is None:
+        return None
+    for key, why in (("name", "this gateway's identity in its group (its leases, its "
+                      "registered controller ids)"),
+                     ("group", "the gateways it coordinates with and their RADOS objects"),
+                     ("ceph", "the Ceph connection it coordinates through (unset, it is the "
+                      "first rbd namespace's pool, cluster, client and timeouts)")):
+        before, after = getattr(old, key), getattr(new, key)
+        if before != after:
+            shown = (before, after) if key != "ceph" else (_ceph(before), _ceph(after))
+            return (f"gateway.{key}: {shown[0]} -> {shown[1]}: cannot change on reload, it is "
+                    f"{why}; {restart}")
+    return None
+
+
+def _ceph(c: cfg.GatewayCeph | None) -> str:
+    if c is None:
+        return "-"
+    return (f"{c.client}@{c.pool}{'/' + c.namespace if c.namespace else ''} ({c.ceph_conf}, "
+            f"connect_timeout {c.connect_timeout}, op_timeout {c.op_timeout})")

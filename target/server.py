@@ -957,6 +957,7 @@ class Target:
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
         metrics = None
+        gateway_prepared = False
         try:
             for change in plan.changed:
                 for ns_conf in change.resized:
@@ -971,6 +972,9 @@ class Target:
             if self.config.gateway is not None:
                 refuse_exclusive_lock([*namespaces.values(), *(
                     ns for sub in subsystems for ns in sub.namespaces.values())])
+            if plan.gateway_changed:
+                self._prepare_gateway(new.gateway)
+                gateway_prepared = True
             if plan.metrics_changed and new.metrics is not None:
                 old = self.metrics_server
                 if old is not None and old.port == new.metrics.port:
@@ -985,6 +989,8 @@ class Target:
                 sub.close()
             for ns in namespaces.values():
                 ns.close()
+            if gateway_prepared and self.coordinator is not None:
+                self.coordinator.rollback(new.gateway)
             self._reload_failed(f"{new.source}: {exc}")
             return False
         self._commit(plan, new, opened, subsystems, namespaces, metrics)
@@ -993,6 +999,28 @@ class Target:
         self.volumes.poll_sizes()               # an image resized in the cluster
         log.info("reloaded %s: %s", new.source, plan.summary())
         return True
+
+    def _prepare_gateway(self, gw: cfg.Gateway | None) -> None:
+        """A reload changes the ``gateway`` section: refuse (ValueError, naming the key)
+        what needs a restart, or a controller id range that leaves out a connected
+        controller; register what can be applied with the group (GatewayError)."""
+        old = self.config.gateway
+        refusal = rl.gateway_refusal(old, gw)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if (gw.cntlid_min, gw.cntlid_max) != (old.cntlid_min, old.cntlid_max):
+            outside = sorted(cntlid for cntlid, c in self.controllers.items()
+                             if not c.is_discovery
+                             and not gw.cntlid_min <= cntlid <= gw.cntlid_max)
+            if outside:
+                raise ValueError(
+                    f"gateway.cntlid_min/cntlid_max: {old.cntlid_min}-{old.cntlid_max} -> "
+                    f"{gw.cntlid_min}-{gw.cntlid_max}: connected controller(s) "
+                    f"{', '.join(map(str, outside))} would be outside it (a host may meet "
+                    "their ids again on another gateway); disconnect those hosts first or "
+                    "restart the gateway")
+        if self.coordinator is not None:
+            self.coordinator.prepare(gw)
 
     def _check_resize(self, nqn: str, ns_conf: cfg.Namespace) -> None:
         ns = self.subsystems[nqn].namespaces[ns_conf.nsid]
@@ -1044,7 +1072,14 @@ class Target:
             self.metrics_server = metrics.start() if metrics is not None else None
         resvctl.bind(self)          # new namespaces: their shared reservation state
         if self.ana is not None:
-            self.ana.refresh()      # new namespaces: their ANA group and path state
+            if plan.gateway_changed:
+                self.ana.reconfigure(new.gateway)
+                if self.coordinator is not None:
+                    self.coordinator.reconfigure(new.gateway)
+            if any(c.regrouped for c in plan.changed):
+                self.ana.changed("namespaces moved to other ANA groups (reload)")
+            else:
+                self.ana.refresh()  # new namespaces: their ANA group and path state
         if plan.discovery_changed:
             self.genctr += 1
             for ctrl in list(self.controllers.values()):
@@ -1075,6 +1110,8 @@ class Target:
             ns = sub.namespaces[ns_conf.nsid]
             ns.conf = ns_conf
             ns.read_only = ns.backend.read_only = ns_conf.read_only
+        for ns_conf in change.regrouped:    # Ana.refresh reads the group from ns.conf
+            sub.namespaces[ns_conf.nsid].conf = ns_conf
         if change.changed_nsids:
             log.info("namespaces changed: subnqn=%s added=%s removed=%s replaced=%s "
                      "read_only=%s", sub.nqn, [n.nsid for n in change.added], change.removed,

@@ -15,6 +15,9 @@
 #        CEPH_UP_TIMEOUT=60                    (overall budget, seconds)
 #        CEPH_CMD_TIMEOUT=20                   (each `ceph` command; the lab's TCG guest
 #                                               needs more: its Python CLI starts slowly)
+#        CEPH_AUTH=none|cephx                  (default none; cephx: keys for mon., osd.0 and
+#                                               client.admin, whose keyring DIR/keyring the
+#                                               conf names for every client)
 # prints "export CEPH_CONF=..." lines on stdout (also written to DIR/env);
 # everything else goes to stderr.  Exit status != 0 => cluster not usable
 # (daemons already started are stopped again unless CEPH_KEEP_ON_FAIL=1).
@@ -60,6 +63,20 @@ fi
 FSID=$(cat /proc/sys/kernel/random/uuid)
 OSD_UUID=$(cat /proc/sys/kernel/random/uuid)
 CONF=$DIR/ceph.conf
+AUTH=${CEPH_AUTH:-none}
+KEYRING=/dev/null
+case $AUTH in
+  none) ;;
+  cephx)
+    # every key made here (no monitor needed): the monitor's mkfs imports DIR/keyring
+    KEYRING=$DIR/keyring
+    ceph-authtool --create-keyring "$KEYRING" --gen-key -n mon. --cap mon 'allow *' >/dev/null
+    ceph-authtool "$KEYRING" --gen-key -n client.admin --cap mon 'allow *' \
+      --cap osd 'allow *' --cap mgr 'allow *' >/dev/null
+    OSD_KEY=$(ceph-authtool --gen-print-key)
+    ;;
+  *) echo "ceph-up: CEPH_AUTH=$AUTH: none or cephx" >&2; exit 2 ;;
+esac
 cat > "$CONF" <<EOF
 [global]
 fsid = $FSID
@@ -69,14 +86,13 @@ public addr = 127.0.0.1
 cluster addr = 127.0.0.1
 ms bind msgr1 = false
 ms bind msgr2 = true
-auth cluster required = none
-auth service required = none
-auth client required = none
-auth supported = none
+auth cluster required = $AUTH
+auth service required = $AUTH
+auth client required = $AUTH
 run dir = $DIR/run
 pid file = $DIR/run/\$name.pid
 log file = $DIR/log/\$name.log
-keyring = /dev/null
+keyring = $KEYRING
 # single OSD: replicate across OSDs (type 0), not hosts; size 1 pools
 osd crush chooseleaf type = 0
 osd pool default size = 1
@@ -106,6 +122,7 @@ log flush on exit = false
 # daemons only: clients (the target, rbd, the tests) sharing one name would collide
 admin socket = $DIR/run/\$name.asok
 mon data = $DIR/mon/\$name
+keyring = $DIR/mon/\$name/keyring
 mon cluster log file = $DIR/log/cluster.log
 # OSD may be the only one and will not be marked out
 mon osd min in ratio = 0
@@ -116,6 +133,7 @@ paxos min wait = 0.01
 [osd]
 admin socket = $DIR/run/\$name.asok
 osd data = $DIR/osd/\$name
+keyring = $DIR/osd/\$name/keyring
 osd objectstore = $STORE
 osd op num shards = 1
 osd op num threads per shard = 2
@@ -147,15 +165,22 @@ C() { timeout "$CMD_TIMEOUT" ceph --conf "$CONF" --connect-timeout "$((CMD_TIMEO
 # --- monitor -----------------------------------------------------------
 log "fsid $FSID, mon 127.0.0.1:$PORT, store $STORE, dir $DIR"
 monmaptool --create --fsid "$FSID" --addv a "[v2:127.0.0.1:$PORT]" "$DIR/monmap" >/dev/null
-timeout 30 ceph-mon --conf "$CONF" -i a --mkfs --monmap "$DIR/monmap" --keyring /dev/null \
+timeout 30 ceph-mon --conf "$CONF" -i a --mkfs --monmap "$DIR/monmap" --keyring "$KEYRING" \
   >"$DIR/log/mon-mkfs.out" 2>&1 || fail "ceph-mon --mkfs (see $DIR/log/mon-mkfs.out)"
 timeout 30 ceph-mon --conf "$CONF" -i a >"$DIR/log/mon.out" 2>&1 || fail "ceph-mon start"
 log "mon started (pid $(cat "$DIR/run/mon.a.pid" 2>/dev/null))"
 
 # --- OSD ---------------------------------------------------------------
-OSD_ID=$(C osd new "$OSD_UUID")          # blocks until the mon answers (quorum of 1)
-[ "$OSD_ID" = 0 ] || fail "unexpected osd id '$OSD_ID'"
 mkdir -p "$DIR/osd/osd.0"
+if [ "$AUTH" = cephx ]; then
+  printf '{"cephx_secret": "%s"}' "$OSD_KEY" > "$DIR/osd-secret.json"
+  OSD_ID=$(C osd new "$OSD_UUID" -i "$DIR/osd-secret.json")   # registers osd.0's key
+  ceph-authtool --create-keyring "$DIR/osd/osd.0/keyring" -n osd.0 --add-key "$OSD_KEY" \
+    >/dev/null
+else
+  OSD_ID=$(C osd new "$OSD_UUID")        # blocks until the mon answers (quorum of 1)
+fi
+[ "$OSD_ID" = 0 ] || fail "unexpected osd id '$OSD_ID'"
 timeout 60 ceph-osd --conf "$CONF" -i 0 --mkfs --osd-uuid "$OSD_UUID" \
   >"$DIR/log/osd-mkfs.out" 2>&1 || fail "ceph-osd --mkfs (see $DIR/log/osd-mkfs.out)"
 timeout 30 ceph-osd --conf "$CONF" -i 0 >"$DIR/log/osd.out" 2>&1 || fail "ceph-osd start"

@@ -2,8 +2,9 @@
 tests: brought up once per test session by ``ceph-up.sh`` (about 1.4 s), taken down by pid
 with ``ceph-down.sh``.  The Debian packages come from the Makefile's DEB_PKGS.
 
-The daemons run on 127.0.0.1 without cephx; the client timeouts in the generated ceph.conf
-are short, and every namespace the tests configure sets its own short ``rbd`` timeouts."""
+The daemons run on 127.0.0.1 without cephx (``ceph_cephx``: a second cluster with cephx, for
+the tests of the Ceph user's caps); the client timeouts in the generated ceph.conf are
+short, and every namespace the tests configure sets its own short ``rbd`` timeouts."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ class Cluster:
         self.rbd("create", "--size", f"{size // MiB}M", f"{self.pool}/{name}")
         return name
 
+    def user(self, name: str, caps: list[str]) -> str:
+        """Create Ceph user ``client.<name>`` with ``caps`` (["mon", "profile rbd", "osd",
+        ...]), as an operator does: the path of its keyring."""
+        keyring = os.path.join(self.dir, f"ceph.client.{name}.keyring")
+        subprocess.run(["ceph", "--conf", self.conf, "auth", "get-or-create", f"client.{name}",
+                        *caps, "-o", keyring], check=True, capture_output=True, timeout=30)
+        return keyring
+
     def open(self, image: str):
         """(cluster, ioctx, image) through python3-rbd, for the tests to look at the image."""
         import rados
@@ -51,8 +60,7 @@ class Cluster:
         return c, io, rbd.Image(io, image)
 
 
-@pytest.fixture(scope="session")
-def ceph() -> Cluster:
+def _cluster(**env: str):
     try:
         import rados  # noqa: F401
         import rbd  # noqa: F401
@@ -66,8 +74,20 @@ def ceph() -> Cluster:
     directory = tempfile.mkdtemp(prefix="blockfabric-ceph.")
     try:
         subprocess.run([str(HERE / "ceph-up.sh"), directory], check=True, timeout=90,
-                       stdout=subprocess.DEVNULL, env=dict(os.environ, CEPH_IMAGE=""))
+                       stdout=subprocess.DEVNULL, env=dict(os.environ, CEPH_IMAGE="", **env))
         yield Cluster(directory)
     finally:
         if os.path.exists(os.path.join(directory, "ceph.conf")):
             subprocess.run([str(HERE / "ceph-down.sh"), directory], timeout=60)
+
+
+@pytest.fixture(scope="session")
+def ceph() -> Cluster:
+    yield from _cluster()
+
+
+@pytest.fixture(scope="module")
+def ceph_cephx() -> Cluster:
+    """A cluster with cephx on (client.admin's keyring is the conf's default), for the
+    tests that run gateways as a Ceph user with only the caps docs/ceph.md lists."""
+    yield from _cluster(CEPH_AUTH="cephx")

@@ -222,6 +222,17 @@ def _write(tmp_path, conf) -> str:
     return str(path)
 
 
+def start_refused(tmp_path, conf) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``blockfabric-target run`` on ``conf``, which must refuse to start: its result
+    and the seconds it took (bounded: librados' own default would be 300 s)."""
+    t0 = time.monotonic()
+    out = subprocess.run([str(BIN / "blockfabric-target"), "run", "-C", _write(tmp_path, conf)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return out, time.monotonic() - t0
+
+
 def test_an_image_with_exclusive_lock_is_refused_with_the_fix(ceph, tmp_path):
     # rbd create's default features include exclusive-lock: a gateway must not start on it
     name = f"gw-{uuid.uuid4().hex[:8]}"

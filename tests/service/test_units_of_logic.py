@@ -47,6 +47,42 @@ def test_plan_classifies_namespace_changes():
     assert not change.access_changed
 
 
+def _rbd_gateway(image="vol0", ana_group=None, **gateway):
+    ns = {"nsid": 1, "backend": "rbd", "rbd": {"pool": "rbd", "image": image}}
+    if ana_group is not None:
+        ns["ana_group"] = ana_group
+    gw = {"name": "gw-a", "group": "g", "cntlid_min": 1, "cntlid_max": 9, "ana_groups": [1]}
+    return cfg.TargetConfig.from_dict({
+        "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": 4420}],
+        "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [ns]}],
+        "gateway": {**gw, **gateway}})
+
+
+def test_plan_of_rbd_namespaces_and_the_gateway_section():
+    old = _rbd_gateway()
+    (change,) = rl.plan(old, _rbd_gateway(ana_group=5)).changed
+    assert [n.nsid for n in change.regrouped] == [1] and not change.replaced
+    assert "ns_ana_group=1" in rl.plan(old, _rbd_gateway(ana_group=5)).summary()
+    # another image under the same nsid is another volume (it used to be ignored)
+    (change,) = rl.plan(old, _rbd_gateway(image="vol1")).changed
+    assert [n.nsid for n in change.replaced] == [1]
+    # what a reload applies to the gateway section, and what it refuses naming the key
+    for ok in ({"ana_groups": [1, 2]}, {"others": "inaccessible"}, {"lease": 9},
+               {"cntlid_max": 20}):
+        new = _rbd_gateway(**ok)
+        assert rl.plan(old, new).gateway_changed
+        assert rl.gateway_refusal(old.gateway, new.gateway) is None, ok
+    assert not rl.plan(old, _rbd_gateway()).gateway_changed
+    for key, value in (("name", "gw-x"), ("group", "h")):
+        why = rl.gateway_refusal(old.gateway, _rbd_gateway(**{key: value}).gateway)
+        assert why.startswith(f"gateway.{key}: ") and "restart the gateway" in why
+    why = rl.gateway_refusal(old.gateway, _rbd_gateway(image="vol1", ana_group=None,
+                                                       ceph={"pool": "other"}).gateway)
+    assert why.startswith("gateway.ceph: client.admin@rbd (") and "@other" in why
+    assert rl.gateway_refusal(old.gateway, None).startswith("gateway: a reload cannot take")
+    assert rl.gateway_refusal(None, old.gateway).startswith("gateway: a reload cannot make")
+
+
 def test_plan_access_and_listener_changes_touch_discovery():
     p = rl.plan(_conf(), _conf(allow_any_host=False, hosts=[NQN + ":h"]))
     assert p.changed[0].access_changed and p.discovery_changed

@@ -32,14 +32,15 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
-.PHONY: all deps venv test demo lab lab-auth lab-systemd install install-venv install-units \
+.PHONY: all deps venv lint test demo lab lab-auth lab-systemd install install-venv install-units \
         uninstall bench bench-cost bench-rdma bench-rdma-lab bench-verbs-lab soak fuzz clean help
 
 all: help
 
 help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
-	@echo "make test   set up and run the full test suite"
+	@echo "make test   set up and run the full test suite (make lint first)"
+	@echo "make lint   pyflakes checks through ruff (rules in pyproject.toml)"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
 	@echo "make lab-systemd   the units under a real systemd (PID 1 in a lab guest), verbs on rxe0"
@@ -82,8 +83,12 @@ venv: deps $(STAMP)
 # timeouts rather than compute, so 3 workers on 2 cores took 312 s where one took 450-480 s.
 # TEST_JOBS=0 runs in one process, as plain pytest does.
 TEST_JOBS ?= 3
+# lint: pyflakes' checks through ruff (unused and undefined names and imports, syntax; the
+# rules are in pyproject.toml), a second or so; make test runs it first.
+lint: venv
+	$(PY) -m ruff check .
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
-test: venv
+test: lint
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	BLOCKFABRIC_SOFT_PROGRESS=thread $(PY) -m pytest $(XDIST) tests/e2e tests/fuse $(PYTEST_ARGS)
 

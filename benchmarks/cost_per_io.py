@@ -30,7 +30,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "compare"))

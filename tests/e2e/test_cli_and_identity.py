@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 
 from blockfabric.initiator.host import connect

@@ -25,7 +25,6 @@ def test_qemu_img_info_and_convert(shared_mount, tmp_path):
     with open(n1, "rb") as src, open(small, "wb") as dst:
         dst.write(src.read(4 * MiB))
     qcow = tmp_path / "head.qcow2"
-    back = tmp_path / "back.raw"
     subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(small), str(qcow)],
                    check=True, timeout=60)
     # -n: write into the existing file; like a block device it cannot be resized (EINVAL).

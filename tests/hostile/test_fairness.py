@@ -24,7 +24,7 @@ from blockfabric.rdma.soft.wire import Frame
 from blockfabric.target import control
 
 from e2e.conftest import BIN
-from .conftest import (HOSTNQN, NQN, TargetProbe, assert_accepts_new_host,
+from .conftest import (NQN, TargetProbe, assert_accepts_new_host,
                        assert_undisturbed)
 from .rawpeer import RawPeer
 

@@ -11,7 +11,7 @@ import pytest
 
 from blockfabric.rdma import CMEventType, QPState, WcFlags, WcOpcode, WcStatus, WrOpcode
 
-from .harness import LOCAL, RW, SIGNALED, recv_wr, wr
+from .harness import LOCAL, RW, recv_wr, wr
 
 OK = WcStatus.SUCCESS
 ERR = QPState.ERR

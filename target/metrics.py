@@ -20,7 +20,7 @@ import time
 from bisect import bisect_left
 from time import perf_counter_ns
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from blockfabric.logutil import printable
 
@@ -228,3 +228,51 @@ class MetricsServer:
             self.httpd.shutdown()
             self.thread.join(5)
         self.httpd.server_close()
+
+
+def render_metrics(st: dict[str, Any]) -> str:
+    """The target's status snapshot (``Target.snapshot``, what ``status`` shows) in the
+    Prometheus text format, every name prefixed ``blockfabric_``."""
+    up = Family("blockfabric_up", "gauge", "1 while the target serves, 0 while it drains.",
+                   [({}, 0 if st["state"] == "draining" else 1)])
+    reloads = Family("blockfabric_reloads_total", "counter",
+                        "Configuration reloads applied.", [({}, st["reloads"])])
+    reload_ok = Family("blockfabric_last_reload_ok", "gauge",
+                          "0 when the last reload was rejected.",
+                          [({}, 0 if st["last_reload_error"] else 1)])
+    auth_failed = Family("blockfabric_auth_failures_total", "counter",
+                            "DH-HMAC-CHAP exchanges that failed (a wrong answer, a message "
+                            "out of sequence, not finished in time); each ended its queue.",
+                            [({}, st.get("auth_failures", 0))])
+    hold = Family("blockfabric_buffer_hold_disconnects_total", "counter",
+                     "Controllers torn down because a queue held a bounce buffer past "
+                     "limits.buffer_hold_timeout.", [({}, st.get("buffer_hold_disconnects", 0))])
+    listeners = Family("blockfabric_listener_controllers", "gauge",
+                          "Controllers connected through each listener.",
+                          [({"listener": x["endpoint"], "provider": x["provider"]},
+                            x["controllers"]) for x in st["listeners"]])
+    sub_fams, ns_fams, ctrl_fams = (IoFamilies(x) for x in
+                                    ("subsystem", "namespace", "controller"))
+    conns = Family("blockfabric_subsystem_controllers", "gauge",
+                      "Controllers connected to each subsystem.")
+    size = Family("blockfabric_namespace_size_bytes", "gauge", "Namespace size.")
+    for sub in st["subsystems"]:
+        labels = {"subnqn": sub["nqn"]}
+        sub_fams.add(labels, sub["io"])
+        conns.samples.append((labels, sub["controllers"]))
+        for ns in sub["namespaces"]:
+            nl = dict(labels, nsid=str(ns["nsid"]))
+            ns_fams.add(nl, ns["io"])
+            size.samples.append((nl, ns["size"]))
+    depth = Family("blockfabric_controller_queue_depth_in_use", "gauge",
+                      "Commands the target holds on each queue (AERs included).")
+    queues = Family("blockfabric_controller_queues", "gauge", "Connected queues.")
+    for c in st["controllers"]:
+        labels = {"cntlid": str(c["cntlid"]), "hostnqn": c["hostnqn"], "subnqn": c["subnqn"]}
+        if not c["discovery"]:
+            ctrl_fams.add(labels, c["io"])
+        queues.samples.append((labels, len(c["queues"])))
+        for q in c["queues"]:
+            depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
+    return render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues,
+                   depth] + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

@@ -1192,7 +1192,7 @@ class Target:
     def metrics_text(self) -> str:
         box: list[dict[str, Any]] = []
         self.reactor.call_sync(lambda: box.append(self.snapshot()))
-        return render_metrics(box[0])
+        return mx.render_metrics(box[0])
 
     def snapshot(self) -> dict[str, Any]:
         """Everything ``status`` and the metrics show, copied on the reactor."""
@@ -1321,50 +1321,3 @@ def _close_namespace(ns: Namespace) -> None:
     except OSError as exc:
         log.error("flushing nsid=%d: %s", ns.nsid, exc)
     ns.close()
-
-
-def render_metrics(st: dict[str, Any]) -> str:
-    """The snapshot in the Prometheus text format, every name prefixed ``blockfabric_``."""
-    up = mx.Family("blockfabric_up", "gauge", "1 while the target serves, 0 while it drains.",
-                   [({}, 0 if st["state"] == "draining" else 1)])
-    reloads = mx.Family("blockfabric_reloads_total", "counter",
-                        "Configuration reloads applied.", [({}, st["reloads"])])
-    reload_ok = mx.Family("blockfabric_last_reload_ok", "gauge",
-                          "0 when the last reload was rejected.",
-                          [({}, 0 if st["last_reload_error"] else 1)])
-    auth_failed = mx.Family("blockfabric_auth_failures_total", "counter",
-                            "DH-HMAC-CHAP exchanges that failed (a wrong answer, a message "
-                            "out of sequence, not finished in time); each ended its queue.",
-                            [({}, st.get("auth_failures", 0))])
-    hold = mx.Family("blockfabric_buffer_hold_disconnects_total", "counter",
-                     "Controllers torn down because a queue held a bounce buffer past "
-                     "limits.buffer_hold_timeout.", [({}, st.get("buffer_hold_disconnects", 0))])
-    listeners = mx.Family("blockfabric_listener_controllers", "gauge",
-                          "Controllers connected through each listener.",
-                          [({"listener": x["endpoint"], "provider": x["provider"]},
-                            x["controllers"]) for x in st["listeners"]])
-    sub_fams, ns_fams, ctrl_fams = (mx.IoFamilies(x) for x in
-                                    ("subsystem", "namespace", "controller"))
-    conns = mx.Family("blockfabric_subsystem_controllers", "gauge",
-                      "Controllers connected to each subsystem.")
-    size = mx.Family("blockfabric_namespace_size_bytes", "gauge", "Namespace size.")
-    for sub in st["subsystems"]:
-        labels = {"subnqn": sub["nqn"]}
-        sub_fams.add(labels, sub["io"])
-        conns.samples.append((labels, sub["controllers"]))
-        for ns in sub["namespaces"]:
-            nl = dict(labels, nsid=str(ns["nsid"]))
-            ns_fams.add(nl, ns["io"])
-            size.samples.append((nl, ns["size"]))
-    depth = mx.Family("blockfabric_controller_queue_depth_in_use", "gauge",
-                      "Commands the target holds on each queue (AERs included).")
-    queues = mx.Family("blockfabric_controller_queues", "gauge", "Connected queues.")
-    for c in st["controllers"]:
-        labels = {"cntlid": str(c["cntlid"]), "hostnqn": c["hostnqn"], "subnqn": c["subnqn"]}
-        if not c["discovery"]:
-            ctrl_fams.add(labels, c["io"])
-        queues.samples.append((labels, len(c["queues"])))
-        for q in c["queues"]:
-            depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
-    return mx.render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues,
-                      depth] + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

@@ -381,7 +381,7 @@ class VolumeWatch:
                       "reconnect (Controller Busy until it answers) within their ctrl_loss_tmo",
                       ",".join(s.nqn for s in subs) or "-", ns.nsid, exc)
             for sub in subs:
-                target._destroy_where(lambda c, s=sub: c.subsystem is s,
+                target.destroy_where(lambda c, s=sub: c.subsystem is s,
                                       f"namespace {ns.nsid} unavailable")
             target.reactor.call_later(PROBE_INTERVAL, lambda n=ns: self._probe(n))
 
@@ -460,5 +460,5 @@ class VolumeWatch:
                             and target.subsystems.get(s.nqn) is s:
                         log.info("rbd image %s: size %s -> %s", n.backend.spec,
                                  format_size(n.size), format_size(r[0]))
-                        target._resize(s, n, dataclasses.replace(n.conf, size=r[0]))
+                        target.reloader.resize(s, n, dataclasses.replace(n.conf, size=r[0]))
                 target.run_blocking(work, finish, "(rbd size check)")

@@ -32,9 +32,7 @@ from blockfabric.fabric.tcp import local_pd
 from blockfabric.fabric.tcp_target import TcpTargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages as lp
-from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy, TargetAuth
-from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.controller import ControllerState, QueueState, admit
@@ -57,6 +55,7 @@ from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
 from blockfabric.target.gateway import Coordinator, refuse_exclusive_lock
 from blockfabric.target.namespace import Namespace, Subsystem
 from blockfabric.target.rbdvolume import VolumeWatch
+from blockfabric.target.reloader import Reloader, close_namespace
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +70,10 @@ BACKEND_THREADS = 4
 HOST_PASS = 128
 PASS_FLOOR = 16
 MAX_CNTLID = 0xFFEF
-#: How long a drain waits for commands in flight, and a resize or removal for a namespace's
-#: I/O to finish.  Below the unit's TimeoutStopSec (30 s), so a stop ends in exit 0.
+#: How long a drain waits for commands in flight.  Below the unit's TimeoutStopSec (30 s),
+#: so a stop ends in exit 0.
 DRAIN_TIMEOUT = 20.0
-IDLE_TIMEOUT = 10.0
-IDLE_POLL = 0.005
+DRAIN_POLL = 0.005
 #: errno values that mean "out of resources" (descriptors, memory) rather than a bug
 NO_RESOURCES_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
 
@@ -286,6 +284,7 @@ class Target:
         self.metrics_server: mx.MetricsServer | None = None
         self.control_server: ControlServer | None = None
         self._closing: list[Namespace] = []     # removed, closed once their I/O is done
+        self.reloader = Reloader(self)          # reloads, and namespace changes while serving
         self.volumes = VolumeWatch(self)        # RBD volumes: availability and size
         self.ana: Ana | None = None             # a member of a gateway group: its ANA state
         self.coordinator: Coordinator | None = None
@@ -916,7 +915,7 @@ class Target:
         def check() -> None:
             left = self.inflight()
             if left and time.monotonic() < deadline:
-                self.reactor.call_later(IDLE_POLL, check)
+                self.reactor.call_later(DRAIN_POLL, check)
                 return
             if left:
                 log.error("drain: %d command(s) still in flight after %.0f s; stopping anyway",
@@ -951,142 +950,10 @@ class Target:
         log.error("reload rejected, the running configuration is unchanged: %s", error)
 
     def reload(self, new: cfg.TargetConfig) -> bool:
-        """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
-        plan = rl.plan(self.config, new)
-        opened: list[tuple[cfg.Listener, str, Listener]] = []
-        subsystems: list[Subsystem] = []
-        namespaces: dict[tuple[str, int], Namespace] = {}
-        metrics = None
-        gateway_prepared = False
-        try:
-            for change in plan.changed:
-                for ns_conf in change.resized:
-                    self._check_resize(change.new.nqn, ns_conf)
-            for lconf in plan.added_listeners:
-                opened.append(self._open_listener(lconf))
-            for sconf in plan.added_subsystems:
-                subsystems.append(Subsystem(sconf))
-            for change in plan.changed:
-                for ns_conf in change.added + change.replaced:
-                    namespaces[change.new.nqn, ns_conf.nsid] = Namespace(ns_conf)
-            if self.config.gateway is not None:
-                refuse_exclusive_lock([*namespaces.values(), *(
-                    ns for sub in subsystems for ns in sub.namespaces.values())])
-            if plan.gateway_changed:
-                self._prepare_gateway(new.gateway)
-                gateway_prepared = True
-            if plan.metrics_changed and new.metrics is not None:
-                old = self.metrics_server
-                if old is not None and old.port == new.metrics.port:
-                    old.close()      # the same port: it must be free for the new one
-                    self.metrics_server = None
-                metrics = mx.MetricsServer(new.metrics.address, new.metrics.port,
-                                           self.metrics_text)
-        except (OSError, BlockfabricError, ValueError) as exc:
-            for _l, _p, listener in opened:
-                listener.close()
-            for sub in subsystems:
-                sub.close()
-            for ns in namespaces.values():
-                ns.close()
-            if gateway_prepared and self.coordinator is not None:
-                self.coordinator.rollback(new.gateway)
-            self._reload_failed(f"{new.source}: {exc}")
-            return False
-        self._commit(plan, new, opened, subsystems, namespaces, metrics)
-        self.reloads += 1
-        self.last_reload_error = None
-        self.volumes.poll_sizes()               # an image resized in the cluster
-        log.info("reloaded %s: %s", new.source, plan.summary())
-        return True
+        """Apply ``new`` (see :class:`~blockfabric.target.reloader.Reloader`)."""
+        return self.reloader.apply(new)
 
-    def _prepare_gateway(self, gw: cfg.Gateway | None) -> None:
-        """A reload changes the ``gateway`` section: refuse (ValueError, naming the key)
-        what needs a restart, or a controller id range that leaves out a connected
-        controller; register what can be applied with the group (GatewayError)."""
-        old = self.config.gateway
-        refusal = rl.gateway_refusal(old, gw)
-        if refusal is not None:
-            raise ValueError(refusal)
-        if (gw.cntlid_min, gw.cntlid_max) != (old.cntlid_min, old.cntlid_max):
-            outside = sorted(cntlid for cntlid, c in self.controllers.items()
-                             if not c.is_discovery
-                             and not gw.cntlid_min <= cntlid <= gw.cntlid_max)
-            if outside:
-                raise ValueError(
-                    f"gateway.cntlid_min/cntlid_max: {old.cntlid_min}-{old.cntlid_max} -> "
-                    f"{gw.cntlid_min}-{gw.cntlid_max}: connected controller(s) "
-                    f"{', '.join(map(str, outside))} would be outside it (a host may meet "
-                    "their ids again on another gateway); disconnect those hosts first or "
-                    "restart the gateway")
-        if self.coordinator is not None:
-            self.coordinator.prepare(gw)
-
-    def _check_resize(self, nqn: str, ns_conf: cfg.Namespace) -> None:
-        ns = self.subsystems[nqn].namespaces[ns_conf.nsid]
-        if ns_conf.backend == "file" and ns_conf.size < ns.size:
-            raise ValueError(f"subsystem {nqn} namespace {ns_conf.nsid}: a file volume cannot "
-                             f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
-
-    def _commit(self, plan: rl.ReloadPlan, new: cfg.TargetConfig,
-                opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
-                namespaces: dict[tuple[str, int], Namespace],
-                metrics: mx.MetricsServer | None) -> None:
-        """Apply a prepared plan; nothing here is expected to fail."""
-        removed = {rl.listener_key(x) for x in plan.removed_listeners}
-        for entry in [e for e in self.listeners if rl.listener_key(e[0]) in removed]:
-            self._close_listener(entry)
-            log.info("stopped listening on %s", entry[0].endpoint)
-        renamed = {rl.listener_key(x): x for x in new.listeners}
-        self.listeners = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in self.listeners]
-        for entry in opened:
-            self._add_listener(entry)
-        self.config = new
-        for nqn in plan.removed_subsystems:
-            sub = self.subsystems.pop(nqn)
-            self._destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
-            for ns in sub.namespaces.values():
-                self._retire(sub, ns)
-            sub.namespaces.clear()
-            log.info("subsystem removed: subnqn=%s", nqn)
-        for sub in subsystems:
-            self.subsystems[sub.nqn] = sub
-            log.info("subsystem added: subnqn=%s namespaces=%d", sub.nqn, len(sub.namespaces))
-        for change in plan.changed:
-            self._commit_subsystem(change, namespaces)
-        # Controllers that came in on a listener that no longer exists, or that no longer
-        # exposes their subsystem, or whose host is no longer allowed (or must now
-        # authenticate differently), go.
-        self._destroy_where(lambda c: not c.is_discovery and not self._may_stay(c),
-                            "no longer allowed by the configuration")
-        self._destroy_where(lambda c: rl.listener_key(c.listener) in removed,
-                            "listener removed")
-        if plan.control_socket_changed:
-            if self.control_server is not None:
-                self.control_server.close()
-                self.control_server = None
-            self._start_control()
-        if plan.metrics_changed:
-            if self.metrics_server is not None:
-                self.metrics_server.close()
-            self.metrics_server = metrics.start() if metrics is not None else None
-        resvctl.bind(self)          # new namespaces: their shared reservation state
-        if self.ana is not None:
-            if plan.gateway_changed:
-                self.ana.reconfigure(new.gateway)
-                if self.coordinator is not None:
-                    self.coordinator.reconfigure(new.gateway)
-            if any(c.regrouped for c in plan.changed):
-                self.ana.changed("namespaces moved to other ANA groups (reload)")
-            else:
-                self.ana.refresh()  # new namespaces: their ANA group and path state
-        if plan.discovery_changed:
-            self.genctr += 1
-            for ctrl in list(self.controllers.values()):
-                if ctrl.is_discovery:
-                    ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
-
-    def _may_stay(self, ctrl: Controller) -> bool:
+    def may_stay(self, ctrl: Controller) -> bool:
         """After a reload: still allowed, still exposed, and authenticated with what the
         configuration now says (a changed or revoked secret disconnects the host)."""
         sub = ctrl.subsystem
@@ -1094,90 +961,9 @@ class Target:
                 and self._exposed(sub, ctrl.listener)
                 and ctrl.auth_policy == auth_policy(sub.conf, ctrl.hostnqn))
 
-    def _destroy_where(self, condition: Callable[[Controller], bool], reason: str) -> None:
+    def destroy_where(self, condition: Callable[[Controller], bool], reason: str) -> None:
         for ctrl in [c for c in self.controllers.values() if condition(c)]:
             self.destroy_controller(ctrl, reason)
-
-    def _commit_subsystem(self, change: rl.SubsystemChange,
-                          namespaces: dict[tuple[str, int], Namespace]) -> None:
-        sub = self.subsystems[change.new.nqn]
-        sub.conf = change.new
-        for nsid in change.removed + [n.nsid for n in change.replaced]:
-            self._retire(sub, sub.namespaces.pop(nsid))
-        for ns_conf in change.added + change.replaced:
-            sub.namespaces[ns_conf.nsid] = namespaces[sub.nqn, ns_conf.nsid]
-        for ns_conf in change.flipped:
-            ns = sub.namespaces[ns_conf.nsid]
-            ns.conf = ns_conf
-            ns.read_only = ns.backend.read_only = ns_conf.read_only
-        for ns_conf in change.regrouped:    # Ana.refresh reads the group from ns.conf
-            sub.namespaces[ns_conf.nsid].conf = ns_conf
-        if change.changed_nsids:
-            log.info("namespaces changed: subnqn=%s added=%s removed=%s replaced=%s "
-                     "read_only=%s", sub.nqn, [n.nsid for n in change.added], change.removed,
-                     [n.nsid for n in change.replaced], [n.nsid for n in change.flipped])
-        self._notify_ns_changed(sub, change.changed_nsids)
-        for ns_conf in change.resized:
-            self._resize(sub, sub.namespaces[ns_conf.nsid], ns_conf)
-
-    def _notify_ns_changed(self, sub: Subsystem, nsids: tuple[int, ...]) -> None:
-        """Namespace Attribute Changed to every controller of ``sub`` (spec sheet 10)."""
-        if not nsids:
-            return
-        for ctrl in list(self.controllers.values()):
-            if ctrl.subsystem is sub and not ctrl.dead:
-                ctrl.notify(AsyncNotice.NS_ATTR_CHANGED, LogPageId.CHANGED_NS, nsids)
-
-    def _retire(self, sub: Subsystem, ns: Namespace) -> None:
-        """A namespace left the configuration: no new command finds it; close it once the
-        commands already running on it are done."""
-        sub.retired.add(ns.stats)
-        self._closing.append(ns)
-        self._when_idle(ns, lambda: (_close_namespace(ns), self._closing.remove(ns)),
-                        f"closing subnqn={sub.nqn} nsid={ns.nsid}")
-
-    def _resize(self, sub: Subsystem, ns: Namespace, conf: cfg.Namespace) -> None:
-        """Hold new commands, wait for those running, resize, release, tell the hosts."""
-        ns.paused = True
-
-        def resize() -> None:
-            old = ns.size
-            try:
-                ns.resize(conf)
-            except OSError as exc:
-                log.error("resize failed: subnqn=%s nsid=%d: %s", sub.nqn, ns.nsid, exc)
-            else:
-                log.info("namespace resized: subnqn=%s nsid=%d %d -> %d bytes", sub.nqn,
-                         ns.nsid, old, ns.size)
-            finally:
-                ns.paused = False
-                held, ns.held = ns.held, []
-                for run in held:
-                    run()
-            self._notify_ns_changed(sub, (ns.nsid,))
-
-        self._when_idle(ns, resize, f"resizing subnqn={sub.nqn} nsid={ns.nsid}")
-
-    def _when_idle(self, ns: Namespace, action: Callable[[], Any], what: str,
-                   timeout: float = IDLE_TIMEOUT) -> None:
-        """Run ``action`` on the reactor once ``ns`` has no command in flight.  A
-        BufferError means a posted RDMA operation still holds the volume's memory: retry."""
-        deadline = time.monotonic() + timeout
-
-        def attempt() -> None:
-            late = time.monotonic() >= deadline
-            if ns.stats.inflight and not late:
-                self.reactor.call_later(IDLE_POLL, attempt)
-                return
-            try:
-                action()
-            except BufferError:
-                if late:
-                    log.error("%s: the volume's memory is still in use after %.0f s", what,
-                              timeout)
-                    return
-                self.reactor.call_later(IDLE_POLL, attempt)
-        attempt()
 
     # -- status and metrics -------------------------------------------------------------
     def _control_request(self, request: dict[str, Any]) -> Any:
@@ -1289,7 +1075,7 @@ class Target:
             sub.close()
         self.subsystems.clear()
         for ns in self._closing:
-            _close_namespace(ns)
+            close_namespace(ns)
         self._closing.clear()
         for pool in [*self._control.values(), *self._bounce.values(), *self._zeros.values(),
                      *self._old_zeros]:
@@ -1313,11 +1099,3 @@ def _by_host(pools: Any) -> dict[str, int]:
             if h.held:
                 out[h.key] = out.get(h.key, 0) + h.held
     return out
-
-
-def _close_namespace(ns: Namespace) -> None:
-    try:
-        ns.backend.flush()
-    except OSError as exc:
-        log.error("flushing nsid=%d: %s", ns.nsid, exc)
-    ns.close()

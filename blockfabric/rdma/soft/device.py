@@ -75,7 +75,7 @@ class Group:
         self._waits = False
         self._own_fd = -1
         set_waiter = getattr(reactor, "set_waiter", None)
-        if not ctx.has_groups() and set_waiter is not None and set_waiter(self.wait):
+        if not ctx.has_groups() and set_waiter is not None and set_waiter(self.wait, ctx):
             try:
                 self._own_fd = reactor.fileno()
                 ctx.watch_fd(self._own_fd)
@@ -121,10 +121,13 @@ class Group:
             except OSError:
                 pass                        # closed: the group is gone
 
-    def wait(self, timeout: float | None) -> bool:
+    def wait(self, timeout: float | None) -> Any:
         """The reactor's wait (on its thread, in its pass): up to ``timeout`` s (None: no
-        bound) for the device's sockets or the reactor's own file descriptors, then a pass
-        over the sockets that are ready.  True when the reactor's own may be ready."""
+        bound) for the device's sockets or the reactor's own file descriptors (which the
+        reactor moved into the device's epoll: Reactor.set_waiter), then a pass over the
+        sockets that are ready, if any (a wake-up by a reactor's fd alone, a FUSE request,
+        runs no engine).  Returns the reactor's ready events, or True when its own epoll
+        may hold ready ones too (a file descriptor that could not move)."""
         ctx = self.ctx
         if ctx.rnr_waiters:                 # (the kick keeps the epoll ready meanwhile)
             timeout = 0.0
@@ -137,17 +140,33 @@ class Group:
         except (OSError, ValueError):       # the device closed under the wait
             self._stop_waiting()
             return True
+        fds = ctx._fds
+        if len(events) == 1:
+            fd = events[0][0]
+            if fd in fds or fd == ctx._kick:
+                self.dispatch(events)
+                return ()
+            return True if fd == self._own_fd else events
+        if not events:
+            return events
         own = self._own_fd
-        mine = False
-        for fd, _ in events:
-            if fd == own:
-                mine = True
-                if len(events) == 1:
-                    return True
-                break
-        if events:
-            self.dispatch(events)
-        return mine
+        kick = ctx._kick
+        mine = []
+        theirs = []
+        nested = False
+        for event in events:
+            fd = event[0]
+            if fd in fds or fd == kick:
+                mine.append(event)
+            elif fd == own:
+                nested = True
+            else:
+                theirs.append(event)
+        if mine:
+            self.dispatch(mine)
+        # (with the nested epoll ready too, the loop polls it; what was ready here is
+        # level-triggered and reported again at the next wait)
+        return True if nested else theirs
 
     def _stop_waiting(self) -> None:
         if self._waits:

@@ -70,6 +70,9 @@ class Reactor:
         self._waiter: Callable[[float | None], Any] | None = None
         #: the waiter's epoll (watch/unwatch), which holds this loop's fds meanwhile, or None
         self._mover: Any = None
+        #: the waiter's whole-pass form and the pass hook it opens and closes itself
+        self._runner: Callable[[float | None, Callable], None] | None = None
+        self._runner_hook: Any = None
         self._moved: set[int] = set()       # this loop's fds now in the mover's epoll
         self._ep = select.epoll()
         #: fd -> its callbacks (a list object per registration: a stale event for an fd
@@ -172,7 +175,7 @@ class Reactor:
         return self._ep.fileno()
 
     def set_waiter(self, waiter: Callable[[float | None], Any] | None,
-                   mover: Any = None) -> bool:
+                   mover: Any = None, runner: Any = None, hook: Any = None) -> bool:
         """Let a provider do this loop's waiting (loop thread, or before it runs): each pass
         calls ``waiter(timeout)`` instead of waiting in the loop's epoll; the provider waits
         in an epoll of its own that holds this loop's (:meth:`fileno`), serves what is ready
@@ -182,13 +185,20 @@ class Reactor:
         ``watch_fd(fd)`` and ``unwatch_fd(fd)`` on the provider's epoll) this loop's file
         descriptors move into that epoll while the waiter has the place: a wake-up by one
         of them (a FUSE request) is one ``epoll_wait``, not one in the provider's epoll
-        and another in the loop's.  One waiter at a time: False if another has the place.
-        ``None`` gives the place back (and the file descriptors)."""
+        and another in the loop's.  With ``runner`` and ``hook`` (its entry in
+        ``PASS_HOOKS``), while ``hook`` is the only pass hook, each pass is
+        ``runner(timeout, serve)``: the provider opens its pass, waits, serves its part,
+        calls ``serve(ready)`` (this loop's part; ``ready`` None: poll the loop's own
+        epoll) and closes the pass, without the generic hooks' calls.  One waiter at a
+        time: False if another has the place.  ``None`` gives the place back (and the file
+        descriptors)."""
         if waiter is not None and self._waiter is not None:
             return False
         if waiter is None:
             self._unmove()
         self._waiter = waiter
+        self._runner = runner if waiter is not None else None
+        self._runner_hook = hook if waiter is not None else None
         if waiter is not None and mover is not None:
             self._mover = mover
             for fd in tuple(self._readers):
@@ -305,7 +315,12 @@ class Reactor:
             timeout = 0             # a poller ran a pass: serve the rest without sleeping
         waiter = self._waiter
         if waiter is not None:
-            self._wait_pass(waiter, timeout)
+            runner = self._runner
+            if runner is not None and len(_pass_hooks) == 1 \
+                    and _pass_hooks[0] is self._runner_hook:
+                runner(timeout, self._serve)
+            else:
+                self._wait_pass(waiter, timeout)
             return
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
@@ -352,8 +367,14 @@ class Reactor:
         finally:
             self._close_pass(opened, tid)
 
-    def _serve(self, ready: list) -> None:
-        """Every ready callback, due timer and queued call: one pass."""
+    def _serve(self, ready: list | None) -> None:
+        """Every ready callback, due timer and queued call: one pass (``ready`` None: what
+        the loop's own epoll has ready now)."""
+        if ready is None:
+            try:
+                ready = self._ep.poll(0)
+            except InterruptedError:
+                ready = ()
         readers = self._readers
         if len(ready) == 1:
             callbacks = readers.get(ready[0][0])

@@ -75,7 +75,8 @@ class Group:
         self._waits = False
         self._own_fd = -1
         set_waiter = getattr(reactor, "set_waiter", None)
-        if not ctx.has_groups() and set_waiter is not None and set_waiter(self.wait, ctx):
+        if not ctx.has_groups() and set_waiter is not None and \
+                set_waiter(self.wait, ctx, self.run_pass, ctx.hook):
             try:
                 self._own_fd = reactor.fileno()
                 ctx.watch_fd(self._own_fd)
@@ -167,6 +168,28 @@ class Group:
         # (with the nested epoll ready too, the loop polls it; what was ready here is
         # level-triggered and reported again at the next wait)
         return True if nested else theirs
+
+    def run_pass(self, timeout: float | None, serve: Any) -> None:
+        """The reactor's whole pass while this device's is the only pass hook (see
+        Reactor.set_waiter): the pass opened for this thread (sends corked), :meth:`wait`,
+        ``serve`` (the reactor's callbacks, timers and calls), then the pass closed (each
+        QP that queued frames sends them in one sendmsg)."""
+        ctx = self.ctx
+        tid = _get_ident()
+        corks = ctx.corks
+        opened = tid not in corks
+        if opened:
+            corks[tid] = []
+        try:
+            try:
+                ready = self.wait(timeout)
+            except Exception:  # noqa: BLE001  (as the reactor's own waiter call: logged)
+                log.exception("%s: unhandled error in the device's wait", self.reactor.name)
+                ready = True
+            serve(None if ready is True else ready)
+        finally:
+            if opened:
+                ctx.end_pass(tid)
 
     def _stop_waiting(self) -> None:
         if self._waits:
@@ -328,6 +351,8 @@ class SoftContext(Context):
         #: thread id -> the reactor group whose pass runs there (its ACKs may wait, defer_ack)
         self.deferrers: dict[int, Group] = {}
         self._hook = (self.begin_pass, self.end_pass)
+        #: this device's entry in PASS_HOOKS (a group's run_pass opens and closes it itself)
+        self.hook = self._hook
         PASS_HOOKS.append(self._hook)
         self.closed = False
 

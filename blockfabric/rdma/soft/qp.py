@@ -562,7 +562,7 @@ class SoftQP(QP):
                 return
             if self._ack_due and (self._outq or not self.ctx.defer_ack(self)):
                 self._queue_ack()
-            if not self._blocked:
+            if self._outq and not self._blocked:    # (an ACK deferred: nothing to send)
                 self._flush()
 
     def send_owed_ack(self) -> None:

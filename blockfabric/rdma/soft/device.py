@@ -76,7 +76,7 @@ class Group:
         self._own_fd = -1
         set_waiter = getattr(reactor, "set_waiter", None)
         if not ctx.has_groups() and set_waiter is not None and \
-                set_waiter(self.wait, ctx, self.run_pass, ctx.hook):
+                set_waiter(self.wait, ctx, self.wait, ctx.hook):
             try:
                 self._own_fd = reactor.fileno()
                 ctx.watch_fd(self._own_fd)
@@ -122,36 +122,67 @@ class Group:
             except OSError:
                 pass                        # closed: the group is gone
 
-    def wait(self, timeout: float | None) -> Any:
+    def wait(self, timeout: float | None, serve: Any = None) -> Any:
         """The reactor's wait (on its thread, in its pass): up to ``timeout`` s (None: no
         bound) for the device's sockets or the reactor's own file descriptors (which the
         reactor moved into the device's epoll: Reactor.set_waiter), then a pass over the
         sockets that are ready, if any (a wake-up by a reactor's fd alone, a FUSE request,
         runs no engine).  Returns the reactor's ready events, or True when its own epoll
-        may hold ready ones too (a file descriptor that could not move)."""
+        may hold ready ones too (a file descriptor that could not move).
+
+        With ``serve``, the reactor's whole pass, while this device's is the only pass hook
+        (Reactor.set_waiter's runner): the pass opened for this thread (sends corked), the
+        wait, ``serve(ready)`` (the reactor's callbacks, timers and calls; None: its own
+        epoll's), then the pass closed (each QP that queued frames sends them in one
+        sendmsg).  An error of the wait is logged there, as the reactor logs a waiter's."""
         ctx = self.ctx
-        if ctx.rnr_waiters:                 # (the kick keeps the epoll ready meanwhile)
-            timeout = 0.0
+        tid = _get_ident()
+        opened = serve is not None and tid not in ctx.corks
+        if opened:
+            ctx.corks[tid] = []
         try:
-            # no lock: what another thread's progress handles first is reported again
-            # (level-triggered) or not at all
-            events = ctx._ep.poll(-1 if timeout is None else timeout)
-        except InterruptedError:
-            return True
-        except (OSError, ValueError):       # the device closed under the wait
-            self._stop_waiting()
-            return True
-        fds = ctx._fds
-        if len(events) == 1:
-            fd = events[0][0]
-            if fd in fds or fd == ctx._kick:
-                self.dispatch(events)
-                return ()
-            return True if fd == self._own_fd else events
-        if not events:
-            return events
-        own = self._own_fd
-        kick = ctx._kick
+            try:
+                if ctx.rnr_waiters:         # (the kick keeps the epoll ready meanwhile)
+                    timeout = 0.0
+                try:
+                    # no lock: what another thread's progress handles first is reported
+                    # again (level-triggered) or not at all
+                    events = ctx._ep.poll(-1 if timeout is None else timeout)
+                except InterruptedError:
+                    events = None
+                except (OSError, ValueError):   # the device closed under the wait
+                    self._stop_waiting()
+                    events = None
+                if events is None:
+                    ready = True
+                elif len(events) == 1:
+                    fd = events[0][0]
+                    if fd in ctx._fds or fd == ctx._kick:
+                        self.dispatch(events)
+                        ready = ()
+                    else:
+                        ready = True if fd == self._own_fd else events
+                else:
+                    ready = self._sort(events) if events else events
+            except Exception:  # noqa: BLE001
+                if serve is None:
+                    raise                   # the reactor's _wait_pass logs it
+                log.exception("%s: unhandled error in the device's wait", self.reactor.name)
+                ready = True
+            if serve is None:
+                return ready
+            serve(None if ready is True else ready)
+            return None
+        finally:
+            if opened:
+                ctx.end_pass(tid)
+
+    def _sort(self, events: list) -> Any:
+        """Several ready: the device's served in one engine pass, the reactor's returned
+        (True instead when its nested epoll is ready too: the loop polls that; what was
+        ready here is level-triggered and reported again at the next wait)."""
+        ctx = self.ctx
+        fds, kick, own = ctx._fds, ctx._kick, self._own_fd
         mine = []
         theirs = []
         nested = False
@@ -165,31 +196,7 @@ class Group:
                 theirs.append(event)
         if mine:
             self.dispatch(mine)
-        # (with the nested epoll ready too, the loop polls it; what was ready here is
-        # level-triggered and reported again at the next wait)
         return True if nested else theirs
-
-    def run_pass(self, timeout: float | None, serve: Any) -> None:
-        """The reactor's whole pass while this device's is the only pass hook (see
-        Reactor.set_waiter): the pass opened for this thread (sends corked), :meth:`wait`,
-        ``serve`` (the reactor's callbacks, timers and calls), then the pass closed (each
-        QP that queued frames sends them in one sendmsg)."""
-        ctx = self.ctx
-        tid = _get_ident()
-        corks = ctx.corks
-        opened = tid not in corks
-        if opened:
-            corks[tid] = []
-        try:
-            try:
-                ready = self.wait(timeout)
-            except Exception:  # noqa: BLE001  (as the reactor's own waiter call: logged)
-                log.exception("%s: unhandled error in the device's wait", self.reactor.name)
-                ready = True
-            serve(None if ready is True else ready)
-        finally:
-            if opened:
-                ctx.end_pass(tid)
 
     def _stop_waiting(self) -> None:
         if self._waits:
@@ -351,7 +358,8 @@ class SoftContext(Context):
         #: thread id -> the reactor group whose pass runs there (its ACKs may wait, defer_ack)
         self.deferrers: dict[int, Group] = {}
         self._hook = (self.begin_pass, self.end_pass)
-        #: this device's entry in PASS_HOOKS (a group's run_pass opens and closes it itself)
+        #: this device's entry in PASS_HOOKS (a group's wait(timeout, serve) opens and
+        #: closes it itself)
         self.hook = self._hook
         PASS_HOOKS.append(self._hook)
         self.closed = False

@@ -53,7 +53,7 @@ class Group:
     other threads.  :meth:`dispatch` is the pass."""
 
     __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
-                 "acks", "_ack_timer", "_waits", "_own_fd")
+                 "acks", "_ack_timer", "_ack_at", "_waits", "_own_fd")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -66,6 +66,9 @@ class Group:
         self._ctx_fd = ctx.fileno()
         self.acks: list["SoftQP"] = []    # QPs whose ACK waits for traffic (defer_ack)
         self._ack_timer: Any = None
+        #: while this group does the reactor's waiting: when the deferred ACKs are due (0.0:
+        #: none), which its wait keeps to instead of a reactor timer per deferral
+        self._ack_at = 0.0
         # One epoll_wait per wake-up: the reactor waits in the device's epoll, which holds
         # the reactor's own (Reactor.set_waiter; see wait), rather than the other way round
         # (then every wake-up takes a second epoll_wait to learn which sockets are ready).
@@ -144,6 +147,10 @@ class Group:
             try:
                 if ctx.rnr_waiters:         # (the kick keeps the epoll ready meanwhile)
                     timeout = 0.0
+                elif self._ack_at:          # deferred ACKs: wake up for them at the latest
+                    left = self._ack_at - time.monotonic()
+                    if timeout is None or left < timeout:
+                        timeout = left if left > 0 else 0.0
                 try:
                     # no lock: what another thread's progress handles first is reported
                     # again (level-triggered) or not at all
@@ -164,6 +171,8 @@ class Group:
                         ready = True if fd == self._own_fd else events
                 else:
                     ready = self._sort(events) if events else events
+                if self._ack_at and time.monotonic() >= self._ack_at:
+                    self._send_acks()
             except Exception:  # noqa: BLE001
                 if serve is None:
                     raise                   # the reactor's _wait_pass logs it
@@ -216,13 +225,20 @@ class Group:
         if self._waits:
             self._stop_waiting()        # out of the device's epoll first: no loop
             self.reactor.add_reader(self._ctx_fd, self.dispatch)
+            if self._ack_at:            # the wait kept that time: a timer keeps it now
+                self._ack_at = 0.0
+                if self._ack_timer is None:
+                    self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
 
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
         if qp.ack_group is not self:
             qp.ack_group = self
             self.acks.append(qp)
-        if self._ack_timer is None:
+        if self._waits:                 # the wait keeps the time: no timer per deferral
+            if not self._ack_at:
+                self._ack_at = time.monotonic() + ACK_DELAY
+        elif self._ack_timer is None:
             self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
 
     def carried(self, qp: "SoftQP") -> None:
@@ -237,13 +253,16 @@ class Group:
             acks.remove(qp)
         except ValueError:
             pass
-        if not acks and self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
+        if not acks:
+            self._ack_at = 0.0
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                self._ack_timer = None
 
     def _send_acks(self) -> None:
         """ACK_DELAY is over: every deferred acknowledgement no request carried goes out."""
         self._ack_timer = None
+        self._ack_at = 0.0
         acks, self.acks = self.acks, []
         for qp in acks:
             qp.ack_group = None

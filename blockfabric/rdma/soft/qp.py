@@ -296,8 +296,10 @@ class SoftQP(QP):
     def _to_error(self) -> None:
         if self._state == QPState.ERR:
             return
-        self._unreference("queue pair in error with frames unsent")
+        # ERR before the frames queued so far go out (a NAK among them): a peer that has
+        # the NAK must find this QP in ERR already
         self._state = QPState.ERR
+        self._unreference("queue pair in error with frames unsent")
         self._hold = False
         self.ctx.rnr_waiters.discard(self)
         self._abort_rx()

@@ -3,6 +3,8 @@
 ``blockfabric bench`` makes a fixed number of 4 KiB I/Os (one pass over --size, not timed).
 
     python benchmarks/calls_per_io.py [--rw randread] [--qd 16] [--size 64M] [--top 25]
+    python benchmarks/calls_per_io.py --mount [--qd 1]   # fio through the FUSE mount: the
+                                                         # mount's reactor and the target's
 
 A ramdisk target on the soft provider (poll progress, as ``cost_per_io.py`` runs it) is
 started with its ``Reactor.run_forever`` under cProfile; the bench runs; the target is told
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "compare"))
 
@@ -44,8 +47,28 @@ def run_forever(self):
         p.disable()
         p.dump_stats(_out + f".{len(_profiles)}")
 _r.Reactor.run_forever = run_forever
-sys.argv = ["blockfabric-target", "run", "-C", sys.argv[2]]
-from blockfabric.target.cli import main
+_reactors = []
+_orig_init = _r.Reactor.__init__
+def __init__(self, *a, **k):
+    _orig_init(self, *a, **k)
+    _reactors.append(self)
+_r.Reactor.__init__ = __init__
+import os
+_exit = os._exit
+def _dump_then_exit(code):
+    # the mount daemon leaves by os._exit: stop its reactors first, so each dumps
+    for r in _reactors:
+        if r.thread is not None and r.thread.is_alive():
+            r.stop()
+            r.join(5)
+    _exit(code)
+os._exit = _dump_then_exit
+if sys.argv[2] == "mount":
+    sys.argv = ["blockfabric"] + sys.argv[3:]
+    from blockfabric.initiator.cli import main
+else:
+    sys.argv = ["blockfabric-target", "run", "-C", sys.argv[2]]
+    from blockfabric.target.cli import main
 sys.exit(main())
 """
 
@@ -57,7 +80,12 @@ def main() -> int:
     ap.add_argument("--size", default="64M", help="bench --size: I/Os = size / 4 KiB")
     ap.add_argument("--top", type=int, default=25, help="functions listed (by calls)")
     ap.add_argument("--builtins", action="store_true", help="list built-ins too")
+    ap.add_argument("--mount", action="store_true",
+                    help="fio (direct, QD1 psync or libaio) through the FUSE mount instead of "
+                         "bench, and the mount's reactor profiled too")
     args = ap.parse_args()
+    if args.mount:
+        return mount_counts(args)
     with systems.Workspace() as ws, tempfile.TemporaryDirectory() as tmp:
         prof = pathlib.Path(tmp) / "target.prof"
         real_spawn = ws.spawn
@@ -79,16 +107,59 @@ def main() -> int:
         if not dumps:
             print("the target wrote no profile", file=sys.stderr)
             return 1
-        st = pstats.Stats(*map(str, dumps))
+        report("target", dumps, ios, args)
+    return 0
+
+
+def report(label: str, dumps: list[pathlib.Path], ios: int, args) -> None:
+    """Calls per I/O in the profiles ``dumps`` of one process, and the functions most called."""
+    st = pstats.Stats(*map(str, dumps))
     total = sum(v[1] for v in st.stats.values())
     python = sum(v[1] for k, v in st.stats.items() if k[0] != "~")
-    print(f"{args.rw} 4k QD{args.qd}: {ios} I/Os; the target's reactor made "
+    print(f"{args.rw} 4k QD{args.qd}: {ios} I/Os; the {label}'s reactor made "
           f"{total / ios:.1f} calls per I/O, {python / ios:.1f} of them to Python functions")
     rows = sorted(((k, v) for k, v in st.stats.items() if args.builtins or k[0] != "~"),
                   key=lambda kv: -kv[1][1])[:args.top]
     for (path, line, func), (_cc, nc, _tt, _ct, _callers) in rows:
         where = "/".join(pathlib.Path(path).parts[-2:]) if path != "~" else ""
         print(f"  {nc / ios:6.2f}  {func}  {where}:{line}")
+
+
+def mount_counts(args) -> int:
+    """fio through the mount, both the target's and the mount's reactors under cProfile."""
+    with systems.Workspace() as ws, tempfile.TemporaryDirectory() as tmp:
+        profs = {"target": pathlib.Path(tmp) / "target.prof",
+                 "mount": pathlib.Path(tmp) / "mount.prof"}
+        real_spawn = ws.spawn
+
+        def spawn(name, argv, env=None):
+            if name.startswith("target-"):
+                argv = [sys.executable, "-c", WRAPPER, profs["target"], argv[-1]]
+            elif name.startswith("mount-"):
+                argv = [sys.executable, "-c", WRAPPER, profs["mount"], "mount", *argv[1:]]
+            return real_spawn(name, argv, env)
+        ws.spawn = spawn
+        s = ws.blockfabric("poll")
+        engine = ["--ioengine=psync"] if args.qd == 1 else \
+            ["--ioengine=libaio", f"--iodepth={args.qd}"]
+        fio = subprocess.run(
+            ["fio", "--name=calls", f"--filename={s.path}", f"--rw={args.rw}", "--bs=4k",
+             "--direct=1", *engine, f"--size={args.size}", "--output-format=json"],
+            capture_output=True, text=True, check=True)
+        job = json.loads(fio.stdout)["jobs"][0]
+        ios = sum(job[d]["total_ios"] for d in ("read", "write"))
+        systems.unmount(s.path.parent)
+        deadline = time.monotonic() + 20      # it dumps its profile on the way out
+        while systems.alive(s.client_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        systems.stop(s.client_pid, None)
+        systems.stop(s.server_pid, None)
+        for label, prof in profs.items():
+            dumps = sorted(pathlib.Path(tmp).glob(prof.name + ".*"))
+            if not dumps:
+                print(f"the {label} wrote no profile", file=sys.stderr)
+                return 1
+            report(label, dumps, ios, args)
     return 0
 
 

@@ -358,14 +358,20 @@ class KernelFuse:
         # having found a single request, read one: if more were queued, the descriptor is
         # still readable (level-triggered) and the next pass, with this one in hand, reads
         # the rest in one go.
-        # Every command of this wake-up goes on one I/O queue, the next queue at the next
-        # wake-up: the reactor sends a pass's frames in one sendmsg per connection, so
-        # spreading one batch over the queues costs a sendmsg (and a target wake-up) per
-        # queue.  (A queue holds the whole fast-path limit: _limit is one queue's depth.)
+        # Every command of this wake-up goes on one I/O queue, and the next wake-up's on the
+        # same one while it has a free slot: the reactor sends a pass's frames in one
+        # sendmsg per connection, so spreading one batch over the queues costs a sendmsg
+        # (and a target wake-up) per queue; and the acknowledgement a queue owes for its
+        # last response rides on its next command only if that goes on the same queue (at
+        # QD1, alternating queues made it wait out the delayed-ACK timer and go alone).
+        # (A queue holds the whole fast-path limit: _limit is one queue's depth.)
         queues = self.ctrl.io_queues
         if queues:
-            turn = self._turn = self._turn + 1
-            self._queue = queues[turn % len(queues)]
+            queue = queues[self._turn % len(queues)]
+            if not queue.free_slots:
+                self._turn += 1
+                queue = queues[self._turn % len(queues)]
+            self._queue = queue
         got = 0
         for _ in range(64 if self._several or len(free) < self.nbuf else 1):
             if self._parked is not None or not free:

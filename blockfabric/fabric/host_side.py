@@ -393,8 +393,18 @@ class HostQueue(Endpoint):
                     self.fail(f"malformed response capsule: {wc.byte_len} bytes, a CQE is "
                               f"{CQE_SIZE}")
                 elif kind == KIND_RECV:
-                    self._on_cqe(raws[k])
+                    raw = raws[k]
                     k += 1
+                    # _on_cqe's common case inline: the response of a command in flight
+                    slot = slots[raw[3] & SLOT_MASK] if raw[3] & SLOT_MASK < self.depth \
+                        else None
+                    if slot is not None and slot.busy and slot.cid == raw[3] \
+                            and slot.raw is None:
+                        slot.raw = raw
+                        if slot.sent:
+                            self._complete(slot)
+                    else:
+                        self._on_cqe(raw)       # dropped, and said why
                 elif kind == KIND_SEND:
                     slot = slots[wid & INDEX_MASK]
                     slot.sent = True

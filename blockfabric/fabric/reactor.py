@@ -67,7 +67,13 @@ class Reactor:
         self.spin_us = spin_default() if spin_us is None else max(0.0, float(spin_us))
         self._pollers: list[Callable[[], bool | None]] = []
         #: a provider that waits for this loop (set_waiter), or None: the loop's own epoll
-        self._waiter: Callable[[float | None], bool] | None = None
+        self._waiter: Callable[[float | None], Any] | None = None
+        #: the waiter's epoll (watch/unwatch), which holds this loop's fds meanwhile, or None
+        self._mover: Any = None
+        #: the waiter's whole-pass form and the pass hook it opens and closes itself
+        self._runner: Callable[[float | None, Callable], None] | None = None
+        self._runner_hook: Any = None
+        self._moved: set[int] = set()       # this loop's fds now in the mover's epoll
         self._ep = select.epoll()
         #: fd -> its callbacks (a list object per registration: a stale event for an fd
         #: unregistered and registered again earlier in the same batch is told apart by it)
@@ -91,10 +97,23 @@ class Reactor:
         (a provider may serve many CQs through one completion channel); each runs."""
         callbacks = self._readers.get(fd)
         if callbacks is None:
-            self._ep.register(fd, select.EPOLLIN)
+            if not self._watch_moved(fd):
+                self._ep.register(fd, select.EPOLLIN)
             self._readers[fd] = [callback]
         else:
             callbacks.append(callback)
+
+    def _watch_moved(self, fd: int) -> bool:
+        """With a waiter that holds this loop's fds: put ``fd`` in its epoll (True)."""
+        mover = self._mover
+        if mover is None:
+            return False
+        try:
+            mover.watch_fd(fd)
+        except (OSError, ValueError):
+            return False
+        self._moved.add(fd)
+        return True
 
     def remove_reader(self, fd: int, callback: Callable[[], None] | None = None) -> None:
         """Stop calling ``callback`` (or every callback) for ``fd``; unknown ones are fine."""
@@ -109,6 +128,10 @@ class Reactor:
             if callbacks:
                 return
         del self._readers[fd]
+        if fd in self._moved:
+            self._moved.discard(fd)
+            self._mover.unwatch_fd(fd)
+            return
         try:
             self._ep.unregister(fd)
         except (OSError, ValueError):
@@ -151,17 +174,57 @@ class Reactor:
         """The loop's epoll: readable when one of its own file descriptors is."""
         return self._ep.fileno()
 
-    def set_waiter(self, waiter: Callable[[float | None], bool] | None) -> bool:
+    def set_waiter(self, waiter: Callable[[float | None], Any] | None,
+                   mover: Any = None, runner: Any = None, hook: Any = None) -> bool:
         """Let a provider do this loop's waiting (loop thread, or before it runs): each pass
         calls ``waiter(timeout)`` instead of waiting in the loop's epoll; the provider waits
         in an epoll of its own that holds this loop's (:meth:`fileno`), serves what is ready
         of its own in the pass, and returns True when the loop's file descriptors may be
-        ready too (polled then, without waiting).  One waiter at a time: False if another
-        has the place.  ``None`` gives the place back."""
+        ready too (polled then, without waiting), else the list of this loop's ready
+        ``(fd, events)`` it found (possibly empty).  With ``mover`` (an object with
+        ``watch_fd(fd)`` and ``unwatch_fd(fd)`` on the provider's epoll) this loop's file
+        descriptors move into that epoll while the waiter has the place: a wake-up by one
+        of them (a FUSE request) is one ``epoll_wait``, not one in the provider's epoll
+        and another in the loop's.  With ``runner`` and ``hook`` (its entry in
+        ``PASS_HOOKS``), while ``hook`` is the only pass hook, each pass is
+        ``runner(timeout, serve)``: the provider opens its pass, waits, serves its part,
+        calls ``serve(ready)`` (this loop's part; ``ready`` None: poll the loop's own
+        epoll) and closes the pass, without the generic hooks' calls.  One waiter at a
+        time: False if another has the place.  ``None`` gives the place back (and the file
+        descriptors)."""
         if waiter is not None and self._waiter is not None:
             return False
+        if waiter is None:
+            self._unmove()
         self._waiter = waiter
+        self._runner = runner if waiter is not None else None
+        self._runner_hook = hook if waiter is not None else None
+        if waiter is not None and mover is not None:
+            self._mover = mover
+            for fd in tuple(self._readers):
+                if self._watch_moved(fd):
+                    try:
+                        self._ep.unregister(fd)
+                    except (OSError, ValueError):
+                        pass
         return True
+
+    def _unmove(self) -> None:
+        """The file descriptors in the waiter's epoll back into the loop's own."""
+        mover, moved = self._mover, self._moved
+        self._mover = None
+        if mover is None:
+            return
+        for fd in tuple(moved):
+            try:
+                mover.unwatch_fd(fd)
+            except (OSError, ValueError):
+                pass
+            try:
+                self._ep.register(fd, select.EPOLLIN)
+            except (OSError, ValueError):
+                pass        # closed meanwhile (its reader goes with remove_reader)
+        moved.clear()
 
     def _spin(self) -> bool:
         """Busy-poll for up to ``spin_us`` while some poller has work outstanding; True
@@ -252,7 +315,12 @@ class Reactor:
             timeout = 0             # a poller ran a pass: serve the rest without sleeping
         waiter = self._waiter
         if waiter is not None:
-            self._wait_pass(waiter, timeout)
+            runner = self._runner
+            if runner is not None and len(_pass_hooks) == 1 \
+                    and _pass_hooks[0] is self._runner_hook:
+                runner(timeout, self._serve)
+            else:
+                self._wait_pass(waiter, timeout)
             return
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
@@ -288,17 +356,25 @@ class Reactor:
             except Exception:  # noqa: BLE001  (as a callback's: logged, the loop goes on)
                 log.exception("%s: unhandled error in waiter %r", self.name, waiter)
                 own = True
-            if own:
+            if own is True:
                 try:
                     ready = self._ep.poll(0)
                 except InterruptedError:
                     pass
+            elif own:
+                ready = own             # this loop's fds, ready in the waiter's epoll
             self._serve(ready)
         finally:
             self._close_pass(opened, tid)
 
-    def _serve(self, ready: list) -> None:
-        """Every ready callback, due timer and queued call: one pass."""
+    def _serve(self, ready: list | None) -> None:
+        """Every ready callback, due timer and queued call: one pass (``ready`` None: what
+        the loop's own epoll has ready now)."""
+        if ready is None:
+            try:
+                ready = self._ep.poll(0)
+            except InterruptedError:
+                ready = ()
         readers = self._readers
         if len(ready) == 1:
             callbacks = readers.get(ready[0][0])
@@ -366,6 +442,7 @@ class Reactor:
 
     def close(self) -> None:
         self.closed = True
+        self._unmove()
         self._readers.clear()
         self._ep.close()
         for fd in (self._wake_r, self._wake_w):

@@ -176,6 +176,18 @@ def test_poll_mode_cqs_are_served_through_one_registration():
         cqs[1].push(WC(7, WcStatus.SUCCESS, WcOpcode.RECV))   # as from another thread
         reactor.run_once(2)
         assert ran == [1]
+        # the loop's own fds wait in the device's epoll (one epoll_wait per wake-up): one
+        # ready alone runs its reader and no CQ owner
+        r, w = os.pipe2(os.O_NONBLOCK)
+        reactor.add_reader(r, lambda: ran.append(os.read(r, 9)))
+        assert r in reactor._moved
+        os.write(w, b"fuse")
+        reactor.run_once(2)
+        assert ran == [1, b"fuse"]
+        reactor.remove_reader(r)
+        assert r not in reactor._moved
+        os.close(r)
+        os.close(w)
         for cq, owner in zip(cqs, owners):
             reactor.remove_cq(cq, owner)
             cq.close()
@@ -204,8 +216,19 @@ def test_a_device_served_by_two_reactors_nests_in_both():
         assert first._waiter is not None
         second.add_cq(cq2, lambda: (ran.append("two"), cq2.poll()))
         assert second._waiter is None
+        r, w = os.pipe2(os.O_NONBLOCK)
+        first.add_reader(r, lambda: ran.append(os.read(r, 9)))
+        assert r in first._moved
         first.run_once(0)                   # the nest call queued for the first loop
-        assert first._waiter is None and len(first._readers) == 3
+        assert first._waiter is None and len(first._readers) == 4
+        assert not first._moved             # its fds back in its own epoll, still served
+        os.write(w, b"fuse")
+        first.run_once(2)
+        assert ran == [b"fuse"]
+        ran.clear()
+        first.remove_reader(r)
+        os.close(r)
+        os.close(w)
         cq1.push(WC(1, WcStatus.SUCCESS, WcOpcode.RECV))
         cq2.push(WC(2, WcStatus.SUCCESS, WcOpcode.RECV))
         first.run_once(2)

@@ -525,6 +525,8 @@ def test_an_ack_with_nothing_to_ride_on_waits_for_traffic(reactor_side, monkeypa
     assert (ftype, psn, ack) == (Frame.SEND, 1, 1) and flags & wire.FrameFlags.ACK
     live: list = []                         # carried: its timer will not wake the loop
     reactor.call_sync(lambda: live.extend(t for t in reactor._timers if not t[2].cancelled))
+    # (nor the time a group that does the loop's waiting keeps for it instead of a timer)
+    reactor.call_sync(lambda: live.extend(g for g in qp.ctx._groups.values() if g._ack_at))
     assert live == []
     peer.sock.sendall(wire.pack(Frame.ACK, 1))
     peer.sock.sendall(wire.pack(Frame.SEND, 2, 16) + bytes(16))

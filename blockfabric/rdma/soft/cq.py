@@ -79,7 +79,10 @@ class SoftCQ(CQ):
         if not n:
             return []
         popleft = q.popleft     # one consumer; producers only append
-        return [popleft() for _ in range(n if n < max_entries else max_entries)]
+        out = []                # (a loop in this frame: a comprehension is a call in 3.11)
+        for _ in range(n if n < max_entries else max_entries):
+            out.append(popleft())
+        return out
 
     def fileno(self) -> int:
         return self.ctx.fileno() if self._poll_mode else self._efd

@@ -53,7 +53,7 @@ class Group:
     other threads.  :meth:`dispatch` is the pass."""
 
     __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
-                 "acks", "_ack_timer", "_waits", "_own_fd")
+                 "acks", "_ack_timer", "_ack_at", "_waits", "_own_fd")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -66,6 +66,9 @@ class Group:
         self._ctx_fd = ctx.fileno()
         self.acks: list["SoftQP"] = []    # QPs whose ACK waits for traffic (defer_ack)
         self._ack_timer: Any = None
+        #: while this group does the reactor's waiting: when the deferred ACKs are due (0.0:
+        #: none), which its wait keeps to instead of a reactor timer per deferral
+        self._ack_at = 0.0
         # One epoll_wait per wake-up: the reactor waits in the device's epoll, which holds
         # the reactor's own (Reactor.set_waiter; see wait), rather than the other way round
         # (then every wake-up takes a second epoll_wait to learn which sockets are ready).
@@ -75,7 +78,8 @@ class Group:
         self._waits = False
         self._own_fd = -1
         set_waiter = getattr(reactor, "set_waiter", None)
-        if not ctx.has_groups() and set_waiter is not None and set_waiter(self.wait):
+        if not ctx.has_groups() and set_waiter is not None and \
+                set_waiter(self.wait, ctx, self.wait, ctx.hook):
             try:
                 self._own_fd = reactor.fileno()
                 ctx.watch_fd(self._own_fd)
@@ -121,33 +125,87 @@ class Group:
             except OSError:
                 pass                        # closed: the group is gone
 
-    def wait(self, timeout: float | None) -> bool:
+    def wait(self, timeout: float | None, serve: Any = None) -> Any:
         """The reactor's wait (on its thread, in its pass): up to ``timeout`` s (None: no
-        bound) for the device's sockets or the reactor's own file descriptors, then a pass
-        over the sockets that are ready.  True when the reactor's own may be ready."""
+        bound) for the device's sockets or the reactor's own file descriptors (which the
+        reactor moved into the device's epoll: Reactor.set_waiter), then a pass over the
+        sockets that are ready, if any (a wake-up by a reactor's fd alone, a FUSE request,
+        runs no engine).  Returns the reactor's ready events, or True when its own epoll
+        may hold ready ones too (a file descriptor that could not move).
+
+        With ``serve``, the reactor's whole pass, while this device's is the only pass hook
+        (Reactor.set_waiter's runner): the pass opened for this thread (sends corked), the
+        wait, ``serve(ready)`` (the reactor's callbacks, timers and calls; None: its own
+        epoll's), then the pass closed (each QP that queued frames sends them in one
+        sendmsg).  An error of the wait is logged there, as the reactor logs a waiter's."""
         ctx = self.ctx
-        if ctx.rnr_waiters:                 # (the kick keeps the epoll ready meanwhile)
-            timeout = 0.0
+        tid = _get_ident()
+        opened = serve is not None and tid not in ctx.corks
+        if opened:
+            ctx.corks[tid] = []
         try:
-            # no lock: what another thread's progress handles first is reported again
-            # (level-triggered) or not at all
-            events = ctx._ep.poll(-1 if timeout is None else timeout)
-        except InterruptedError:
-            return True
-        except (OSError, ValueError):       # the device closed under the wait
-            self._stop_waiting()
-            return True
-        own = self._own_fd
-        mine = False
-        for fd, _ in events:
-            if fd == own:
-                mine = True
-                if len(events) == 1:
-                    return True
-                break
-        if events:
-            self.dispatch(events)
-        return mine
+            try:
+                if ctx.rnr_waiters:         # (the kick keeps the epoll ready meanwhile)
+                    timeout = 0.0
+                elif self._ack_at:          # deferred ACKs: wake up for them at the latest
+                    left = self._ack_at - time.monotonic()
+                    if timeout is None or left < timeout:
+                        timeout = left if left > 0 else 0.0
+                try:
+                    # no lock: what another thread's progress handles first is reported
+                    # again (level-triggered) or not at all
+                    events = ctx._ep.poll(-1 if timeout is None else timeout)
+                except InterruptedError:
+                    events = None
+                except (OSError, ValueError):   # the device closed under the wait
+                    self._stop_waiting()
+                    events = None
+                if events is None:
+                    ready = True
+                elif len(events) == 1:
+                    fd = events[0][0]
+                    if fd in ctx._fds or fd == ctx._kick:
+                        self.dispatch(events)
+                        ready = ()
+                    else:
+                        ready = True if fd == self._own_fd else events
+                else:
+                    ready = self._sort(events) if events else events
+                if self._ack_at and time.monotonic() >= self._ack_at:
+                    self._send_acks()
+            except Exception:  # noqa: BLE001
+                if serve is None:
+                    raise                   # the reactor's _wait_pass logs it
+                log.exception("%s: unhandled error in the device's wait", self.reactor.name)
+                ready = True
+            if serve is None:
+                return ready
+            serve(None if ready is True else ready)
+            return None
+        finally:
+            if opened:
+                ctx.end_pass(tid)
+
+    def _sort(self, events: list) -> Any:
+        """Several ready: the device's served in one engine pass, the reactor's returned
+        (True instead when its nested epoll is ready too: the loop polls that; what was
+        ready here is level-triggered and reported again at the next wait)."""
+        ctx = self.ctx
+        fds, kick, own = ctx._fds, ctx._kick, self._own_fd
+        mine = []
+        theirs = []
+        nested = False
+        for event in events:
+            fd = event[0]
+            if fd in fds or fd == kick:
+                mine.append(event)
+            elif fd == own:
+                nested = True
+            else:
+                theirs.append(event)
+        if mine:
+            self.dispatch(mine)
+        return True if nested else theirs
 
     def _stop_waiting(self) -> None:
         if self._waits:
@@ -167,13 +225,20 @@ class Group:
         if self._waits:
             self._stop_waiting()        # out of the device's epoll first: no loop
             self.reactor.add_reader(self._ctx_fd, self.dispatch)
+            if self._ack_at:            # the wait kept that time: a timer keeps it now
+                self._ack_at = 0.0
+                if self._ack_timer is None:
+                    self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
 
     def defer(self, qp: "SoftQP") -> None:
         """``qp``'s acknowledgement waits for traffic, at most ACK_DELAY (reactor thread)."""
         if qp.ack_group is not self:
             qp.ack_group = self
             self.acks.append(qp)
-        if self._ack_timer is None:
+        if self._waits:                 # the wait keeps the time: no timer per deferral
+            if not self._ack_at:
+                self._ack_at = time.monotonic() + ACK_DELAY
+        elif self._ack_timer is None:
             self._ack_timer = self.reactor.call_later(ACK_DELAY, self._send_acks)
 
     def carried(self, qp: "SoftQP") -> None:
@@ -188,13 +253,16 @@ class Group:
             acks.remove(qp)
         except ValueError:
             pass
-        if not acks and self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
+        if not acks:
+            self._ack_at = 0.0
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+                self._ack_timer = None
 
     def _send_acks(self) -> None:
         """ACK_DELAY is over: every deferred acknowledgement no request carried goes out."""
         self._ack_timer = None
+        self._ack_at = 0.0
         acks, self.acks = self.acks, []
         for qp in acks:
             qp.ack_group = None
@@ -309,6 +377,9 @@ class SoftContext(Context):
         #: thread id -> the reactor group whose pass runs there (its ACKs may wait, defer_ack)
         self.deferrers: dict[int, Group] = {}
         self._hook = (self.begin_pass, self.end_pass)
+        #: this device's entry in PASS_HOOKS (a group's wait(timeout, serve) opens and
+        #: closes it itself)
+        self.hook = self._hook
         PASS_HOOKS.append(self._hook)
         self.closed = False
 

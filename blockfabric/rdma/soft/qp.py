@@ -296,8 +296,10 @@ class SoftQP(QP):
     def _to_error(self) -> None:
         if self._state == QPState.ERR:
             return
-        self._unreference("queue pair in error with frames unsent")
+        # ERR before the frames queued so far go out (a NAK among them): a peer that has
+        # the NAK must find this QP in ERR already
         self._state = QPState.ERR
+        self._unreference("queue pair in error with frames unsent")
         self._hold = False
         self.ctx.rnr_waiters.discard(self)
         self._abort_rx()
@@ -562,7 +564,7 @@ class SoftQP(QP):
                 return
             if self._ack_due and (self._outq or not self.ctx.defer_ack(self)):
                 self._queue_ack()
-            if not self._blocked:
+            if self._outq and not self._blocked:    # (an ACK deferred: nothing to send)
                 self._flush()
 
     def send_owed_ack(self) -> None:
@@ -825,10 +827,13 @@ class SoftQP(QP):
 
     def _rx_write(self, psn: int, flags: int, length: int, key: int, extra: int,
                   addr: int) -> None:
-        mr = self._rkey_mr(key, addr, length, _REMOTE_WRITE) if length else None
-        if length and mr is None:
-            self._responder_error(psn, length, WcStatus.REM_ACCESS_ERR)
-            return
+        if length:
+            # _rkey_mr, inline: the per-I/O case (a read's data arriving at the host)
+            mr = self.ctx.rkeys.get(key)
+            if (mr is None or mr.pd is not self.pd or not mr.bits & _REMOTE_WRITE
+                    or addr < mr.addr or addr + length > mr.end):
+                self._responder_error(psn, length, WcStatus.REM_ACCESS_ERR)
+                return
         self._rwc = None
         if flags & _F_IMM:
             recv = self._take_recv(psn, length)
@@ -838,8 +843,13 @@ class SoftQP(QP):
                            self.qp_num, WcFlags.WITH_IMM, imm_data=extra)
         self._exp_psn = (psn + 1) & M
         self._rx_psn = psn
-        off = addr - mr.addr if mr is not None else 0
-        self._expect([mr.buf[off:off + length]] if length else None, length, RX_WRITE)
+        if not length:
+            self._expect(None, 0, RX_WRITE)
+            return
+        off = addr - mr.addr            # _expect, inline
+        self._rviews = [mr.buf[off:off + length]]
+        self._rleft = length
+        self._rkind = RX_WRITE
 
     def _rx_read_req(self, psn: int, length: int, key: int, addr: int) -> None:
         mr = self._rkey_mr(key, addr, length, _REMOTE_READ) if length else None

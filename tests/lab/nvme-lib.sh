@@ -31,6 +31,10 @@ ns_dev() {  # ns_dev NQN NSID -> /dev/nvmeXnY once the block device exists
     done
     return 1
 }
+# io_queues /dev/nvmeX: the controller's I/O queues (its queue_count less the admin queue).
+# Not the mq/ of its /dev/nvmeXnY: under native multipathing (the target says CMIC bit 1, as
+# nvmet does) that disk is the bio-based head, which has none.
+io_queues() { echo $(( $(cat "/sys/class/nvme/${1#/dev/}/queue_count") - 1 )); }
 # dd_verify DEV: 8 MiB of random data through DEV (direct), flushed, read back, and found at
 # the start of the caller's backing file $W/vols/file1.img; status 0 only when all of it matched
 dd_verify() {

@@ -24,9 +24,10 @@ ctrl_dev() {  # the /dev/nvmeX of the controller connected to NQN $1
 ns_dev() {  # ns_dev NQN NSID -> /dev/nvmeXnY once the block device exists
     local c n
     c=$(ctrl_dev "$1") || return 1
-    for n in /sys/block/${c#/dev/}n* /sys/block/nvme*c*n*; do
+    for n in /sys/block/${c#/dev/}n* /sys/block/nvme*n*; do
         [ -e "$n/nsid" ] || continue
         [ "$(cat "$n/nsid")" = "$2" ] || continue
+        [ -b "/dev/${n##*/}" ] || continue     # a multipath head's paths (nvmeXcYnZ) have none
         case "$(cat "$n/device/subsysnqn" 2>/dev/null)" in "$1") echo "/dev/${n##*/}"; return 0;; esac
     done
     return 1

@@ -32,7 +32,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
-.PHONY: all deps venv lint test demo lab lab-auth lab-systemd install install-venv install-units \
+.PHONY: all deps venv lint test demo lab lab-auth lab-resv lab-systemd install install-venv install-units \
         uninstall bench bench-cost bench-rdma bench-rdma-lab bench-verbs-lab soak fuzz clean help
 
 all: help
@@ -43,6 +43,7 @@ help:
 	@echo "make lint   pyflakes checks through ruff (rules in pyproject.toml)"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
+	@echo "make lab-resv   reservations seen by the kernel's host: nvme resv-* of three host NQNs (6.12 guest)"
 	@echo "make lab-systemd   the units under a real systemd (PID 1 in a lab guest), verbs on rxe0"
 	@echo "make install   (root) /opt/blockfabric, /usr/local/bin links, units, a default config"
 	@echo "make uninstall (root) the reverse; /etc/blockfabric and /var/lib/blockfabric stay"
@@ -215,6 +216,24 @@ lab-auth: venv
 	set -o pipefail; \
 	{ echo "# LAB_HOME=$(LAB_AUTH_HOME) lab/run tests/lab/interop.sh  ($$(date -u +%F), Debian $$(cat $(LAB_AUTH_HOME)/kver) guest under QEMU, rxe0 on labnet0)"; \
 	  LAB_HOME=$(LAB_AUTH_HOME) LAB_TIMEOUT=$(LAB_TIMEOUT) lab/run tests/lab/interop.sh 2>&1; } | tee tests/lab/last-interop-auth.txt
+
+# lab-resv: persistent reservations (issue 17) as the Linux kernel's NVMe host sees them, in
+# the 6.12 guest of lab-auth: three host NQNs connect to blockfabric-target (verbs on rxe0) and
+# nvme-cli's resv-register/acquire/report/release/notif-log on each one's /dev/nvmeXnY, with
+# O_DIRECT reads and writes, check the six types, conflicts, preempt and abort, PTPL across a
+# target SIGKILL and clear (tests/lab/resv.sh).  About 4 minutes under TCG; output in
+# tests/lab/last-resv-run.txt.  Skips where lab-auth does.
+LAB_RESV_TIMEOUT ?= 1200
+lab-resv: venv
+	@rc=0; LAB_HOME=$(LAB_AUTH_HOME) LAB_KPKG=$(LAB_AUTH_KPKG) lab/setup || rc=$$?; \
+	if [ $$rc = 77 ]; then echo "make lab-resv: SKIP: $(LAB_AUTH_KPKG) or QEMU cannot be installed here"; exit 0; fi; \
+	[ $$rc = 0 ] || exit $$rc; \
+	set -o pipefail; t0=$$(date +%s); \
+	{ echo "# LAB_HOME=$(LAB_AUTH_HOME) lab/run tests/lab/resv.sh  ($$(date -u +%F), Debian $$(cat $(LAB_AUTH_HOME)/kver) guest under QEMU, rxe0 on labnet0)"; \
+	  LAB_HOME=$(LAB_AUTH_HOME) LAB_TIMEOUT=$(LAB_RESV_TIMEOUT) lab/run tests/lab/resv.sh 2>&1; } \
+	  | tee tests/lab/last-resv-run.txt; rc=$$?; \
+	echo "make lab-resv: rc=$$rc in $$(( $$(date +%s) - t0 )) s" | tee -a tests/lab/last-resv-run.txt; \
+	exit $$rc
 
 # bench: fio through blockfabric's FUSE mount (thread and poll progress) against nbdkit +
 # nbdfuse, nbdkit's Python plugin and tmpfs; then CPU per I/O and scaling (with flame

@@ -467,7 +467,11 @@ class Controller:
         limits = self.target.config.limits
         sub = self.subsystem
         inline = limits.inline_data_size
-        ana = self.target.ana.identify() if self.target.ana and sub else {}
+        # CMIC: a subsystem takes any number of controllers (hosts, and a host's paths),
+        # through every listener; the Linux host refuses a second controller of a subsystem
+        # whose CMIC lacks bit 1.  A gateway group adds the ANA bit.
+        cmic = idn.CMIC_MULTI_PORT | idn.CMIC_MULTI_CTRL if sub else 0
+        ana = self.target.ana.identify() if self.target.ana and sub else {"cmic": cmic}
         return idn.IdentifyController(
             vid=0, ssvid=0,
             sn=sub.serial if sub else self.target.discovery_serial,

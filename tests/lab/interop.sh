@@ -102,7 +102,7 @@ kernel_host_case() {  # kernel_host_case NAME NR_IO_QUEUES
         result "A/$name" FAIL "no /dev/nvmeXnY"; return 1; }
     local ctrl; ctrl=$(ctrl_dev "$NQN_OURS")
     echo "controller $ctrl: transport=$(cat /sys/class/nvme/${ctrl#/dev/}/transport)" \
-         "queues=$(ls -d /sys/block/${dev1#/dev/}/mq/* | wc -l) $dev1=$(blockdev --getsize64 "$dev1") B" \
+         "queues=$(io_queues "$ctrl") $dev1=$(blockdev --getsize64 "$dev1") B" \
          "$dev2=$(blockdev --getsize64 "$dev2") B"
 
     # dd: 8 MiB of random data through nsid 1 (file backend), read back, then on our file
@@ -227,7 +227,7 @@ kernel_auth_case() {  # NAME HOSTNQN WANT TEXT [nvme connect args]; WANT: auth, 
     POLL_MAX=100 poll ns_dev "$NQN_AUTH" 1 > /dev/null || echo "no block device"
     dev=$(ns_dev "$NQN_AUTH" 1) || { result "A/$name" FAIL "no /dev/nvmeXnY"; return 1; }
     ctrl=$(ctrl_dev "$NQN_AUTH")
-    nq=$(ls -d /sys/block/${dev#/dev/}/mq/* | wc -l)
+    nq=$(io_queues "$ctrl")
     local sys=/sys/class/nvme/${ctrl#/dev/}
     echo "controller $ctrl: $nq I/O queue(s); in sysfs dhchap_secret" \
          "$(cut -c1-10 "$sys/dhchap_secret" 2>/dev/null)... dhchap_ctrl_secret" \

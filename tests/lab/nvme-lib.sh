@@ -24,13 +24,18 @@ ctrl_dev() {  # the /dev/nvmeX of the controller connected to NQN $1
 ns_dev() {  # ns_dev NQN NSID -> /dev/nvmeXnY once the block device exists
     local c n
     c=$(ctrl_dev "$1") || return 1
-    for n in /sys/block/${c#/dev/}n* /sys/block/nvme*c*n*; do
+    for n in /sys/block/${c#/dev/}n* /sys/block/nvme*n*; do
         [ -e "$n/nsid" ] || continue
         [ "$(cat "$n/nsid")" = "$2" ] || continue
+        [ -b "/dev/${n##*/}" ] || continue     # a multipath head's paths (nvmeXcYnZ) have none
         case "$(cat "$n/device/subsysnqn" 2>/dev/null)" in "$1") echo "/dev/${n##*/}"; return 0;; esac
     done
     return 1
 }
+# io_queues /dev/nvmeX: the controller's I/O queues (its queue_count less the admin queue).
+# Not the mq/ of its /dev/nvmeXnY: under native multipathing (the target says CMIC bit 1, as
+# nvmet does) that disk is the bio-based head, which has none.
+io_queues() { echo $(( $(cat "/sys/class/nvme/${1#/dev/}/queue_count") - 1 )); }
 # dd_verify DEV: 8 MiB of random data through DEV (direct), flushed, read back, and found at
 # the start of the caller's backing file $W/vols/file1.img; status 0 only when all of it matched
 dd_verify() {

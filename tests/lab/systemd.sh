@@ -248,8 +248,8 @@ dev=
 find_dev() {
     local n
     for n in /sys/block/nvme*n*; do
-        [ "$(cat "$n/device/subsysnqn" 2> /dev/null)" = "$NQN_KERN" ] \
-            && { dev=/dev/${n##*/}; return 0; }
+        [ "$(cat "$n/device/subsysnqn" 2> /dev/null)" = "$NQN_KERN" ] && [ -b "/dev/${n##*/}" ] \
+            && { dev=/dev/${n##*/}; return 0; }   # (not a multipath head's path: no /dev node)
     done; return 1
 }
 wait_for 30 find_dev || ok=FAIL

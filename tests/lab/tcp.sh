@@ -84,7 +84,7 @@ kernel_host_case() {  # kernel_host_case NAME [nvme connect digest flags]
     ctrl=$(ctrl_dev "$NQN_OURS")
     echo "controller $ctrl: transport=$(cat /sys/class/nvme/${ctrl#/dev/}/transport)" \
          "address=$(cat /sys/class/nvme/${ctrl#/dev/}/address)" \
-         "queues=$(ls -d /sys/block/${dev1#/dev/}/mq/* | wc -l)"
+         "queues=$(io_queues "$ctrl")"
     if dd_verify "$dev1"; then bytes=$((bytes + (8 << 20))); else ok=FAIL; fi
     if fio --name=verify --filename="$dev2" --direct=1 --ioengine=libaio --rw=randwrite \
            --bs=4k --bsrange=4k-256k --size=8M --numjobs=3 --offset_increment=9M \

@@ -7,8 +7,9 @@ probe (a 4 KiB read and write at ``lba``: the status of each, 0 = allowed), read
 (``lba``, ``blocks``: their SHA-256), hammer (write the ``blocks`` blocks at ``lba`` over and
 over, ``size`` blocks a command, ``depth`` in flight, stamped with this host and a sequence
 number),
-stop (end the hammer once every write in flight has answered: counts), log (a
-reservation notification log entry), quit.
+stop (end the hammer once every write in flight has answered: counts), identify (this
+controller's cntlid and Identify Controller CMIC), log (a reservation notification log
+entry), quit.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ def main() -> int:
                     out = {"ok": state["ok"]}
             elif op == "stop":
                 out = stop_hammer()
+            elif op == "identify":
+                out = {"cntlid": ctrl.cntlid, "cmic": ctrl.identify.cmic}
             elif op == "log":
                 out = resv.notification_log(ctrl).as_dict()
             elif op == "quit":

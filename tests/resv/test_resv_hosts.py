@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from blockfabric.protocol.identify import CMIC_MULTI_CTRL, CMIC_MULTI_PORT
+
 from .conftest import fence_a_writer, reset
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
@@ -55,6 +57,18 @@ def test_every_type_three_hosts(resv_lab):
     assert {r["rkey"] for r in report["regctlext"]} == {KX, KY}
     assert len({r["hostid"] for r in report["regctlext"]}) == 2
     assert z.do("log")["type"] == 0                  # never registered: no notices
+
+
+def test_one_subsystem_says_it_takes_many_controllers(resv_lab):
+    """Identify Controller CMIC bit 1 (and bit 0) for every controller of the subsystem the
+    three hosts share, no ANA bit without a gateway group: the Linux host refuses a second
+    controller of a subsystem without bit 1 ("Subsystem does not support multiple
+    controllers"), which kept a second kernel host identity from sharing a namespace
+    (tests/lab/resv.sh)."""
+    _target, *hosts = resv_lab
+    ids = [h.do("identify") for h in hosts]
+    assert len({i["cntlid"] for i in ids}) == 3, ids
+    assert [i["cmic"] for i in ids] == [CMIC_MULTI_PORT | CMIC_MULTI_CTRL] * 3, ids
 
 
 def test_preempt_and_abort_fences_a_writer(resv_lab):

@@ -46,6 +46,9 @@ _TRANSPORT_WORD = tp.SGL_TRANSPORT << 56
 _INCAPSULE_WORD = tp.SGL_INCAPSULE << 56
 #: the largest data PDU a host takes (its commands are at most 8 MiB: Controller.max_transfer)
 MAX_DATA = 8 << 20
+#: MAXR2T asked for in ICReq (0's based): R2Ts a controller may have outstanding per
+#: command, so that a write larger than its MAXH2CDATA is not one round trip per piece
+MAXR2T = 7
 #: the status word (CQE byte 14) of Data Transfer Error, for a data digest mismatch
 _DATA_TRANSFER_ERROR = StatusCode.DATA_TRANSFER_ERROR << 1
 
@@ -65,7 +68,7 @@ def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
         raise TimeoutError(f"no NVMe/TCP connection to {address}:{port} within {timeout:g} s"
                            ) from None
     try:
-        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst)
+        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=MAXR2T)
         sock.sendall(request.pack())
         buf = bytearray()
         while len(buf) < tp.IC_SIZE:
@@ -217,9 +220,10 @@ class TcpHostQueue(PduConnection, HostQueue):
             if data[3]:
                 raise tp.PduError(f"R2T for cid {cccid:#x}, a read",
                                   tp.Fes.INVALID_HEADER_FIELD, 8)
-            if not length or offset < data[2] or offset + length > data[1]:
-                raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} sent",
-                                  tp.Fes.DATA_OUT_OF_RANGE, 12)
+            # several may be outstanding (MAXR2T): each asks for the bytes after the last
+            if not length or offset != data[2] or offset + length > data[1]:
+                raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
+                                  "for before", tp.Fes.DATA_OUT_OF_RANGE, 12)
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         if ptype == tp.CAPSULE_RESP:

@@ -54,10 +54,10 @@ _DATA_TRANSFER_ERROR = StatusCode.DATA_TRANSFER_ERROR << 1
 
 
 def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
-                    timeout: float) -> tuple[socket.socket, tp.ICResp]:
-    """Connect and initialise (ICReq, then the ICResp checked as the Linux host checks
-    it); raises ConnectionError (refused, a bad ICResp, a termination request) or
-    TimeoutError."""
+                    timeout: float, hpda: int = 0) -> tuple[socket.socket, tp.ICResp]:
+    """Connect and initialise (ICReq asking ``hpda``, then the ICResp checked as the
+    Linux host checks it, but any CPDA up to 31 taken); raises ConnectionError (refused, a
+    bad ICResp, a termination request) or TimeoutError."""
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((address, port), timeout=timeout)
@@ -68,7 +68,7 @@ def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
         raise TimeoutError(f"no NVMe/TCP connection to {address}:{port} within {timeout:g} s"
                            ) from None
     try:
-        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=MAXR2T)
+        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=MAXR2T, hpda=hpda)
         sock.sendall(request.pack())
         buf = bytearray()
         while len(buf) < tp.IC_SIZE:
@@ -104,7 +104,7 @@ class TcpHostQueue(PduConnection, HostQueue):
     to_controller = False
 
     def __init__(self, sock: socket.socket, pd, resp: tp.ICResp, *, qid: int, depth: int,
-                 inline_size: int, name: str) -> None:
+                 inline_size: int, name: str, hpda: int = 0) -> None:
         PduConnection.__init__(self, sock, name)
         self.pd = pd
         self.qid = qid
@@ -115,7 +115,7 @@ class TcpHostQueue(PduConnection, HostQueue):
         #: the admin queue, NVME_TCP_ADMIN_CCSZ for a Fabrics command on any queue
         self.capsule_data = inline_size if qid else tp.ADMIN_CCSZ - SQE_SIZE
         self.maxh2cdata = resp.maxh2cdata
-        self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA)
+        self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA, hpda, resp.cpda)
         self._init_slots([Slot(i, memoryview(bytearray(SQE_SIZE + inline_size)),
                                SendWR(i, WrOpcode.SEND, [SGE(0, SQE_SIZE, 0)],
                                       SendFlags.SIGNALED))
@@ -165,7 +165,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         elif length > SQE_SIZE:
             data_len = length - SQE_SIZE
             data = bytes(view[SQE_SIZE:length])
-        out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst)]
+        out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst,
+                                     self.tx_align)]
         if data_len:
             out.append(data)
             if self.ddgst:
@@ -270,14 +271,15 @@ class TcpHostQueue(PduConnection, HostQueue):
         mem = data[0]
         end = offset + length
         out: list = []
+        hd, dd, align = self.hdgst, self.ddgst, self.tx_align
         while offset < end:
             n = min(self.maxh2cdata, end - offset)
             last = offset + n == end
             out.append(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST if last else 0, cccid, ttag,
-                                      offset, n, self.hdgst, self.ddgst))
+                                      offset, n, hd, dd, align))
             piece = mem[offset:offset + n]
             out.append(piece)
-            if self.ddgst:
+            if dd:
                 out.append(tp.pack_digest(tp.digest(piece)))
             offset += n
         data[2] = end

@@ -68,7 +68,7 @@ class TcpTargetQueue(PduConnection):
     pass_limit = 64     # read by the target's pass sharing; one read per wake-up here
 
     def __init__(self, sock, pd, *, handler, inline_size: int, max_depth: Callable[[int], int],
-                 name: str) -> None:
+                 name: str, cpda: int = 0) -> None:
         super().__init__(sock, name)
         self.pd = pd
         self.cmid = PeerInfo(sock.getpeername())
@@ -94,6 +94,8 @@ class TcpTargetQueue(PduConnection):
         self.limits = tp.Limits(max_capsule_data=self.inline_size)
         #: R2Ts outstanding per command (the host's MAXR2T + 1, capped), set by ICReq
         self.r2t_max = 1
+        #: the data alignment asked of the host in ICResp (the listener's ``cpda``)
+        self.cpda = cpda
 
     def _grow_slots(self, count: int) -> None:
         have = len(self.commands)
@@ -147,10 +149,11 @@ class TcpTargetQueue(PduConnection):
             self._h2c_data(flags, pdu, pdo, dlen, False)
         elif ptype == tp.ICREQ:
             req = tp.ICReq.unpack(pdu)
-            self.send([tp.ICResp(hdgst=req.hdgst, ddgst=req.ddgst,
+            self.send([tp.ICResp(cpda=self.cpda, hdgst=req.hdgst, ddgst=req.ddgst,
                                  maxh2cdata=MAXH2CDATA).pack()])
             self.r2t_max = min(req.maxr2t + 1, R2T_CAP)
-            self.negotiated(req.hdgst, req.ddgst, self.inline_size, MAXH2CDATA)
+            self.negotiated(req.hdgst, req.ddgst, self.inline_size, MAXH2CDATA, self.cpda,
+                            req.hpda)
         else:                               # H2CTermReq: the host gives up
             fes, fei = tp.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
             self.on_lost(f"the host sent a termination request (FES {fes:#x}, FEI {fei})")
@@ -351,7 +354,7 @@ class TcpTargetQueue(PduConnection):
         """C2HData PDUs carrying ``views`` (``length`` bytes): one per MAXH2CDATA bytes,
         LAST on the final one, and SUCCESS there too when no CapsuleResp follows."""
         success = may_succeed and not self.sq_flow
-        hd, dd = self.hdgst, self.ddgst
+        hd, dd, align = self.hdgst, self.ddgst, self.tx_align
         out: list = []
         offset = 0
         pending = list(views)
@@ -371,7 +374,8 @@ class TcpTargetQueue(PduConnection):
                     take = 0
             last = offset + n == length
             flags = (tp.F_DATA_LAST | (tp.F_DATA_SUCCESS if success else 0)) if last else 0
-            out.append(tp.data_header(tp.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd))
+            out.append(tp.data_header(tp.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd,
+                                      align))
             out.extend(piece)
             if dd:
                 crc = 0

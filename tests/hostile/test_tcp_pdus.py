@@ -34,11 +34,13 @@ class RawTcp:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.hdgst, self.ddgst = hdgst, ddgst
         self.buf = b""
+        self.align = 4
         if icreq == b"":
             request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=maxr2t)
             self.sock.sendall(request.pack())
             resp = tp.ICResp.unpack(self.read_pdu(), request)
             assert resp.maxh2cdata == MAXH2CDATA
+            self.align = tp.align_of(resp.cpda)
         elif icreq is not None:
             self.sock.sendall(icreq)
 
@@ -72,8 +74,10 @@ class RawTcp:
         return tp.unpack_term(last)
 
     def capsule(self, sqe: bytes, data: bytes = b"", *, bad_ddgst: bool = False,
-                bad_hdgst: bool = False) -> None:
-        hdr = tp.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst)
+                bad_hdgst: bool = False, align: int | None = None) -> None:
+        """A CapsuleCmd, its data padded as the ICResp asked (or to ``align``)."""
+        hdr = tp.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst,
+                                    self.align if align is None else align)
         if bad_hdgst:
             hdr[72] ^= 0xFF
         tail = b""
@@ -192,8 +196,8 @@ FATAL = [
         connect_sqe(False), 0, False, False)), Fes.SEQUENCE_ERROR),
     ("ICReq with PFV 1", lambda p: RawTcp(p, icreq=tp.ICReq(pfv=1).pack()),
      Fes.INVALID_HEADER_FIELD),
-    ("ICReq asking for data alignment", lambda p: RawTcp(p, icreq=tp.ICReq(hpda=3).pack()),
-     Fes.UNSUPPORTED_PARAMETER),
+    ("ICReq HPDA 32", lambda p: RawTcp(p, icreq=tp.ICReq(hpda=32).pack()),
+     Fes.INVALID_HEADER_FIELD),
     ("ICReq with plen 64", lambda p: RawTcp(p, icreq=common(0, 0, 128, 0, 64) + bytes(56)),
      Fes.INVALID_HEADER_FIELD),
     ("a second ICReq", lambda p: _then(RawTcp(p), tp.ICReq().pack()), Fes.SEQUENCE_ERROR),
@@ -461,11 +465,70 @@ def test_malformed_h2cdata_with_several_r2ts(target, transport, bystander):
             session = RawSession(target.tcp_port)
             peer = session.io_queue(maxr2t=1)
             try:
-                peer.capsule(write_sqe(7, 0, 4 * MAXH2CDATA))
+                peer.capsule(write_sqe(7, 4096, 4 * MAXH2CDATA))   # not the bystander's blocks
                 _answer_first_r2t(peer, *parts)
                 assert peer.terminated()[0] == fes, name
             finally:
                 peer.close()
                 session.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive() and "Traceback" not in target.log
+
+
+def _padded_capsule(port: int, pdo: int) -> RawTcp:
+    """A Connect whose in-capsule data starts at ``pdo`` (the listener wants 80)."""
+    peer = RawTcp(port)
+    assert peer.align == 16
+    hdr = bytearray(tp.capsule_cmd_header(connect_sqe(False), len(CONNECT_DATA), False,
+                                          False, 16))
+    hdr[3] = pdo
+    struct.pack_into("<I", hdr, 4, pdo + len(CONNECT_DATA))
+    peer.send(bytes(hdr[:min(pdo, len(hdr))]).ljust(pdo, b"\0"), CONNECT_DATA)
+    return peer
+
+
+def _padded_h2c(port: int, pdo: int) -> RawTcp:
+    """The R2T's H2CData with its data at ``pdo`` (the listener wants 32)."""
+    peer, ttag = with_r2t(port)
+    hdr = bytearray(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, ttag, 0, 1024, False,
+                                   False, 16))
+    hdr[3] = pdo
+    struct.pack_into("<I", hdr, 4, pdo + 1024)
+    peer.send(bytes(hdr[:min(pdo, len(hdr))]).ljust(pdo, b"\0"), CONNECT_DATA)
+    return peer
+
+
+#: against the listener with CPDA 3: (name, attack, FES)
+PADDING_FATAL = [
+    ("capsule data not padded", lambda p: _padded_capsule(p, 72), Fes.INVALID_HEADER_FIELD),
+    ("capsule data padded too far", lambda p: _padded_capsule(p, 96),
+     Fes.INVALID_HEADER_FIELD),
+    ("capsule data at pdo 255", lambda p: _padded_capsule(p, 255), Fes.INVALID_HEADER_FIELD),
+    ("capsule pdo 78, not a multiple of 4", lambda p: _padded_capsule(p, 78),
+     Fes.INVALID_HEADER_FIELD),
+    ("H2CData not padded", lambda p: _padded_h2c(p, 24), Fes.INVALID_HEADER_FIELD),
+    ("H2CData padded to 48", lambda p: _padded_h2c(p, 48), Fes.INVALID_HEADER_FIELD),
+]
+
+
+@pytest.mark.timeout(60)
+def test_pdo_checked_against_the_listeners_cpda(target, transport, bystander):
+    """A listener with CPDA 3: capsule and H2CData data must start exactly at the header
+    rounded up to 16 bytes; any other PDO ends the connection (Invalid Header Field at the
+    PDO byte), correctly padded ones are served, and the bystander carries on."""
+    port = target.padded_port
+    with bystander.attack("PDOs against CPDA 3"):
+        for name, attack, fes in PADDING_FATAL:
+            peer = attack(port)
+            try:
+                assert peer.terminated() == (fes, tp.FEI_PDO), name
+            finally:
+                peer.close()
+        peer = _padded_capsule(port, 80)
+        assert status_of(peer.read_pdu()) == 0
+        peer.close()
+        peer = _padded_h2c(port, 32)
+        assert status_of(peer.read_pdu()) == 0
+        peer.close()
     assert_undisturbed(bystander.finish(), bystander)
     assert target.alive() and "Traceback" not in target.log

@@ -521,7 +521,7 @@ class Target:
         queue = TcpTargetQueue(
             sock, pd, handler=session, inline_size=limits.inline_data_size,
             max_depth=lambda qid: ADMIN_MAX_DEPTH if qid == 0 else limits.queue_size,
-            name=f"{peer[0]} tcp", cpda=lconf.cpda)
+            name=f"{peer[0]} tcp", cpda=self._listener_now(lconf).cpda)
         queue.max_unsent = limits.unsent_limit(limits.queue_size, limits.inline_data_size)
         session.queue = queue
         queue.attach(self.reactor)
@@ -750,13 +750,18 @@ class Target:
                   session.queue.depth)
         return ctrl
 
+    def _listener_now(self, lconf: cfg.Listener) -> cfg.Listener:
+        """The listener's configuration as it is now (a reload may have changed its keys
+        since a connection, or the listener's reader, took hold of ``lconf``)."""
+        key = rl.listener_key(lconf)
+        return next((lc for lc, _p, _l in self.listeners if rl.listener_key(lc) == key), lconf)
+
     def _check_listener_limit(self, session: QueueSession) -> cfg.Listener:
         """The listener's ``max_connections`` (as the configuration has it now, a reload
         included): refused with Controller Busy once that many queues are connected
         through it.  Returns that listener's configuration."""
-        key = rl.listener_key(session.listener)
-        lconf = next((lc for lc, _p, _l in self.listeners if rl.listener_key(lc) == key),
-                     session.listener)
+        lconf = self._listener_now(session.listener)
+        key = rl.listener_key(lconf)
         most = lconf.max_connections
         if most is not None:
             held = sum(1 for s in self.sessions if s.controller is not None

@@ -5,9 +5,11 @@ limits (max_connections, max_io_queues, queue_size) on both transports."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
+import yaml
 
 from blockfabric.initiator.host import NvmeError, connect
 from blockfabric.protocol import StatusCode
@@ -105,3 +107,23 @@ def test_listener_io_queues_and_depth(start_target, transport):
         data = os.urandom(4096)
         ns.write(4096, data)
         assert ns.read(4096, 4096) == data
+
+
+def test_reload_changes_a_listeners_limit_and_cpda(start_target):
+    """SIGHUP with a higher max_connections and a CPDA on the same listener: the next
+    Connect counts against the new limit and the next connection gets the new CPDA, while
+    the connected host carries on."""
+    target = _limited_target(start_target, "tcp", max_connections=2)
+    with connect("127.0.0.1", NQN, target.port, transport="tcp", hostnqn=HOSTNQN,
+                 nr_io_queues=1) as first:
+        assert first.io_queues[0].tx_align == 4
+        target.config["listeners"][0].update(max_connections=4, cpda=3)
+        target.path.write_text(yaml.safe_dump(target.config))
+        target.proc.send_signal(signal.SIGHUP)
+        assert target.wait_log("reloaded ", 10), target.log
+        with connect("127.0.0.1", NQN, target.port, transport="tcp", hostnqn=OTHER_HOSTNQN,
+                     nr_io_queues=1) as second:
+            assert second.io_queues[0].tx_align == 16       # (3 + 1) dwords
+            data = os.urandom(8192)
+            second.namespaces[1].write(0, data)
+            assert first.namespaces[1].read(0, 8192) == data

@@ -452,6 +452,9 @@ class ConnectOptions:
     #: NVMe/TCP header and data digests (CRC32C), as nvme connect --hdr-digest/--data-digest
     hdr_digest: bool = False
     data_digest: bool = False
+    #: NVMe/TCP: the data alignment asked for in ICReq (HPDA, 0's based dwords, 0-31):
+    #: the target pads the read data it sends to (hpda + 1) * 4 bytes (interop and tests)
+    hpda: int = 0
     nr_io_queues: int = 2
     queue_size: int = 128
     keep_alive_tmo: float = 5.0
@@ -622,10 +625,11 @@ class Controller:
             self.pd = local_pd()
             self.arena = Arena(self.pd, opts.arena_size)
         sock, resp = open_connection(traddr, trsvcid, hdgst=opts.hdr_digest,
-                                     ddgst=opts.data_digest, timeout=opts.connect_timeout)
+                                     ddgst=opts.data_digest, timeout=opts.connect_timeout,
+                                     hpda=opts.hpda)
         queue = TcpHostQueue(sock, self.pd, resp, qid=qid, depth=depth,
                              inline_size=self.inline_size if qid else 0,
-                             name=f"{traddr}:{trsvcid} q{qid} tcp")
+                             name=f"{traddr}:{trsvcid} q{qid} tcp", hpda=opts.hpda)
         try:
             queue.attach(self.reactor)
         except BaseException:

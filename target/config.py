@@ -409,6 +409,21 @@ class Listener(Model):
     address: str = _field(Address())
     port: int = _field(Int(1, 65535), NVME_RDMA_PORT)
     name: str | None = _field(NAME, None)
+    #: NVMe/TCP only: CPDA in ICResp, the alignment ((cpda + 1) x 4 bytes) the host must
+    #: pad the data of its capsules and H2CData PDUs to; 0: none (as every target does).
+    cpda: int = _field(Int(0, 31), 0)
+    #: Queues (admin and I/O, every host) connected through this listener at once; a
+    #: Connect past it is refused with Controller Busy (0x181).  Unset: only
+    #: limits.max_connections_per_host and limits.max_unconnected_queues apply.
+    max_connections: int | None = _field(Int(1, 65535), None)
+    #: I/O queues per controller created through this listener (at most
+    #: limits.max_io_queues): Set Features Number of Queues grants no more, a Connect for a
+    #: higher qid gets Connect Invalid Parameters (0x182, IPO 42).
+    max_io_queues: int | None = _field(Int(1, 128), None)
+    #: Queue depth of controllers created through this listener (at most limits.queue_size):
+    #: advertised in CAP.MQES, a Connect asking more gets Connect Invalid Parameters (0x182,
+    #: IPO 44).
+    queue_size: int | None = _field(Int(16, 1024), None)
 
     @property
     def endpoint(self) -> str:
@@ -419,6 +434,11 @@ class Listener(Model):
     @property
     def is_wildcard(self) -> bool:
         return ipaddress.ip_address(self.address).is_unspecified
+
+    def _finish(self, where: Where) -> Listener:
+        if self.cpda and self.transport != "tcp":
+            where.at("cpda").fail("0 (cpda applies to NVMe/TCP listeners)", self.cpda)
+        return self
 
 
 _CEPH_NAME_RE = re.compile(r"[A-Za-z0-9_.+-][A-Za-z0-9_.+@-]{0,254}")
@@ -821,6 +841,12 @@ class TargetConfig(Model):
                     lst.index(i).fail(f"an address:port that does not overlap {other.endpoint} "
                                       "(a wildcard address takes the port on every address)",
                                       x.endpoint)
+        for i, x in enumerate(self.listeners):
+            for attr in ("max_io_queues", "queue_size"):
+                most = getattr(self.limits, attr)
+                if getattr(x, attr) is not None and getattr(x, attr) > most:
+                    lst.index(i).at(attr).fail(f"at most limits.{attr} ({most})",
+                                               getattr(x, attr))
         names = {x.name for x in self.listeners if x.name} | {x.endpoint for x in self.listeners}
         subs = where.at("subsystems")
         for i, sub in enumerate(self.subsystems):

@@ -94,7 +94,7 @@ class Controller:
         self.is_discovery = subsystem is None
         self.kato_ms = self._effective_kato(kato_ms)
         limits = target.config.limits
-        self.queue_size = limits.queue_size
+        self.queue_size = state.cap.mqes + 1      # the listener's queue_size, or the limit
         self.mdts_bytes = limits.mdts
         self.state = state                  # registers, phase, queues: the protocol's table
         self.aec = 0

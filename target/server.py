@@ -520,7 +520,7 @@ class Target:
         queue = TcpTargetQueue(
             sock, pd, handler=session, inline_size=limits.inline_data_size,
             max_depth=lambda qid: ADMIN_MAX_DEPTH if qid == 0 else limits.queue_size,
-            name=f"{peer[0]} tcp")
+            name=f"{peer[0]} tcp", cpda=self._listener_now(lconf).cpda)
         queue.max_unsent = limits.unsent_limit(limits.queue_size, limits.inline_data_size)
         session.queue = queue
         queue.attach(self.reactor)
@@ -710,13 +710,18 @@ class Target:
             if session.qid == 0:
                 self.volumes.check_connect(subsystem)
         limits = self.config.limits
+        lconf = self._check_listener_limit(session)
         if session.qid == 0:
             policy = auth_policy(subsystem.conf, hostnqn) if subsystem is not None else None
             if policy is not None:
                 self._check_auth_backoff(session)
             state = ControllerState.admin_connect(
-                connect, data, cntlid=self._alloc_cntlid(), max_io_queues=limits.max_io_queues,
-                cap=Controller.capabilities(limits.queue_size), aerl=AERL)
+                connect, data, cntlid=self._alloc_cntlid(),
+                max_io_queues=min(limits.max_io_queues,
+                                  lconf.max_io_queues or limits.max_io_queues),
+                cap=Controller.capabilities(min(limits.queue_size,
+                                                lconf.queue_size or limits.queue_size)),
+                aerl=AERL)
             ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
             ctrl.auth_policy = policy
             ctrl.listener = session.listener
@@ -743,6 +748,27 @@ class Target:
         log.debug("%s qid=%d: connected (depth %d)", ctrl.name, session.qid,
                   session.queue.depth)
         return ctrl
+
+    def _listener_now(self, lconf: cfg.Listener) -> cfg.Listener:
+        """The listener's configuration as it is now (a reload may have changed its keys
+        since a connection, or the listener's reader, took hold of ``lconf``)."""
+        key = rl.listener_key(lconf)
+        return next((lc for lc, _p, _l in self.listeners if rl.listener_key(lc) == key), lconf)
+
+    def _check_listener_limit(self, session: QueueSession) -> cfg.Listener:
+        """The listener's ``max_connections`` (as the configuration has it now, a reload
+        included): refused with Controller Busy once that many queues are connected
+        through it.  Returns that listener's configuration."""
+        lconf = self._listener_now(session.listener)
+        key = rl.listener_key(lconf)
+        most = lconf.max_connections
+        if most is not None:
+            held = sum(1 for s in self.sessions if s.controller is not None
+                       and rl.listener_key(s.listener) == key)
+            if held >= most:
+                raise ProtocolError(f"listener {lconf.endpoint}: {held} queues connected, its "
+                                    f"max_connections is {most}", StatusCode.CONNECT_CTRL_BUSY)
+        return lconf
 
     def _check_auth_backoff(self, session: QueueSession) -> None:
         """A Connect that would start an authentication, from an address whose

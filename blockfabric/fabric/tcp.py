@@ -96,6 +96,7 @@ class PduConnection:
         self.initialized = False
         self.limits = tp.Limits(max_capsule_data=tp.ADMIN_CCSZ)
         self.hdgst = self.ddgst = False
+        self.tx_align = 4
         self._staging = bytearray(STAGING_START)
         self._view = memoryview(self._staging)
         self._filled = 0
@@ -244,10 +245,15 @@ class PduConnection:
         self.close()
 
     def negotiated(self, hdgst: bool, ddgst: bool, max_capsule_data: int,
-                   max_data: int) -> None:
+                   max_data: int, rx_pda: int, tx_pda: int) -> None:
+        """ICReq/ICResp are done: the digests, the receive limits, the data alignment this
+        side asked for (``rx_pda``) and the one the peer asked for (``tx_pda``, that of
+        the data PDUs this side sends: :attr:`tx_align` bytes)."""
         self.initialized = True
         self.hdgst, self.ddgst = hdgst, ddgst
-        self.limits = tp.Limits(hdgst, ddgst, max_capsule_data, max_data)
+        self.tx_align = tp.align_of(tx_pda)
+        self.limits = tp.Limits(hdgst, ddgst, max_capsule_data, max_data,
+                                tp.align_of(rx_pda))
 
     def terminate(self, exc: tp.PduError) -> None:
         """Send a termination request for ``exc`` (FES, FEI, the offending header) after

@@ -46,15 +46,18 @@ _TRANSPORT_WORD = tp.SGL_TRANSPORT << 56
 _INCAPSULE_WORD = tp.SGL_INCAPSULE << 56
 #: the largest data PDU a host takes (its commands are at most 8 MiB: Controller.max_transfer)
 MAX_DATA = 8 << 20
+#: MAXR2T asked for in ICReq (0's based): R2Ts a controller may have outstanding per
+#: command, so that a write larger than its MAXH2CDATA is not one round trip per piece
+MAXR2T = 7
 #: the status word (CQE byte 14) of Data Transfer Error, for a data digest mismatch
 _DATA_TRANSFER_ERROR = StatusCode.DATA_TRANSFER_ERROR << 1
 
 
 def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
-                    timeout: float) -> tuple[socket.socket, tp.ICResp]:
-    """Connect and initialise (ICReq, then the ICResp checked as the Linux host checks
-    it); raises ConnectionError (refused, a bad ICResp, a termination request) or
-    TimeoutError."""
+                    timeout: float, hpda: int = 0) -> tuple[socket.socket, tp.ICResp]:
+    """Connect and initialise (ICReq asking ``hpda``, then the ICResp checked as the
+    Linux host checks it, but any CPDA up to 31 taken); raises ConnectionError (refused, a
+    bad ICResp, a termination request) or TimeoutError."""
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((address, port), timeout=timeout)
@@ -65,7 +68,7 @@ def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
         raise TimeoutError(f"no NVMe/TCP connection to {address}:{port} within {timeout:g} s"
                            ) from None
     try:
-        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst)
+        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=MAXR2T, hpda=hpda)
         sock.sendall(request.pack())
         buf = bytearray()
         while len(buf) < tp.IC_SIZE:
@@ -101,7 +104,7 @@ class TcpHostQueue(PduConnection, HostQueue):
     to_controller = False
 
     def __init__(self, sock: socket.socket, pd, resp: tp.ICResp, *, qid: int, depth: int,
-                 inline_size: int, name: str) -> None:
+                 inline_size: int, name: str, hpda: int = 0) -> None:
         PduConnection.__init__(self, sock, name)
         self.pd = pd
         self.qid = qid
@@ -112,7 +115,7 @@ class TcpHostQueue(PduConnection, HostQueue):
         #: the admin queue, NVME_TCP_ADMIN_CCSZ for a Fabrics command on any queue
         self.capsule_data = inline_size if qid else tp.ADMIN_CCSZ - SQE_SIZE
         self.maxh2cdata = resp.maxh2cdata
-        self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA)
+        self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA, hpda, resp.cpda)
         self._init_slots([Slot(i, memoryview(bytearray(SQE_SIZE + inline_size)),
                                SendWR(i, WrOpcode.SEND, [SGE(0, SQE_SIZE, 0)],
                                       SendFlags.SIGNALED))
@@ -162,7 +165,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         elif length > SQE_SIZE:
             data_len = length - SQE_SIZE
             data = bytes(view[SQE_SIZE:length])
-        out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst)]
+        out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst,
+                                     self.tx_align)]
         if data_len:
             out.append(data)
             if self.ddgst:
@@ -217,9 +221,10 @@ class TcpHostQueue(PduConnection, HostQueue):
             if data[3]:
                 raise tp.PduError(f"R2T for cid {cccid:#x}, a read",
                                   tp.Fes.INVALID_HEADER_FIELD, 8)
-            if not length or offset < data[2] or offset + length > data[1]:
-                raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} sent",
-                                  tp.Fes.DATA_OUT_OF_RANGE, 12)
+            # several may be outstanding (MAXR2T): each asks for the bytes after the last
+            if not length or offset != data[2] or offset + length > data[1]:
+                raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
+                                  "for before", tp.Fes.DATA_OUT_OF_RANGE, 12)
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         if ptype == tp.CAPSULE_RESP:
@@ -266,14 +271,15 @@ class TcpHostQueue(PduConnection, HostQueue):
         mem = data[0]
         end = offset + length
         out: list = []
+        hd, dd, align = self.hdgst, self.ddgst, self.tx_align
         while offset < end:
             n = min(self.maxh2cdata, end - offset)
             last = offset + n == end
             out.append(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST if last else 0, cccid, ttag,
-                                      offset, n, self.hdgst, self.ddgst))
+                                      offset, n, hd, dd, align))
             piece = mem[offset:offset + n]
             out.append(piece)
-            if self.ddgst:
+            if dd:
                 out.append(tp.pack_digest(tp.digest(piece)))
             offset += n
         data[2] = end

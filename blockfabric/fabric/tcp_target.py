@@ -11,9 +11,11 @@ moves differs:
 * an NVMe/TCP transport SGL (0x5A) is shown to that code as a keyed SGL without address or
   key ("data the transport moves"); a real keyed SGL is refused (SGL Descriptor Type
   Invalid), as in-capsule data with anything but an in-capsule SGL (Invalid Field);
-* the host's data for a write comes with one R2T for the whole length (as nvmet) and its
-  H2CData PDUs, checked in order (ttag, cccid, offset, length, LAST) before their data is
-  read;
+* the host's data for a write is asked for by R2Ts of at most MAXH2CDATA bytes each, as
+  many outstanding per command as the host's ICReq MAXR2T allows (0's based: the Linux
+  host's 0 means one at a time; at most :data:`R2T_CAP`), the next sent as each one's data
+  is complete; every H2CData is checked before its data is read (ttag, cccid, offset in
+  order, length within the R2T it answers and within those sent, LAST on an R2T's last);
 * read data goes as C2HData, with LAST, and with SUCCESS instead of a CapsuleResp when the
   host disabled SQ flow control at Connect (the Linux host does when discovery says so);
 * a data digest error in a capsule or in H2CData fails that command (Transient Transport
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: MAXH2CDATA: the most data one H2CData PDU carries (the staging buffer's bound)
 MAXH2CDATA = 128 << 10
+#: the most R2Ts outstanding per command, whatever MAXR2T the host asks for
+R2T_CAP = 16
 #: Transient Transport Error (SCT 0, SC 22h): a data digest that does not match
 TRANSIENT_TRANSPORT_ERROR = 0x22
 _SGL_WORDS = struct.Struct("<QQ")
@@ -64,7 +68,7 @@ class TcpTargetQueue(PduConnection):
     pass_limit = 64     # read by the target's pass sharing; one read per wake-up here
 
     def __init__(self, sock, pd, *, handler, inline_size: int, max_depth: Callable[[int], int],
-                 name: str) -> None:
+                 name: str, cpda: int = 0) -> None:
         super().__init__(sock, name)
         self.pd = pd
         self.cmid = PeerInfo(sock.getpeername())
@@ -82,11 +86,16 @@ class TcpTargetQueue(PduConnection):
         self.commands: list[Command] = []
         self.recv_views: list[memoryview] = []
         self._free: list[int] = []
-        #: per command slot, a transfer the host owes (R2T sent): [dest, got, total, bad]
+        #: per command slot, a transfer the host owes (R2Ts sent): [dest, got, total, bad,
+        #: asked (the end of the last R2T sent)]
         self._xfer: list[list | None] = []
         self._cqes: list[bytearray] = []
         self._grow_slots(1)
         self.limits = tp.Limits(max_capsule_data=self.inline_size)
+        #: R2Ts outstanding per command (the host's MAXR2T + 1, capped), set by ICReq
+        self.r2t_max = 1
+        #: the data alignment asked of the host in ICResp (the listener's ``cpda``)
+        self.cpda = cpda
 
     def _grow_slots(self, count: int) -> None:
         have = len(self.commands)
@@ -119,6 +128,15 @@ class TcpTargetQueue(PduConnection):
     def broken(self) -> bool:
         return self.closed
 
+    def close(self) -> None:
+        # a transfer cut short holds a view of the memory it was landing in (a volume's
+        # mapping, which must not stay exported once the queue is gone)
+        xfer = self._xfer
+        for i, x in enumerate(xfer):
+            if x is not None:
+                xfer[i] = None
+        PduConnection.close(self)
+
     # -- PDUs --------------------------------------------------------------------------
     def on_lost(self, reason: str) -> None:
         if not self.closed:
@@ -131,9 +149,11 @@ class TcpTargetQueue(PduConnection):
             self._h2c_data(flags, pdu, pdo, dlen, False)
         elif ptype == tp.ICREQ:
             req = tp.ICReq.unpack(pdu)
-            self.send([tp.ICResp(hdgst=req.hdgst, ddgst=req.ddgst,
+            self.send([tp.ICResp(cpda=self.cpda, hdgst=req.hdgst, ddgst=req.ddgst,
                                  maxh2cdata=MAXH2CDATA).pack()])
-            self.negotiated(req.hdgst, req.ddgst, self.inline_size, MAXH2CDATA)
+            self.r2t_max = min(req.maxr2t + 1, R2T_CAP)
+            self.negotiated(req.hdgst, req.ddgst, self.inline_size, MAXH2CDATA, self.cpda,
+                            req.hpda)
         else:                               # H2CTermReq: the host gives up
             fes, fei = tp.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
             self.on_lost(f"the host sent a termination request (FES {fes:#x}, FEI {fei})")
@@ -167,12 +187,17 @@ class TcpTargetQueue(PduConnection):
             raise tp.PduError(f"H2CData offset {offset}, expected {xfer[1]} (in order)",
                               tp.Fes.DATA_OUT_OF_RANGE, 12)
         end = offset + length
-        if end > xfer[2]:
-            raise tp.PduError(f"H2CData {offset}+{length} beyond the {xfer[2]} bytes asked",
-                              tp.Fes.DATA_OUT_OF_RANGE, 16)
-        if bool(flags & tp.F_DATA_LAST) != (end == xfer[2]):
-            raise tp.PduError("H2CData LAST flag %s at %d of %d" % (
-                "set" if flags & tp.F_DATA_LAST else "clear", end, xfer[2]),
+        if end > xfer[4]:
+            raise tp.PduError(f"H2CData {offset}+{length} beyond the {xfer[4]} bytes asked "
+                              f"(of {xfer[2]})", tp.Fes.DATA_OUT_OF_RANGE, 16)
+        # the R2T this PDU answers ends at the next multiple of MAXH2CDATA (or the end)
+        r2t_end = min(xfer[2], offset - offset % MAXH2CDATA + MAXH2CDATA)
+        if end > r2t_end:
+            raise tp.PduError(f"H2CData {offset}+{length} crosses the end of its R2T at "
+                              f"{r2t_end}", tp.Fes.DATA_OUT_OF_RANGE, 16)
+        if bool(flags & tp.F_DATA_LAST) != (end == r2t_end):
+            raise tp.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
+                "set" if flags & tp.F_DATA_LAST else "clear", end, r2t_end),
                 tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
 
     def _capsule(self, pdu: memoryview, pdo: int, dlen: int, bad_digest: bool) -> None:
@@ -237,10 +262,17 @@ class TcpTargetQueue(PduConnection):
         cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
         xfer = self._xfer[ttag]        # precheck made sure of it
         xfer[0][offset:offset + length] = pdu[pdo:pdo + length]
-        xfer[1] = offset + length
+        end = xfer[1] = offset + length
         if bad_digest:
             xfer[3] = True
-        if xfer[1] < xfer[2]:
+        if end < xfer[2]:
+            asked = xfer[4]
+            if not end % MAXH2CDATA and asked < xfer[2]:
+                # an R2T's data is complete: ask for the next piece
+                n = min(MAXH2CDATA, xfer[2] - asked)
+                xfer[4] = asked + n
+                self.send([tp.data_header(tp.R2T, 0, cccid, ttag, asked, n, self.hdgst,
+                                          False)])
             return
         self._xfer[ttag] = None
         cmd = self.commands[ttag]
@@ -257,18 +289,27 @@ class TcpTargetQueue(PduConnection):
     # -- data movement (what the controller calls) ------------------------------------
     def fetch_to(self, cmd: Command, addr: int, length: int, lkey: int,
                  done: Callable[[Command], None]) -> None:
-        """Ask the host for the command's data (one R2T for all of it) to land in
-        ``length`` bytes of local memory at ``addr``; ``done(cmd)`` once it is there."""
+        """Ask the host for the command's data (R2Ts of at most MAXH2CDATA bytes, up to
+        the host's MAXR2T of them at once) to land in ``length`` bytes of local memory at
+        ``addr``; ``done(cmd)`` once it is there."""
         length = min(length, cmd.data_length)
         if self.closed:
             return
         if not length:
             done(cmd)
             return
-        self._xfer[cmd.index] = [resolve(self.pd, addr, length, lkey), 0, length, False]
+        cid, index, hd = cmd.cid, cmd.index, self.hdgst
+        if length <= MAXH2CDATA:
+            self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False,
+                                 length]
+            cmd.on_fetched = done
+            self.send([tp.data_header(tp.R2T, 0, cid, index, 0, length, hd, False)])
+            return
+        asked = min(length, self.r2t_max * MAXH2CDATA)
+        self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False, asked]
         cmd.on_fetched = done
-        self.send([tp.data_header(tp.R2T, 0, cmd.cid, cmd.index, 0, length, self.hdgst,
-                                  False)])
+        self.send([tp.data_header(tp.R2T, 0, cid, index, off, min(MAXH2CDATA, asked - off),
+                                  hd, False) for off in range(0, asked, MAXH2CDATA)])
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
                 result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:
@@ -313,7 +354,7 @@ class TcpTargetQueue(PduConnection):
         """C2HData PDUs carrying ``views`` (``length`` bytes): one per MAXH2CDATA bytes,
         LAST on the final one, and SUCCESS there too when no CapsuleResp follows."""
         success = may_succeed and not self.sq_flow
-        hd, dd = self.hdgst, self.ddgst
+        hd, dd, align = self.hdgst, self.ddgst, self.tx_align
         out: list = []
         offset = 0
         pending = list(views)
@@ -333,7 +374,8 @@ class TcpTargetQueue(PduConnection):
                     take = 0
             last = offset + n == length
             flags = (tp.F_DATA_LAST | (tp.F_DATA_SUCCESS if success else 0)) if last else 0
-            out.append(tp.data_header(tp.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd))
+            out.append(tp.data_header(tp.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd,
+                                      align))
             out.extend(piece)
             if dd:
                 crc = 0

@@ -10,6 +10,12 @@ limits *before* a byte more is buffered), and then decodes the type's fields wit
 the byte offset of the offending field in the PDU header) of the termination request the
 receiver sends before it closes the connection.
 
+Data alignment: a receiver may ask for the data of the PDUs it receives to start at a
+multiple of (PDA + 1) dwords from the PDU's start (HPDA in ICReq for the host's,
+CPDA in ICResp for the controller's; 0's based, at most 31: 128 bytes).  The sender then
+sets PDO to the header's length (and its digest) rounded up to that multiple and fills the
+gap with zero bytes; PDA 0 means no padding, as every header is a multiple of 4 bytes.
+
 Digests are CRC32C (Castagnoli) as an LE u32: the header digest follows the ``hlen`` header
 bytes, the data digest is the last 4 bytes of a PDU that carries data.  ICReq, ICResp and the
 termination requests never carry digests.
@@ -57,6 +63,8 @@ SQE_OFFSET = 8                  # the SQE inside a CapsuleCmd, the CQE inside a 
 PFV_1_0 = 0
 DIGEST_HDGST = 0x01             # ICReq/ICResp digest byte
 DIGEST_DDGST = 0x02
+#: the largest HPDA/CPDA (0's based dwords: 128-byte alignment)
+MAX_PDA = 31
 #: the least MAXH2CDATA a Linux host accepts (NVME_TCP_MIN_MAXH2CDATA)
 MIN_MAXH2CDATA = 4096
 #: NVME_TCP_ADMIN_CCSZ: in-capsule data the Linux host sends on the admin queue and with
@@ -112,12 +120,14 @@ class Limits:
 
     ``max_capsule_data``: in-capsule bytes a CapsuleCmd may carry; ``max_data``: data bytes
     in one H2CData or C2HData PDU (MAXH2CDATA for a controller, the largest read a host
-    expects); ``hdgst``/``ddgst``: the digests negotiated (False before ICReq/ICResp)."""
+    expects); ``hdgst``/``ddgst``: the digests negotiated (False before ICReq/ICResp);
+    ``align``: the data alignment in bytes this receiver asked for ((PDA + 1) * 4)."""
 
     hdgst: bool = False
     ddgst: bool = False
     max_capsule_data: int = 0
     max_data: int = 0
+    align: int = 4
 
 
 def header(buf, offset: int = 0) -> tuple[int, int, int, int, int]:
@@ -193,8 +203,10 @@ def check_header(ptype: int, flags: int, hlen: int, pdo: int, plen: int, *,
             raise PduError("capsule without data: pdo and the data digest flag must be 0",
                            Fes.INVALID_HEADER_FIELD, FEI_PDO if pdo else FEI_FLAGS)
         return 0
-    # data follows: right after the header (and its digest), as both ends negotiate
-    # HPDA = CPDA = 0 (no padding)
+    # data follows: after the header (and its digest), padded to the receiver's alignment
+    align = limits.align
+    if align > 4:
+        head = -(-head // align) * align
     if pdo != head:
         raise PduError(f"pdo {pdo}, the data must start at {head}",
                        Fes.INVALID_HEADER_FIELD, FEI_PDO)
@@ -249,13 +261,13 @@ class ICReq:
     @classmethod
     def unpack(cls, buf) -> ICReq:
         """Decode (the header already passed :func:`check_header`) and check what a
-        controller supports: PFV 1.0, HPDA 0 (as Linux nvmet), known digest bits."""
+        controller supports: PFV 1.0, HPDA up to 31, known digest bits."""
         _t, _f, _h, _p, _l, pfv, hpda, dig, maxr2t = _IC.unpack_from(buf)
         if pfv != PFV_1_0:
             raise PduError(f"ICReq PFV {pfv}", Fes.INVALID_HEADER_FIELD, 8)
-        if hpda:
-            raise PduError(f"ICReq HPDA {hpda}: only 0 (no padding) is supported",
-                           Fes.UNSUPPORTED_PARAMETER, 10)
+        if hpda > MAX_PDA:
+            raise PduError(f"ICReq HPDA {hpda}: at most {MAX_PDA}",
+                           Fes.INVALID_HEADER_FIELD, 10)
         if dig & ~(DIGEST_HDGST | DIGEST_DDGST):
             raise PduError(f"ICReq digest {dig:#x}", Fes.INVALID_HEADER_FIELD, 11)
         return cls(pfv, hpda, bool(dig & DIGEST_HDGST), bool(dig & DIGEST_DDGST), maxr2t)
@@ -279,13 +291,14 @@ class ICResp:
     @classmethod
     def unpack(cls, buf, request: ICReq) -> ICResp:
         """Decode and check against the ``request`` sent, as the Linux host does: PFV 1.0,
-        the digests exactly as asked, CPDA 0, MAXH2CDATA a multiple of 4 of at least 4096."""
+        the digests exactly as asked, CPDA up to 31, MAXH2CDATA a multiple of 4 of at least
+        4096."""
         _t, _f, _h, _p, _l, pfv, cpda, dig, maxdata = _IC.unpack_from(buf)
         if pfv != PFV_1_0:
             raise PduError(f"ICResp PFV {pfv}", Fes.INVALID_HEADER_FIELD, 8)
-        if cpda:
-            raise PduError(f"ICResp CPDA {cpda}: only 0 is supported",
-                           Fes.UNSUPPORTED_PARAMETER, 10)
+        if cpda > MAX_PDA:
+            raise PduError(f"ICResp CPDA {cpda}: at most {MAX_PDA}",
+                           Fes.INVALID_HEADER_FIELD, 10)
         hd, dd = bool(dig & DIGEST_HDGST), bool(dig & DIGEST_DDGST)
         if dig & ~(DIGEST_HDGST | DIGEST_DDGST) or hd != request.hdgst or \
                 dd != request.ddgst:
@@ -309,24 +322,35 @@ def unpack_data_fields(buf, offset: int = 0) -> tuple[int, int, int, int]:
     return _unpack_h24(buf, offset)[5:]
 
 
-def pdu_lengths(ptype: int, data_len: int, hdgst: bool, ddgst: bool) -> tuple[int, int, int]:
-    """(flags, pdo, plen) of a PDU of ``ptype`` with ``data_len`` bytes of data."""
+def align_of(pda: int) -> int:
+    """The alignment in bytes that a PDA (0's based dwords) asks for."""
+    return (pda + 1) * 4
+
+
+def pdu_lengths(ptype: int, data_len: int, hdgst: bool, ddgst: bool,
+                align: int = 4) -> tuple[int, int, int]:
+    """(flags, pdo, plen) of a PDU of ``ptype`` with ``data_len`` bytes of data, which the
+    receiver wants ``align``-byte aligned."""
     hd = DIGEST_SIZE if hdgst else 0
     head = HLEN[ptype] + hd
     flags = F_HDGST if hdgst else 0
     if not data_len:
         return flags, 0, head
+    if align > 4:
+        head = -(-head // align) * align
     if ddgst:
         flags |= F_DDGST
         return flags, head, head + data_len + DIGEST_SIZE
     return flags, head, head + data_len
 
 
-def capsule_cmd_header(sqe, data_len: int, hdgst: bool, ddgst: bool) -> bytearray:
-    """The CapsuleCmd header (and its digest) for a 64-byte ``sqe`` with ``data_len`` bytes
-    of in-capsule data to follow (whose digest the caller appends)."""
-    flags, pdo, plen = pdu_lengths(CAPSULE_CMD, data_len, hdgst, ddgst)
-    out = bytearray(72 + (DIGEST_SIZE if hdgst else 0))
+def capsule_cmd_header(sqe, data_len: int, hdgst: bool, ddgst: bool,
+                       align: int = 4) -> bytearray:
+    """The CapsuleCmd header (and its digest, and the zero padding to ``align``) for a
+    64-byte ``sqe`` with ``data_len`` bytes of in-capsule data to follow (whose digest the
+    caller appends)."""
+    flags, pdo, plen = pdu_lengths(CAPSULE_CMD, data_len, hdgst, ddgst, align)
+    out = bytearray(pdo or 72 + (DIGEST_SIZE if hdgst else 0))
     COMMON.pack_into(out, 0, CAPSULE_CMD, flags, 72, pdo, plen)
     out[8:72] = sqe
     if hdgst:
@@ -335,10 +359,11 @@ def capsule_cmd_header(sqe, data_len: int, hdgst: bool, ddgst: bool) -> bytearra
 
 
 def data_header(ptype: int, flags: int, cccid: int, ttag: int, offset: int, length: int,
-                hdgst: bool, ddgst: bool) -> bytearray:
-    """An H2CData, C2HData or R2T header (with its digest); ``flags``: LAST/SUCCESS."""
-    f, pdo, plen = pdu_lengths(ptype, length if ptype != R2T else 0, hdgst, ddgst)
-    out = bytearray(H24 + (DIGEST_SIZE if hdgst else 0))
+                hdgst: bool, ddgst: bool, align: int = 4) -> bytearray:
+    """An H2CData, C2HData or R2T header (with its digest, and for data the zero padding
+    to ``align``); ``flags``: LAST/SUCCESS."""
+    f, pdo, plen = pdu_lengths(ptype, length if ptype != R2T else 0, hdgst, ddgst, align)
+    out = bytearray(pdo or H24 + (DIGEST_SIZE if hdgst else 0))
     pack_h24_into(out, 0, ptype, f | flags, H24, pdo, plen, cccid, ttag, offset, length)
     if hdgst:
         out[24:28] = pack_digest(crc32c(memoryview(out)[:24]))

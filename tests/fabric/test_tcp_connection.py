@@ -16,7 +16,7 @@ class Recorder(PduConnection):
         super().__init__(sock, "test")
         self.got: list[tuple[int, bytes]] = []
         self.lost: str | None = None
-        self.negotiated(False, True, 8192, 256 << 10)
+        self.negotiated(False, True, 8192, 256 << 10, 0, 0)
 
     def on_pdu(self, ptype, flags, pdu, pdo, dlen) -> None:
         self.got.append((ptype, bytes(pdu[pdo:pdo + dlen]) if dlen else bytes(pdu[8:72])))

@@ -26,23 +26,26 @@ class FakeController:
     """Accepts one connection, answers the ICReq (``icresp``), then runs ``script(conn,
     cid)`` for the first CapsuleCmd."""
 
-    def __init__(self, script, icresp=None, ddgst=False) -> None:
+    def __init__(self, script, icresp=None, ddgst=False, rounds: int = 2) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.script, self.ddgst = script, ddgst
+        self.script, self.ddgst, self.rounds = script, ddgst, rounds
         self.icresp = icresp or tp.ICResp(ddgst=ddgst, maxh2cdata=65536).pack()
         self.pdus: list[bytes] = []     # every PDU after the ICReq, as received
+        self.rest = b""
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
     def recv_pdu(self, conn) -> bytes:
-        buf = b""
+        buf = self.rest
         while len(buf) < 8 or len(buf) < struct.unpack_from("<I", buf, 4)[0]:
             chunk = conn.recv(65536)
             if not chunk:
                 return b""
             buf += chunk
-        return buf
+        plen = struct.unpack_from("<I", buf, 4)[0]
+        self.rest = buf[plen:]          # the next PDU's first bytes, if they came along
+        return buf[:plen]
 
     def run(self) -> None:
         conn, _ = self.server.accept()
@@ -51,7 +54,7 @@ class FakeController:
             assert self.recv_pdu(conn)[0] == tp.ICREQ
             conn.sendall(self.icresp)
             try:
-                for _ in range(2):      # this test's commands, each answered by the script
+                for _ in range(self.rounds):    # the PDUs this test answers by the script
                     pdu = self.recv_pdu(conn)
                     if not pdu:
                         return
@@ -85,14 +88,16 @@ def reactor():
     r.close()
 
 
-def read_through(fake: FakeController, reactor, reads: int = 1, ddgst: bool = False):
+def read_through(fake: FakeController, reactor, reads: int = 1, ddgst: bool = False,
+                 hpda: int = 0):
     """Connect, send ``reads`` 4 KiB reads into registered memory; (results, memory)."""
     pd = local_pd()
     mem = bytearray(8192)
     mr = pd.reg_mr(mem)
     sock, icresp = open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=ddgst,
-                                   timeout=5)
-    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
+                                   timeout=5, hpda=hpda)
+    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t",
+                         hpda=hpda)
     queue.attach(reactor)
     results = []
     try:
@@ -271,3 +276,87 @@ def test_a_write_larger_than_the_capsule_waits_for_the_r2t(reactor):
     assert struct.unpack_from("<I", cmd, 8 + 32)[0] == len(data)
     assert h2c[0] == tp.H2C_DATA and tp.unpack_data_fields(h2c)[1:] == (0xFFFF, 0, len(data))
     assert h2c[24:] == data
+
+
+def padded_c2h(cid: int, data: bytes, pdo: int) -> bytes:
+    """C2HData with its data at ``pdo`` (zero padding before it)."""
+    hdr = bytearray(tp.data_header(tp.C2H_DATA, tp.F_DATA_LAST, cid, 0, 0, len(data), False,
+                                   False))
+    hdr[3] = pdo
+    struct.pack_into("<I", hdr, 4, pdo + len(data))
+    return bytes(hdr).ljust(pdo, b"\0")[:pdo] + data
+
+
+@pytest.mark.parametrize("pdo", [24, 28, 36, 48, 255])
+def test_c2h_data_must_be_padded_as_the_host_asked(reactor, pdo):
+    """HPDA 3 (16 bytes): C2HData whose data starts anywhere but at 32 ends the queue and
+    lands nowhere; at 32 it lands."""
+    fake = FakeController(lambda c, cid: c.sendall(padded_c2h(cid, b"\xcd" * 4096, pdo)
+                                                   + resp(cid)))
+    (result,), data, queue = read_through(fake, reactor, hpda=3)
+    assert result[0] is None and "pdo" in result[1], result
+    assert queue.dead_reason and data == bytes(4096)
+    fake = FakeController(lambda c, cid: c.sendall(padded_c2h(cid, b"\xcd" * 4096, 32)
+                                                   + resp(cid)))
+    (result,), data, _ = read_through(fake, reactor, hpda=3)
+    assert result[1] is None and result[0].status == StatusCode.SUCCESS
+    assert data == b"\xcd" * 4096
+
+
+def r2t(cid: int, offset: int, length: int) -> bytes:
+    return bytes(tp.data_header(tp.R2T, 0, cid, 7, offset, length, False, False))
+
+
+def write_with_r2ts(reactor, r2ts, cpda: int = 0):
+    """A 24 KiB write against a controller that sends ``r2ts(cid)`` at once (CPDA
+    ``cpda``) and answers after two H2CData; (result, the PDUs it received)."""
+    data = bytes(range(256)) * 96
+    holder: dict = {}
+
+    def script(conn, cid):
+        if "cid" not in holder:
+            holder["cid"] = cid
+            conn.sendall(r2ts(cid))
+        elif len(fake.pdus) == 3:
+            conn.sendall(resp(holder["cid"]))
+    fake = FakeController(script, icresp=tp.ICResp(cpda=cpda, maxh2cdata=65536).pack(),
+                          rounds=3)
+    pd = local_pd()
+    mem = bytearray(data)
+    mr = pd.reg_mr(mem)
+    sock, icresp = open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=False,
+                                   timeout=5)
+    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
+    queue.attach(reactor)
+    try:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        queue.submit(write_sqe(KeyedSGL(mr.addr, len(data), mr.rkey)),
+                     lambda cqe, err: fut.set_result((cqe, err)))
+        return fut.result(10), fake.pdus, data
+    finally:
+        queue.close()
+        mr.close()
+        pd.close()
+
+
+def test_several_r2ts_answered_in_order_with_padding(reactor):
+    """Two R2Ts outstanding for one write (as MAXR2T allows), CPDA 7 (32 bytes): each is
+    answered by its own H2CData, with the controller's ttag, LAST, and data at PDO 32."""
+    (cqe, err), pdus, data = write_with_r2ts(
+        reactor, lambda cid: r2t(cid, 0, 12288) + r2t(cid, 12288, 12288), cpda=7)
+    assert err is None and cqe.status == StatusCode.SUCCESS
+    for pdu, offset in zip(pdus[1:], (0, 12288)):
+        assert tp.header(pdu) == (tp.H2C_DATA, tp.F_DATA_LAST, 24, 32, 32 + 12288)
+        assert tp.unpack_data_fields(pdu)[1:] == (7, offset, 12288)
+        assert pdu[24:32] == bytes(8) and pdu[32:] == data[offset:offset + 12288]
+
+
+@pytest.mark.parametrize("name, r2ts", [
+    ("the second R2T first", lambda cid: r2t(cid, 12288, 12288) + r2t(cid, 0, 12288)),
+    ("an R2T for bytes already asked for", lambda cid: r2t(cid, 0, 12288) + r2t(cid, 4096,
+                                                                               8192)),
+    ("an R2T past the write", lambda cid: r2t(cid, 0, 12288) + r2t(cid, 12288, 16384)),
+])
+def test_r2ts_out_of_order_end_the_queue(reactor, name, r2ts):
+    (cqe, err), _pdus, _data = write_with_r2ts(reactor, r2ts)
+    assert cqe is None and "R2T" in err, (name, err)

@@ -32,6 +32,8 @@ def target(start_target, request, tmp_path):
     config = ram_config(port)
     tcp_port = free_port()      # and NVMe/TCP beside it: the same subsystem, the same limits
     config["listeners"].append(listener(tcp_port, transport="tcp"))
+    padded_port = free_port()   # and one that asks for 16-byte aligned data (CPDA 3)
+    config["listeners"].append({**listener(padded_port, transport="tcp"), "cpda": 3})
     nofile = limits.pop("nofile", None)
     if backend == "file":
         config["subsystems"][0]["namespaces"] = [
@@ -44,6 +46,7 @@ def target(start_target, request, tmp_path):
     proc = start_target(config, command=command)
     proc.port = port
     proc.tcp_port = tcp_port
+    proc.padded_port = padded_port
     if backend == "file":
         proc.metrics, proc.socket = config["metrics"]["port"], config["control_socket"]
     return proc

@@ -14,6 +14,9 @@ import time
 import pytest
 
 from blockfabric.protocol import ConnectCommand, ConnectData, OffsetSGL
+from blockfabric.protocol.fabrics import (CC_IOCQES, CC_IOSQES, Property, PropertyGet,
+                                          PropertySet)
+from blockfabric.protocol.rw import pack_rw_into
 from blockfabric.protocol import tcp_pdu as tp
 from blockfabric.protocol.tcp_pdu import Fes
 
@@ -27,14 +30,17 @@ class RawTcp:
     """A peer that speaks NVMe/TCP by hand."""
 
     def __init__(self, port: int, *, hdgst: bool = False, ddgst: bool = False,
-                 icreq: bytes | None = b"") -> None:
+                 icreq: bytes | None = b"", maxr2t: int = 0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.hdgst, self.ddgst = hdgst, ddgst
         self.buf = b""
+        self.align = 4
         if icreq == b"":
-            self.sock.sendall(tp.ICReq(hdgst=hdgst, ddgst=ddgst).pack())
-            resp = tp.ICResp.unpack(self.read_pdu(), tp.ICReq(hdgst=hdgst, ddgst=ddgst))
+            request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=maxr2t)
+            self.sock.sendall(request.pack())
+            resp = tp.ICResp.unpack(self.read_pdu(), request)
             assert resp.maxh2cdata == MAXH2CDATA
+            self.align = tp.align_of(resp.cpda)
         elif icreq is not None:
             self.sock.sendall(icreq)
 
@@ -68,8 +74,10 @@ class RawTcp:
         return tp.unpack_term(last)
 
     def capsule(self, sqe: bytes, data: bytes = b"", *, bad_ddgst: bool = False,
-                bad_hdgst: bool = False) -> None:
-        hdr = tp.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst)
+                bad_hdgst: bool = False, align: int | None = None) -> None:
+        """A CapsuleCmd, its data padded as the ICResp asked (or to ``align``)."""
+        hdr = tp.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst,
+                                    self.align if align is None else align)
         if bad_hdgst:
             hdr[72] ^= 0xFF
         tail = b""
@@ -91,6 +99,70 @@ def connect_sqe(transport_sgl: bool) -> bytes:
 
 
 CONNECT_DATA = ConnectData(hostid=bytes(16), cntlid=0xFFFF, subnqn=NQN, hostnqn=HOSTNQN).pack()
+
+
+def status_of(resp: bytes) -> int:
+    """The status code (SCT and SC) of a CapsuleResp."""
+    assert resp[0] == tp.CAPSULE_RESP, resp[:8]
+    return (struct.unpack_from("<H", resp, 22)[0] >> 1) & 0x7FF
+
+
+class RawSession:
+    """A controller made by hand: the admin queue connected and enabled (kept open), and
+    :meth:`io_queue` connects I/O queues to it with what ICReq the caller asks."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.admin = RawTcp(port)
+        self.admin.capsule(connect_sqe(False), CONNECT_DATA)
+        resp = self.admin.read_pdu()
+        assert status_of(resp) == 0, resp
+        self.cntlid = struct.unpack_from("<H", resp, 8)[0]
+        cc = 1 | CC_IOSQES << 16 | CC_IOCQES << 20       # EN, the NVM command set
+        sqe = bytearray(PropertySet(attrib=0, offset=Property.CC, value=cc).to_sqe(
+            cid=2).pack())
+        struct.pack_into("<QQ", sqe, 24, 0, tp.SGL_TRANSPORT << 56)     # no data
+        self.admin.capsule(bytes(sqe))
+        assert status_of(self.admin.read_pdu()) == 0
+        deadline = time.monotonic() + 5
+        while True:                         # until CSTS.RDY, as a host waits
+            sqe = bytearray(PropertyGet(attrib=0, offset=Property.CSTS).to_sqe(
+                cid=3).pack())
+            struct.pack_into("<QQ", sqe, 24, 0, tp.SGL_TRANSPORT << 56)
+            self.admin.capsule(bytes(sqe))
+            resp = self.admin.read_pdu()
+            assert status_of(resp) == 0
+            if resp[8] & 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+
+    def io_queue(self, **kw) -> RawTcp:
+        peer = RawTcp(self.port, **kw)
+        sqe = ConnectCommand(recfmt=0, qid=1, sqsize=31, cattr=0, kato=0).to_sqe(
+            cid=1, sgl=OffsetSGL(0, 1024)).pack()
+        peer.capsule(sqe, ConnectData(hostid=bytes(16), cntlid=self.cntlid, subnqn=NQN,
+                                      hostnqn=HOSTNQN).pack())
+        assert status_of(peer.read_pdu()) == 0
+        return peer
+
+    def close(self) -> None:
+        self.admin.close()
+
+
+def write_sqe(cid: int, slba: int, length: int) -> bytes:
+    """A Write of ``length`` bytes (4 KiB blocks, the default) whose data the target asks
+    for."""
+    sqe = bytearray(64)
+    pack_rw_into(sqe, 0x01, cid, 1, slba, length // 4096 - 1, 0,
+                 length | tp.SGL_TRANSPORT << 56)
+    return bytes(sqe)
+
+
+def read_sqe(cid: int, slba: int, length: int) -> bytes:
+    sqe = bytearray(64)
+    pack_rw_into(sqe, 0x02, cid, 1, slba, length // 4096 - 1, 0,
+                 length | tp.SGL_TRANSPORT << 56)
+    return bytes(sqe)
 
 
 def with_r2t(port: int, **kw) -> tuple[RawTcp, int]:
@@ -124,8 +196,8 @@ FATAL = [
         connect_sqe(False), 0, False, False)), Fes.SEQUENCE_ERROR),
     ("ICReq with PFV 1", lambda p: RawTcp(p, icreq=tp.ICReq(pfv=1).pack()),
      Fes.INVALID_HEADER_FIELD),
-    ("ICReq asking for data alignment", lambda p: RawTcp(p, icreq=tp.ICReq(hpda=3).pack()),
-     Fes.UNSUPPORTED_PARAMETER),
+    ("ICReq HPDA 32", lambda p: RawTcp(p, icreq=tp.ICReq(hpda=32).pack()),
+     Fes.INVALID_HEADER_FIELD),
     ("ICReq with plen 64", lambda p: RawTcp(p, icreq=common(0, 0, 128, 0, 64) + bytes(56)),
      Fes.INVALID_HEADER_FIELD),
     ("a second ICReq", lambda p: _then(RawTcp(p), tp.ICReq().pack()), Fes.SEQUENCE_ERROR),
@@ -294,3 +366,169 @@ def test_silent_tcp_connections_are_bounded_and_dropped(target, transport, bysta
             s.close()
     assert_undisturbed(bystander.finish(), bystander)
     assert target.alive()
+
+
+def _r2t(pdu: bytes) -> tuple[int, int, int, int]:
+    assert pdu and pdu[0] == tp.R2T, pdu[:8]
+    return tp.unpack_data_fields(pdu)
+
+
+def _quiet(peer: RawTcp, seconds: float = 0.3) -> bool:
+    """Nothing more arrives within ``seconds`` (the target waits for the host)."""
+    if peer.buf:
+        return False
+    peer.sock.settimeout(seconds)
+    try:
+        chunk = peer.sock.recv(65536, socket.MSG_PEEK)
+    except socket.timeout:
+        return True
+    finally:
+        peer.sock.settimeout(5)
+    return not chunk
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("maxr2t", [0, 2])
+def test_r2ts_honour_maxr2t_and_maxh2cdata(target, maxr2t):
+    """A 1 MiB write from a host that allows MAXR2T + 1 R2Ts per command: R2Ts of at most
+    MAXH2CDATA, never more outstanding than allowed, each next one once an earlier one's
+    data is in; answered with two H2CData PDUs per R2T, the data lands where it belongs."""
+    session = RawSession(target.tcp_port)
+    peer = session.io_queue(maxr2t=maxr2t)
+    size = 8 * MAXH2CDATA
+    data = random.Random(maxr2t).randbytes(size)
+    try:
+        peer.capsule(write_sqe(5, 2048, size))
+        outstanding = [_r2t(peer.read_pdu()) for _ in range(maxr2t + 1)]
+        assert [(r[0], r[2], r[3]) for r in outstanding] == \
+            [(5, i * MAXH2CDATA, MAXH2CDATA) for i in range(maxr2t + 1)]
+        seen = len(outstanding)
+        while outstanding:
+            assert _quiet(peer), "an R2T beyond MAXR2T"
+            cccid, ttag, offset, length = outstanding.pop(0)
+            half = length // 2
+            peer.send(h2c(cccid, ttag, offset, data[offset:offset + half], flags=0),
+                      h2c(cccid, ttag, offset + half, data[offset + half:offset + length]))
+            if seen < 8:
+                nxt = _r2t(peer.read_pdu())
+                assert nxt[2:] == (seen * MAXH2CDATA, MAXH2CDATA), nxt
+                outstanding.append(nxt)
+                seen += 1
+        assert status_of(peer.read_pdu()) == 0
+        peer.capsule(read_sqe(6, 2048, size))
+        got = bytearray()
+        while True:
+            pdu = peer.read_pdu()
+            if pdu[0] != tp.C2H_DATA:
+                assert status_of(pdu) == 0
+                break
+            got += pdu[pdu[3]:]
+        assert got == data
+    finally:
+        peer.close()
+        session.close()
+
+
+def _answer_first_r2t(peer: RawTcp, *parts) -> None:
+    cccid, ttag, offset, length = _r2t(peer.read_pdu())
+    _r2t(peer.read_pdu())                   # the second one (MAXR2T 1)
+    peer.send(*(h2c(cccid, ttag, *p[:2], flags=p[2]) for p in parts))
+
+
+#: (name, what the host sends after two R2Ts of a 512 KiB write, the FES)
+MULTI_R2T_FATAL = [
+    ("H2CData across the end of its R2T", ((0, bytes(4096), 0),
+                                           (4096, bytes(MAXH2CDATA), 0)),
+     Fes.DATA_OUT_OF_RANGE),
+    ("an R2T's last H2CData without LAST", ((0, bytes(MAXH2CDATA), 0),),
+     Fes.INVALID_HEADER_FIELD),
+    ("LAST before the end of the R2T", ((0, bytes(4096), tp.F_DATA_LAST),),
+     Fes.INVALID_HEADER_FIELD),
+    ("the second R2T's data first", ((MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),),
+     Fes.DATA_OUT_OF_RANGE),
+    ("H2CData once the write's data is in", ((0, bytes(MAXH2CDATA), tp.F_DATA_LAST),
+                                  (MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),
+                                  (2 * MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),
+                                  (3 * MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),
+                                  (4 * MAXH2CDATA, bytes(4096), tp.F_DATA_LAST)),
+     Fes.INVALID_HEADER_FIELD),
+]
+
+
+@pytest.mark.timeout(60)
+def test_malformed_h2cdata_with_several_r2ts(target, transport, bystander):
+    """Several R2Ts outstanding: H2CData that crosses an R2T's end, misplaces LAST, skips
+    ahead or goes past the write each end their connection with the FES the spec names;
+    the bystander carries on."""
+    with bystander.attack("H2CData against several R2Ts"):
+        for name, parts, fes in MULTI_R2T_FATAL:
+            session = RawSession(target.tcp_port)
+            peer = session.io_queue(maxr2t=1)
+            try:
+                peer.capsule(write_sqe(7, 4096, 4 * MAXH2CDATA))   # not the bystander's blocks
+                _answer_first_r2t(peer, *parts)
+                assert peer.terminated()[0] == fes, name
+            finally:
+                peer.close()
+                session.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive() and "Traceback" not in target.log
+
+
+def _padded_capsule(port: int, pdo: int) -> RawTcp:
+    """A Connect whose in-capsule data starts at ``pdo`` (the listener wants 80)."""
+    peer = RawTcp(port)
+    assert peer.align == 16
+    hdr = bytearray(tp.capsule_cmd_header(connect_sqe(False), len(CONNECT_DATA), False,
+                                          False, 16))
+    hdr[3] = pdo
+    struct.pack_into("<I", hdr, 4, pdo + len(CONNECT_DATA))
+    peer.send(bytes(hdr[:min(pdo, len(hdr))]).ljust(pdo, b"\0"), CONNECT_DATA)
+    return peer
+
+
+def _padded_h2c(port: int, pdo: int) -> RawTcp:
+    """The R2T's H2CData with its data at ``pdo`` (the listener wants 32)."""
+    peer, ttag = with_r2t(port)
+    hdr = bytearray(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, ttag, 0, 1024, False,
+                                   False, 16))
+    hdr[3] = pdo
+    struct.pack_into("<I", hdr, 4, pdo + 1024)
+    peer.send(bytes(hdr[:min(pdo, len(hdr))]).ljust(pdo, b"\0"), CONNECT_DATA)
+    return peer
+
+
+#: against the listener with CPDA 3: (name, attack, FES)
+PADDING_FATAL = [
+    ("capsule data not padded", lambda p: _padded_capsule(p, 72), Fes.INVALID_HEADER_FIELD),
+    ("capsule data padded too far", lambda p: _padded_capsule(p, 96),
+     Fes.INVALID_HEADER_FIELD),
+    ("capsule data at pdo 255", lambda p: _padded_capsule(p, 255), Fes.INVALID_HEADER_FIELD),
+    ("capsule pdo 78, not a multiple of 4", lambda p: _padded_capsule(p, 78),
+     Fes.INVALID_HEADER_FIELD),
+    ("H2CData not padded", lambda p: _padded_h2c(p, 24), Fes.INVALID_HEADER_FIELD),
+    ("H2CData padded to 48", lambda p: _padded_h2c(p, 48), Fes.INVALID_HEADER_FIELD),
+]
+
+
+@pytest.mark.timeout(60)
+def test_pdo_checked_against_the_listeners_cpda(target, transport, bystander):
+    """A listener with CPDA 3: capsule and H2CData data must start exactly at the header
+    rounded up to 16 bytes; any other PDO ends the connection (Invalid Header Field at the
+    PDO byte), correctly padded ones are served, and the bystander carries on."""
+    port = target.padded_port
+    with bystander.attack("PDOs against CPDA 3"):
+        for name, attack, fes in PADDING_FATAL:
+            peer = attack(port)
+            try:
+                assert peer.terminated() == (fes, tp.FEI_PDO), name
+            finally:
+                peer.close()
+        peer = _padded_capsule(port, 80)
+        assert status_of(peer.read_pdu()) == 0
+        peer.close()
+        peer = _padded_h2c(port, 32)
+        assert status_of(peer.read_pdu()) == 0
+        peer.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive() and "Traceback" not in target.log

@@ -53,10 +53,12 @@ def test_icreq_round_trip_and_what_a_controller_refuses():
         tp.ICReq.unpack(bad)
     assert info.value.fes == Fes.INVALID_HEADER_FIELD and info.value.fei == 8
     bad = bytearray(raw)
-    bad[10] = 1                                  # HPDA: no padding supported
+    bad[10] = 31                                 # HPDA: 128-byte alignment, the most
+    assert tp.ICReq.unpack(bad).hpda == 31
+    bad[10] = 32
     with pytest.raises(PduError) as info:
         tp.ICReq.unpack(bad)
-    assert info.value.fes == Fes.UNSUPPORTED_PARAMETER
+    assert info.value.fes == Fes.INVALID_HEADER_FIELD and info.value.fei == 10
     refused(raw, Fes.SEQUENCE_ERROR, initialized=True)      # a second ICReq
 
 
@@ -77,9 +79,36 @@ def test_icresp_checked_as_the_linux_host_checks_it():
     for bad in (tp.ICResp(hdgst=False, ddgst=True, maxh2cdata=131072),   # digests differ
                 tp.ICResp(hdgst=True, ddgst=True, maxh2cdata=4094),      # < 4096
                 tp.ICResp(hdgst=True, ddgst=True, maxh2cdata=4098),      # not % 4
-                tp.ICResp(cpda=1, hdgst=True, ddgst=True, maxh2cdata=8192)):
+                tp.ICResp(cpda=32, hdgst=True, ddgst=True, maxh2cdata=8192)):
         with pytest.raises(PduError):
             tp.ICResp.unpack(bad.pack(), req)
+    padded = tp.ICResp(cpda=31, hdgst=True, ddgst=True, maxh2cdata=8192)
+    assert tp.ICResp.unpack(padded.pack(), req) == padded
+
+
+@pytest.mark.parametrize("pda, hdgst, pdo", [(0, False, 24), (0, True, 28), (1, False, 24),
+                                             (3, True, 32), (7, False, 32), (31, True, 128)])
+def test_data_padded_to_the_receivers_alignment(pda, hdgst, pdo):
+    """PDO: the header and its digest rounded up to (PDA + 1) dwords, zero padding between;
+    a receiver takes exactly that PDO and no other."""
+    align = tp.align_of(pda)
+    limits = tp.Limits(hdgst=hdgst, ddgst=True, max_data=1 << 20, max_capsule_data=8192,
+                       align=align)
+    hdr = tp.data_header(tp.C2H_DATA, tp.F_DATA_LAST, 1, 0, 0, 512, hdgst, True, align)
+    assert len(hdr) == hdr[3] == pdo and not any(hdr[24 + 4 * hdgst:])
+    assert struct.unpack_from("<I", hdr, 4)[0] == pdo + 512 + 4
+    ptype, flags, hlen, got_pdo, plen = tp.header(hdr)
+    assert tp.check_header(ptype, flags, hlen, got_pdo, plen, to_controller=False,
+                           initialized=True, limits=limits) == 512
+    cap = tp.capsule_cmd_header(bytes(64), 100, hdgst, True, align)
+    assert cap[3] == len(cap) == -(-(72 + 4 * hdgst) // align) * align
+    assert tp.check_header(*tp.header(cap), to_controller=True, initialized=True,
+                           limits=limits) == 100
+    for wrong in {24 + 4 * hdgst, pdo - 4, pdo + 4, pdo + align} - {pdo}:
+        with pytest.raises(PduError) as info:
+            tp.check_header(ptype, flags, hlen, wrong, plen, to_controller=False,
+                            initialized=True, limits=limits)
+        assert (info.value.fes, info.value.fei) == (Fes.INVALID_HEADER_FIELD, tp.FEI_PDO)
 
 
 def test_capsule_cmd_with_and_without_data_and_digests():

@@ -254,3 +254,20 @@ def test_dump_fsyncs_file_then_renames_then_fsyncs_directory(tmp_path: Path) -> 
              if line.startswith(("fsync", "fdatasync", "rename"))]
     assert calls[0] == "fsync" and calls[1].startswith("rename") and calls[2] == "fsync", calls
     assert os.stat(out).st_size > 0
+
+
+def test_listener_limits_and_cpda() -> None:
+    """A listener's limits may only lower the global ones; cpda is NVMe/TCP's."""
+    good = loads("listeners:\n  - {transport: tcp, address: 127.0.0.1, port: 4420, cpda: 7,"
+                 " max_connections: 10, max_io_queues: 2, queue_size: 32}\n")
+    lst = good.listeners[0]
+    assert (lst.cpda, lst.max_connections, lst.max_io_queues, lst.queue_size) == (7, 10, 2, 32)
+    assert loads("listeners:\n  - {address: 127.0.0.1}\n").listeners[0].max_connections is None
+    for text, match in (
+            ("  - {address: 127.0.0.1, cpda: 1}\n", "cpda applies to NVMe/TCP"),
+            ("  - {transport: tcp, address: 127.0.0.1, cpda: 32}\n", "0 to 31"),
+            ("  - {address: 127.0.0.1, max_io_queues: 9}\n", r"at most limits.max_io_queues"),
+            ("  - {address: 127.0.0.1, queue_size: 256}\nlimits: {queue_size: 64}\n",
+             r"at most limits.queue_size \(64\)")):
+        with pytest.raises(ConfigError, match=match):
+            loads("listeners:\n" + text)

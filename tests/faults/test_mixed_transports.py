@@ -1,0 +1,81 @@
+"""Multipath across transports (issue #18): one subsystem reached through a soft-RDMA
+listener and an NVMe/TCP listener at once, one FUSE mount using both (``-t`` for the first
+path, ``--path tcp://`` or ``rdma://`` for the other).  fio writes and verifies (crc32c)
+through ``n1`` while I/O goes round-robin over both; then a proxy cuts the path of one
+transport for good, and the I/O must finish over the other with no error."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from e2e.conftest import listener
+from fuse.conftest import NQN as FUSE_NQN
+
+from .conftest import Restartable, file_config, free_port
+from .proxy import TcpProxy
+from .test_fuse_faults import FaultMount, fio_verify, recovery
+
+pytestmark = pytest.mark.timeout(90)
+if shutil.which("fio") is None:
+    pytest.skip("fio is missing (Debian package fio)", allow_module_level=True)
+
+
+def paths_of(status: str) -> dict[str, str]:
+    """.status's paths section: path (with its transport://) -> the rest of its line."""
+    lines = status.split("paths (ANA state per namespace; * where I/O goes)\n", 1)[1]
+    out = {}
+    for line in lines.splitlines():
+        if not line.startswith("  "):
+            break
+        path, _, rest = line.strip().partition(" ")
+        out[path] = rest
+    return out
+
+
+@pytest.mark.parametrize("cut", ["rdma", "tcp"])
+def test_fio_verify_survives_losing_either_transport(cut, tmp_path):
+    """The path over ``cut`` goes through a proxy (the mount's -a/-s and -t); the other
+    transport's listener is reached directly with --path.  Both serve; the proxy then
+    drops every connection and refuses new ones."""
+    ports = {"rdma": free_port(), "tcp": free_port()}
+    config = file_config(ports["rdma"], tmp_path / "vol.img")
+    config["subsystems"][0]["nqn"] = FUSE_NQN
+    config["listeners"].append(listener(ports["tcp"], transport="tcp"))
+    target = Restartable(config, tmp_path)
+    proxy = TcpProxy(("127.0.0.1", ports[cut]))
+    target.port = target.tcp_port = proxy.port
+    other = "tcp" if cut == "rdma" else "rdma"
+    first = f"{cut}://127.0.0.1:{proxy.port}"
+    second = f"{other}://127.0.0.1:{ports[other]}"
+    mount = FaultMount(target, tmp_path, loss_tmo=20,
+                       extra=("--path", second, "--provider", "soft"))
+    mount.transport = cut
+    try:
+        mount.start()
+        before = paths_of(mount.status())
+        assert before[first].startswith("live, controller ") and before[first].endswith(
+            "n1 optimized*"), before
+        assert before[second].endswith("n1 optimized*"), before
+        assert ("tcp:" in before[first]) == (cut == "tcp"), before
+        assert ("rdma (soft provider):" in before[second]) == (cut == "tcp"), before
+        fio = fio_verify(mount, tmp_path)
+        proxy.wait_forwarded(1 << 20)       # fio's data crossed the proxied path too
+        proxy.down()
+        out, err = fio.communicate(timeout=60)
+        assert fio.returncode == 0, out + err + "\nMOUNTLOG\n" + "\n".join(
+            line for line in mount.log_path.read_text().splitlines()
+            if "DEBUG" not in line or "error" in line.lower())[-3000:]
+        status = mount.status()
+        rec = recovery(status)
+        assert rec["failovers"] >= 1 and rec["failed"] == 0, status
+        after = paths_of(status)
+        assert after[second].endswith("n1 optimized*"), status
+        assert not after[first].endswith("*"), status
+        assert mount.counter("errors") == 0
+    finally:
+        mount.cleanup()
+        proxy.close()
+        target.stop()
+    assert "Traceback" not in target.log, target.log

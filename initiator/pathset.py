@@ -235,6 +235,10 @@ class MultipathController(Controller):
         """A path as ``--path`` takes it: with its transport in a mixed set."""
         return format_path(*pc.path, pc.opts.transport if self._mixed else None)
 
+    def path_names(self) -> list[str]:
+        """Every path as :meth:`_name` writes it (``.status``)."""
+        return [self._name(pc) for pc in self.path_ctrls]
+
     def _check_same(self, first: Controller, pc: Controller) -> None:
         """Raise SubsystemMismatch unless ``pc`` leads to the subsystem ``first`` does."""
         a, b = first.identify, pc.identify
@@ -553,14 +557,16 @@ class MultipathController(Controller):
 
     def paths_lines(self) -> list[str]:
         """One line per path, as ``nvme list-subsys`` shows them: address, controller
-        state and ID, each namespace's ANA state, ``*`` where its I/O goes now."""
+        state and ID, each namespace's ANA state, ``*`` where its I/O goes now, the
+        transport (and RDMA provider)."""
         lines = []
         for p in self.paths_view():
             ana = ", ".join(f"n{nsid} {state}{'*' if nsid in p['serving'] else ''}"
                             for nsid, state in p["ana"].items())
             ctrl = f", controller {p['cntlid']}" if p["cntlid"] is not None else ""
-            lines.append(f"{p['path']} {p['state']}{ctrl}, {p['transport']}: "
-                         f"{ana or 'no namespaces'}"
+            over = p["transport"].replace(" (", ", ").rstrip(")")
+            lines.append(f"{p['path']} {p['state']}{ctrl}: {ana or 'no namespaces'} "
+                         f"(over {over})"
                          + (f" (not used: {p['excluded']})" if p["excluded"] else ""))
         return lines
 

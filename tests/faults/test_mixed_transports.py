@@ -54,12 +54,14 @@ def test_fio_verify_survives_losing_either_transport(cut, tmp_path):
     mount.transport = cut
     try:
         mount.start()
-        before = paths_of(mount.status())
-        assert before[first].startswith("live, controller ") and before[first].endswith(
-            "n1 optimized*"), before
-        assert before[second].endswith("n1 optimized*"), before
-        assert ("tcp:" in before[first]) == (cut == "tcp"), before
-        assert ("rdma (soft provider):" in before[second]) == (cut == "tcp"), before
+        status = mount.status()
+        assert f"(paths: {first}, {second})" in status, status
+        before = paths_of(status)
+        over = {"rdma": "n1 optimized* (over rdma, soft provider)",
+                "tcp": "n1 optimized* (over tcp)"}
+        assert before[first].startswith("live, controller "), before
+        assert before[first].endswith(over[cut]), before
+        assert before[second].endswith(over[other]), before
         fio = fio_verify(mount, tmp_path)
         proxy.wait_forwarded(1 << 20)       # fio's data crossed the proxied path too
         proxy.down()
@@ -71,8 +73,8 @@ def test_fio_verify_survives_losing_either_transport(cut, tmp_path):
         rec = recovery(status)
         assert rec["failovers"] >= 1 and rec["failed"] == 0, status
         after = paths_of(status)
-        assert after[second].endswith("n1 optimized*"), status
-        assert not after[first].endswith("*"), status
+        assert after[second].endswith(over[other]), status
+        assert "*" not in after[first], status
         assert mount.counter("errors") == 0
     finally:
         mount.cleanup()

@@ -55,7 +55,7 @@ def test_fio_verify_survives_losing_either_transport(cut, tmp_path):
     try:
         mount.start()
         status = mount.status()
-        assert f"(paths: {first}, {second})" in status, status
+        assert f"paths: {first}, {second})" in status, status
         before = paths_of(status)
         over = {"rdma": "n1 optimized* (over rdma, soft provider)",
                 "tcp": "n1 optimized* (over tcp)"}

@@ -9,7 +9,7 @@ import sys
 from blockfabric import __version__
 from blockfabric.cliutil import HelpFormatter, not_implemented
 from blockfabric.errors import BlockfabricError
-from blockfabric.initiator.multipath import parse_path, parse_port, resolve_paths
+from blockfabric.initiator.multipath import parse_path_spec, parse_port, resolve_paths
 from blockfabric.logutil import setup_logging
 
 DESCRIPTION = """\
@@ -51,9 +51,9 @@ def _port(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
 
 
-def _path(text: str) -> tuple[str, int | None]:
+def _path(text: str) -> tuple:
     try:
-        return parse_path(text)
+        return parse_path_spec(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected {exc}") from None
 
@@ -77,7 +77,9 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                             "connects to every path at once and sends I/O to the ANA-"
                             "optimized ones, moving it when a path is lost (multipath "
                             "failover); repeatable; PORT "
-                            "defaults to -s; write an IPv6 address as [ADDR] or [ADDR]:PORT")
+                            "defaults to -s; write an IPv6 address as [ADDR] or [ADDR]:PORT; "
+                            "tcp:// or rdma:// first: that path goes over that transport "
+                            "(else over -t's), so one host can mix NVMe/TCP and RDMA paths")
     if needs_nqn:
         p.add_argument(*s("-n"), "--nqn", required=True, metavar="SUBNQN",
                        help="NVMe qualified name of the subsystem")
@@ -320,7 +322,8 @@ def resolve_path_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         command_parser.error("--path goes with -a/-n (with --config, list further paths "
                              "under paths: in the initiator YAML)")
     try:
-        args.paths = resolve_paths((args.traddr, int(args.trsvcid)), args.paths)
+        args.paths = resolve_paths((args.traddr, int(args.trsvcid)), args.paths,
+                                   getattr(args, "transport", None))
     except ValueError as exc:
         command_parser.error(f"--path: {exc}")
 

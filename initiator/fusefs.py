@@ -377,7 +377,8 @@ def status_report(fs: VolumeFS) -> str:
     rec = ctrl.recovery_stats()
     if rec["state"] != "live":
         state = str(rec["state"])
-    paths = ", ".join(format_path(a, p) for a, p in ctrl.paths)
+    paths = ", ".join(ctrl.path_names() if hasattr(ctrl, "path_names")
+                      else [format_path(a, p) for a, p in ctrl.paths])
     lines = [
         f"subsystem   {opts.subnqn}",
         f"controller  {ctrl.cntlid} (model {ident.mn.strip()!r}, serial {ident.sn.strip()!r}, "

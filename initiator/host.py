@@ -473,18 +473,9 @@ class ConnectOptions:
     #: Further listeners (traddr, trsvcid) of the same subsystem: the host connects to all
     #: of them at once and routes I/O by their ANA states (see
     #: :mod:`blockfabric.initiator.pathset`); a lost path reconnects in the background.
-    paths: list[tuple[str, int]] = field(default_factory=list)
+    #: A third item, "rdma" or "tcp", makes that path go over that transport.
+    paths: list[tuple] = field(default_factory=list)
 
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
 
 #: Bytes of ANA log read: the header, 128 group descriptors and 1024 NSIDs (what the
 #: Linux host sizes its buffer to: 16 + NANAGRPID * 32 + MNAN * 4).
@@ -551,7 +542,7 @@ class Controller:
         self.ana_log: tuple[int, list] | None = None
         self.ana_listeners: list[Callable[[Controller, tuple[int, list]], None]] = []
         self._events: concurrent.futures.ThreadPoolExecutor | None = None
-        self.paths = [(opts.traddr, int(opts.trsvcid))] + [(a, int(p)) for a, p in opts.paths]
+        self.paths = [(opts.traddr, int(opts.trsvcid))] + [(p[0], int(p[1])) for p in opts.paths]
         self.path_index = 0
         self.state = CtrlState.CONNECTING
         self.recovery = RecoveryStats()
@@ -581,12 +572,7 @@ class Controller:
         try:
             cmid.resolve(traddr, trsvcid, timeout=opts.connect_timeout)
             if self.pd is None:
-                owner = self._share or self
-                with owner._state_lock if owner is not self else _NO_LOCK:
-                    if owner.pd is None:
-                        owner.pd = cmid.context.alloc_pd()
-                        owner.arena = Arena(owner.pd, opts.arena_size)
-                self.pd, self.arena = owner.pd, owner.arena
+                self.pd, self.arena = (self._share or self)._memory("rdma", cmid.context)
             inline = self.inline_size if qid else 0
             queue = HostQueue(cmid, self.pd, qid=qid, depth=depth, inline_size=inline,
                               name=f"{traddr}:{trsvcid} q{qid}")
@@ -617,13 +603,22 @@ class Controller:
         queue.attach(self.reactor)
         return queue
 
+    def _memory(self, transport: str, context: Any = None) -> tuple[PD, Arena]:
+        """The protection domain and arena a queue of ``transport`` uses: this controller's,
+        made on first use (RDMA: on the device ``context`` of the queue's CM id; TCP: a local
+        one).  A multipath controller shares its own with its paths, whatever their
+        transports."""
+        if self.pd is None:
+            self.pd = context.alloc_pd() if transport == "rdma" else local_pd()
+            self.arena = Arena(self.pd, self.opts.arena_size)
+        return self.pd, self.arena
+
     def _open_tcp_queue(self, qid: int, depth: int) -> HostQueue:
         """The NVMe/TCP connection of queue ``qid`` (ICReq/ICResp done), attached."""
         opts = self.opts
         traddr, trsvcid = self.path
         if self.pd is None:
-            self.pd = local_pd()
-            self.arena = Arena(self.pd, opts.arena_size)
+            self.pd, self.arena = (self._share or self)._memory("tcp")
         sock, resp = open_connection(traddr, trsvcid, hdgst=opts.hdr_digest,
                                      ddgst=opts.data_digest, timeout=opts.connect_timeout,
                                      hpda=opts.hpda)

@@ -16,7 +16,8 @@ import yaml
 from blockfabric.errors import ConfigError
 from blockfabric.initiator.fusefs import MountOptions
 from blockfabric.initiator.host import ConnectOptions
-from blockfabric.initiator.multipath import FORMS, parse_path, resolve_paths
+from blockfabric.initiator.multipath import (FORMS, parse_path, parse_path_spec, parse_transport,
+                                             resolve_paths)
 from blockfabric.protocol.auth import Secret
 
 DEFAULT_PATH = "/etc/blockfabric/initiator.yaml"
@@ -44,8 +45,9 @@ class MountSpec:
     keep_alive_tmo: int = 5
     reconnect_delay: int = 10
     ctrl_loss_tmo: int = 600
-    #: Further listeners of the subsystem, tried in turn when the current path is lost.
-    paths: list[tuple[str, int]] = field(default_factory=list)
+    #: Further listeners of the subsystem (multipath): (address, port), or (address, port,
+    #: transport) for one over its own transport.
+    paths: list[tuple] = field(default_factory=list)
     dhchap_secret: str | None = None        # DH-HMAC-CHAP secret of this host
     dhchap_ctrl_secret: str | None = None   # ... and of the controller (bidirectional)
 
@@ -170,16 +172,19 @@ def _spec(path: str, where: str, item: Any) -> MountSpec:
                           "controller authenticates only after the host has)")
     values.setdefault("name", os.path.basename(values["mountpoint"].rstrip("/")) or "root")
     values["paths"] = _paths(path, f"{where}.paths", values.get("paths"),
-                             (values["traddr"], values.get("trsvcid", 4420)))
+                             (values["traddr"], values.get("trsvcid", 4420)),
+                             values.get("transport", "rdma"))
     return MountSpec(**values)
 
 
-_PATH_ITEM = f"{FORMS} (as --path), or a mapping {{traddr, trsvcid}}"
+_PATH_ITEM = f"{FORMS} (as --path), or a mapping {{traddr, trsvcid, transport}}"
 
 
-def _paths(path: str, where: str, raw: Any, primary: tuple[str, int]) -> list[tuple[str, int]]:
-    """``paths:``: further listeners, each "addr:port" or {traddr:, trsvcid:}; the port
-    defaults to the entry's trsvcid, as --path's does to -s."""
+def _paths(path: str, where: str, raw: Any, primary: tuple[str, int],
+           transport: str) -> list[tuple]:
+    """``paths:``: further listeners, each "[tcp://|rdma://]addr:port" or {traddr:, trsvcid:,
+    transport:}; the port defaults to the entry's trsvcid, as --path's does to -s, the
+    transport to the entry's."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -189,25 +194,32 @@ def _paths(path: str, where: str, raw: Any, primary: tuple[str, int]) -> list[tu
         at = f"{where}[{i}]"
         if isinstance(item, str):
             try:
-                parsed.append(parse_path(item))
+                parsed.append(parse_path_spec(item))
             except ValueError as exc:
-                raise ConfigError(path, at, f"{exc} (or a mapping {{traddr, trsvcid}})",
+                raise ConfigError(path, at, f"{exc} (or a mapping {{traddr, trsvcid, "
+                                  "transport}})",
                                   item) from exc
         elif isinstance(item, dict):
             parsed.append(_path_map(path, at, item))
         else:
             raise ConfigError(path, at, _PATH_ITEM, item)
     try:
-        return resolve_paths(primary, parsed)
+        return resolve_paths(primary, parsed, transport)
     except ValueError as exc:
         raise ConfigError(path, where, f"paths that differ from each other and from "
                           f"traddr/trsvcid ({exc})") from exc
 
 
-def _path_map(path: str, at: str, item: dict) -> tuple[str, int | None]:
+def _path_map(path: str, at: str, item: dict) -> tuple:
     for key in item:
-        if key not in ("traddr", "trsvcid"):
-            raise ConfigError(path, f"{at}.{key}", "one of traddr, trsvcid")
+        if key not in ("traddr", "trsvcid", "transport"):
+            raise ConfigError(path, f"{at}.{key}", "one of traddr, trsvcid, transport")
+    own: tuple = ()
+    if item.get("transport") is not None:
+        try:
+            own = (parse_transport(item["transport"]),)
+        except ValueError as exc:
+            raise ConfigError(path, f"{at}.transport", str(exc), item["transport"]) from None
     addr = item.get("traddr")
     if not isinstance(addr, str) or not addr:
         raise ConfigError(path, f"{at}.traddr", "an IPv4 or IPv6 address", addr)
@@ -219,8 +231,8 @@ def _path_map(path: str, at: str, item: dict) -> tuple[str, int | None]:
         raise ConfigError(path, f"{at}.traddr", "an IPv4 or IPv6 address (the port goes in "
                           "trsvcid)", addr)
     if item.get("trsvcid") is None:
-        return address, None
-    return address, _int(path, f"{at}.trsvcid", "trsvcid", item["trsvcid"])
+        return (address, None) + own
+    return (address, _int(path, f"{at}.trsvcid", "trsvcid", item["trsvcid"])) + own
 
 
 def _int(path: str, where: str, kind: str, raw: Any) -> int:

@@ -1,5 +1,7 @@
 """Further paths to a subsystem as users write them: ``ADDR``, ``ADDR:PORT``, ``[V6ADDR]`` or
-``[V6ADDR]:PORT``.  Shared by ``--path`` on the command line and ``paths:`` in the initiator
+``[V6ADDR]:PORT`` (over the transport of ``-t``), each optionally after ``tcp://`` or
+``rdma://`` (over that transport: one subsystem reached through NVMe/TCP and RDMA listeners
+at once).  Shared by ``--path`` on the command line and ``paths:`` in the initiator
 YAML, so both accept and refuse the same things.  Imports nothing heavy (``--help`` stays
 fast)."""
 
@@ -7,7 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 
-FORMS = "ADDR, ADDR:PORT, [IPV6ADDR] or [IPV6ADDR]:PORT"
+FORMS = "ADDR, ADDR:PORT, [IPV6ADDR] or [IPV6ADDR]:PORT, optionally after tcp:// or rdma://"
+#: the transports a path can name (``tcp://`` / ``rdma://``, ``transport:`` in the YAML)
+TRANSPORTS = ("rdma", "tcp")
 
 
 def parse_port(text: str) -> int:
@@ -51,20 +55,50 @@ def parse_path(text: str) -> tuple[str, int | None]:
     return address, parse_port(port_text)
 
 
-def format_path(address: str, port: int) -> str:
-    """``address:port``, with an IPv6 address in brackets (the form :func:`parse_path` reads)."""
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+def parse_transport(text: str) -> str:
+    """A path's transport name, ``rdma`` or ``tcp`` (any case); ValueError otherwise."""
+    name = text.strip().lower() if isinstance(text, str) else ""
+    if name not in TRANSPORTS:
+        raise ValueError("a transport: rdma or tcp")
+    return name
 
 
-def resolve_paths(primary: tuple[str, int], extra: list[tuple[str, int | None]]
-                  ) -> list[tuple[str, int]]:
-    """The further paths with their ports filled in from ``primary``; ValueError for a path
-    given twice or equal to the primary one (it would only be tried twice in a row)."""
-    out: list[tuple[str, int]] = []
-    seen = {_key(*primary): "the primary path (-a/-s, traddr/trsvcid)"}
-    for address, port in extra:
-        path = (address, primary[1] if port is None else port)
-        key = _key(*path)
+def parse_path_spec(text: str) -> tuple[str, int | None] | tuple[str, int | None, str]:
+    """:func:`parse_path` of one of :data:`FORMS`, with the transport as a third item when
+    the text names one (``tcp://10.0.0.2:4420``): that path goes over it, whatever ``-t``
+    says.  ``://`` cannot be part of an address (nor of a bracketed IPv6 one), so the forms
+    stay unambiguous."""
+    if isinstance(text, str) and "://" in text:
+        scheme, _, rest = text.strip().partition("://")
+        try:
+            transport = parse_transport(scheme)
+        except ValueError:
+            raise ValueError(f"tcp:// or rdma:// before the address ({FORMS})") from None
+        return (*parse_path(rest), transport)
+    return parse_path(text)
+
+
+def format_path(address: str, port: int, transport: str | None = None) -> str:
+    """``address:port``, with an IPv6 address in brackets (the form :func:`parse_path` reads),
+    after ``transport://`` when given."""
+    where = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    return f"{transport}://{where}" if transport else where
+
+
+def resolve_paths(primary: tuple[str, int], extra: list[tuple],
+                  transport: str | None = None) -> list[tuple]:
+    """The further paths with their ports filled in from ``primary``: ``(address, port)``,
+    or ``(address, port, transport)`` for one that names its transport; ValueError for a
+    path given twice or equal to the primary one (it would only be tried twice in a row).
+    ``transport``: the primary path's (``-t``), which a path naming none uses; the same
+    address and port over RDMA and over TCP are two paths."""
+    out: list[tuple] = []
+    seen = {_key(*primary, transport): "the primary path (-a/-s, traddr/trsvcid)"}
+    for item in extra:
+        address, port = item[0], item[1]
+        own = item[2] if len(item) > 2 and item[2] else None
+        path = (address, primary[1] if port is None else port) + ((own,) if own else ())
+        key = _key(*path[:2], own or transport)
         if key in seen:
             raise ValueError(f"path {format_path(*path)} is the same as {seen[key]}")
         seen[key] = f"path {format_path(*path)} given before"
@@ -72,8 +106,8 @@ def resolve_paths(primary: tuple[str, int], extra: list[tuple[str, int | None]]
     return out
 
 
-def _key(address: str, port: int) -> tuple[object, int]:
+def _key(address: str, port: int, transport: str | None) -> tuple[object, int, str | None]:
     try:
-        return ipaddress.ip_address(address), int(port)
+        return ipaddress.ip_address(address), int(port), transport
     except ValueError:          # a primary traddr that is a host name: compare as text
-        return address, int(port)
+        return address, int(port), transport

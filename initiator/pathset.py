@@ -25,6 +25,14 @@ All paths share one reactor (so every completion runs on one thread, as with one
 protection domain and one arena: memory a caller registers (:attr:`pd`) is valid on every
 path.  That needs every path to go through one RDMA device (always so with the soft
 provider).
+
+**Paths over different transports** (``--path tcp://ADDR:PORT`` with ``-t rdma``, or the
+reverse): each path controller has its own transport (and RDMA provider).  Memory is still
+registered once: :class:`SharedPD` registers it with the RDMA device's protection domain
+(the RDMA paths' queues and the target's RDMA READ/WRITE use those keys) and keeps the same
+keys in a table of its own, through which an NVMe/TCP queue finds the bytes of an (address,
+length, key) as it does in a local one.  So a buffer of the mount or the bench travels by
+RDMA on one path and in TCP data PDUs on the other, with no copy added on either.
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ from typing import Any
 
 from blockfabric.errors import BlockfabricError
 # relative: the host module this controller subclasses is the one that returns it
-from .host import (ConnectOptions, Controller, ControllerLost, CtrlState, IoCommand,
+from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlState, IoCommand,
                    Namespace, NvmeError, _Request)
+from blockfabric.fabric.tcp import local_pd
 from blockfabric.initiator.multipath import format_path
+from blockfabric.rdma import Access, get_provider
 from blockfabric.protocol.identify import CMIC_ANA
 from blockfabric.protocol.logpages import AnaState
 
@@ -56,14 +66,72 @@ class SubsystemMismatch(BlockfabricError):
     """Two paths lead to different subsystems (or namespaces): not one multipath device."""
 
 
+class _Keys:
+    """The key tables :func:`blockfabric.fabric.tcp.resolve` reads (``pd.ctx``)."""
+
+    def __init__(self) -> None:
+        self.lkeys: dict[int, _SharedMR] = {}
+        self.rkeys: dict[int, _SharedMR] = {}
+
+
+class _SharedMR:
+    """A region registered with the RDMA protection domain (``inner``), as both transports
+    see it: the same address and keys, and ``buf`` for a TCP queue."""
+
+    def __init__(self, pd: SharedPD, inner: Any) -> None:
+        self.pd = pd
+        self.inner = inner
+        self.addr, self.length = inner.addr, inner.length
+        self.lkey, self.rkey = inner.lkey, inner.rkey
+        self.access = inner.access
+        self.buf = inner.buf
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.pd.ctx.lkeys.pop(self.lkey, None)
+        self.pd.ctx.rkeys.pop(self.rkey, None)
+        self.inner.close()
+
+
+class SharedPD:
+    """One registration for RDMA and NVMe/TCP paths (see the module text): what callers
+    register with (``ctrl.pd``) and what a TCP path's queues resolve keys in; an RDMA path's
+    queues use :attr:`inner`, the device's own protection domain."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.ctx = _Keys()
+        self.closed = False
+
+    def reg_mr(self, buffer, access: Access = Access.LOCAL_WRITE) -> _SharedMR:
+        mr = _SharedMR(self, self.inner.reg_mr(buffer, access))
+        self.ctx.lkeys[mr.lkey] = mr
+        self.ctx.rkeys[mr.rkey] = mr
+        return mr
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.inner.close()
+
+
 class MultipathController(Controller):
     """Several paths to one subsystem, used as one controller (see the module text)."""
 
     def __init__(self, opts: ConnectOptions) -> None:
         super().__init__(opts)
         self.path_ctrls: list[Controller] = []
-        for address, port in self.paths:
+        #: each path's transport: its own (tcp://, rdma://) or the primary one's
+        self.transports = [opts.transport] + [p[2] if len(p) > 2 and p[2] else opts.transport
+                                              for p in opts.paths]
+        self._mixed = len(set(self.transports)) > 1
+        self._pd_cmid = None        # a mixed set's RDMA device, when a TCP path came first
+        for (address, port), transport in zip(self.paths, self.transports):
             popts = dataclasses.replace(opts, traddr=address, trsvcid=int(port), paths=[],
+                                        transport=transport,
                                         hostnqn=self.hostnqn, hostid=self.hostid)
             pc = Controller(popts, share=self)
             pc.state_listeners.append(self._path_changed)
@@ -117,7 +185,7 @@ class MultipathController(Controller):
         for index, exc in sorted(errors.items()):
             pc = self.path_ctrls[index]
             log.warning("path %s: %s; retrying it in the background every %g s",
-                        format_path(*pc.path), exc, self.opts.reconnect_delay)
+                        self._name(pc), exc, self.opts.reconnect_delay)
             if isinstance(exc, NvmeError) and exc.dnr:
                 pc.state = CtrlState.FAILED
                 pc.recovery.last_reason = str(exc)
@@ -132,10 +200,49 @@ class MultipathController(Controller):
         self._rerank("connected")
         return self
 
+    def _memory(self, transport: str, context: Any = None) -> tuple[Any, Arena]:
+        """One protection domain and arena for every path (a path's queue asks, from its
+        connect thread).  Paths of one transport share the device's (or a local) PD; a
+        mixed set registers through a :class:`SharedPD` on the RDMA device, whose context a
+        TCP path connecting first finds by resolving the first RDMA path's address."""
+        with self._state_lock:
+            if self.pd is None:
+                if not self._mixed:
+                    self.pd = context.alloc_pd() if transport == "rdma" else local_pd()
+                else:
+                    if context is None:
+                        context = self._rdma_context()
+                    self.pd = SharedPD(context.alloc_pd())
+                self.arena = Arena(self.pd, self.opts.arena_size)
+            if self._mixed and transport == "rdma":
+                return self.pd.inner, self.arena
+            return self.pd, self.arena
+
+    def _rdma_context(self) -> Any:
+        index = self.transports.index("rdma")
+        address, port = self.paths[index]
+        provider = self.path_ctrls[index].provider
+        cmid = provider.create_id()
+        try:
+            cmid.resolve(address, port, timeout=self.opts.connect_timeout)
+        except BaseException:
+            cmid.close()
+            raise
+        self._pd_cmid = cmid
+        return cmid.context
+
+    def _name(self, pc: Controller) -> str:
+        """A path as ``--path`` takes it: with its transport in a mixed set."""
+        return format_path(*pc.path, pc.opts.transport if self._mixed else None)
+
+    def path_names(self) -> list[str]:
+        """Every path as :meth:`_name` writes it (``.status``)."""
+        return [self._name(pc) for pc in self.path_ctrls]
+
     def _check_same(self, first: Controller, pc: Controller) -> None:
         """Raise SubsystemMismatch unless ``pc`` leads to the subsystem ``first`` does."""
         a, b = first.identify, pc.identify
-        where = f"paths {format_path(*first.path)} and {format_path(*pc.path)}"
+        where = f"paths {self._name(first)} and {self._name(pc)}"
         if a is None or b is None:
             return
         if a.subnqn.strip("\0 ") != b.subnqn.strip("\0 "):
@@ -222,7 +329,7 @@ class MultipathController(Controller):
 
     def describe_routes(self) -> str:
         return "; ".join(
-            f"n{nsid} via " + (", ".join(format_path(*self.path_ctrls[i].path)
+            f"n{nsid} via " + (", ".join(self._name(self.path_ctrls[i])
                                          for i in sorted(idx)) or "no path")
             for nsid, idx in sorted(self._serving.items()))
 
@@ -305,7 +412,7 @@ class MultipathController(Controller):
                 pc._lost(reason)            # LIVE -> RECONNECTING at once (no wait)
             index = self.path_ctrls.index(pc)
             if any(index in s for s in self._serving.values()):
-                self._rerank(f"path {format_path(*pc.path)} lost: {reason}")
+                self._rerank(f"path {self._name(pc)} lost: {reason}")
         self.recovery.retried += 1
         self._dispatch(req, held=True)
 
@@ -321,9 +428,9 @@ class MultipathController(Controller):
             if key not in self._veto:
                 self._veto.add(key)
                 log.info("path %s answered %#05x for namespace %s: re-reading its ANA log",
-                         format_path(*pc.path), (word >> 1) & 0x7FF, req.nsid)
+                         self._name(pc), (word >> 1) & 0x7FF, req.nsid)
                 self._reread(pc)
-                self._rerank(f"path {format_path(*pc.path)}: status {(word >> 1) & 0x7FF:#05x}")
+                self._rerank(f"path {self._name(pc)}: status {(word >> 1) & 0x7FF:#05x}")
         self.recovery.retried += 1
         self._dispatch(req)
 
@@ -335,7 +442,7 @@ class MultipathController(Controller):
             try:
                 ana = pc.read_ana_log()
             except (BlockfabricError, ConnectionError, TimeoutError) as exc:
-                log.info("re-reading the ANA log of %s: %s", format_path(*pc.path), exc)
+                log.info("re-reading the ANA log of %s: %s", self._name(pc), exc)
                 return
             self._ana_changed(pc, ana)
         try:
@@ -369,7 +476,7 @@ class MultipathController(Controller):
         index = self.path_ctrls.index(pc)
         with self._mp_lock:
             self._veto = {k for k in self._veto if k[0] != index}
-        self._rerank(f"ANA log of {format_path(*pc.path)}: chgcnt {ana[0]}")
+        self._rerank(f"ANA log of {self._name(pc)}: chgcnt {ana[0]}")
 
     def _path_changed(self, pc: Controller) -> None:
         if self._closing:           # our own close: nothing to re-rank
@@ -388,7 +495,7 @@ class MultipathController(Controller):
                 self._veto = {k for k in self._veto if k[0] != index}
         else:
             self.recovery.last_reason = pc.recovery.last_reason
-        self._rerank(f"path {format_path(*pc.path)} {pc.state.value}")
+        self._rerank(f"path {self._name(pc)} {pc.state.value}")
         if all(p.state in (CtrlState.FAILED, CtrlState.CLOSED) for p in self.path_ctrls):
             with self._mp_lock:
                 held, self._held = self._held, []
@@ -438,7 +545,9 @@ class MultipathController(Controller):
                 ana[nsid] = ("optimized" if state is None and pc.state is CtrlState.LIVE
                              else state.name.lower().replace("_", "-") if state is not None
                            else "-")
-            out.append({"path": format_path(*pc.path), "state": pc.state.value,
+            out.append({"path": self._name(pc), "state": pc.state.value,
+                        "transport": "tcp" if pc.opts.transport == "tcp"
+                        else f"rdma ({pc.provider.name} provider)",
                         "cntlid": pc.cntlid if pc.state is CtrlState.LIVE else None,
                         "ana": ana,
                         "serving": sorted(n for n, idx in self._serving.items() if i in idx),
@@ -448,13 +557,16 @@ class MultipathController(Controller):
 
     def paths_lines(self) -> list[str]:
         """One line per path, as ``nvme list-subsys`` shows them: address, controller
-        state and ID, each namespace's ANA state, ``*`` where its I/O goes now."""
+        state and ID, each namespace's ANA state, ``*`` where its I/O goes now, the
+        transport (and RDMA provider)."""
         lines = []
         for p in self.paths_view():
             ana = ", ".join(f"n{nsid} {state}{'*' if nsid in p['serving'] else ''}"
                             for nsid, state in p["ana"].items())
             ctrl = f", controller {p['cntlid']}" if p["cntlid"] is not None else ""
-            lines.append(f"{p['path']} {p['state']}{ctrl}: {ana or 'no namespaces'}"
+            over = p["transport"].replace(" (", ", ").rstrip(")")
+            lines.append(f"{p['path']} {p['state']}{ctrl}: {ana or 'no namespaces'} "
+                         f"(over {over})"
                          + (f" (not used: {p['excluded']})" if p["excluded"] else ""))
         return lines
 
@@ -463,7 +575,7 @@ class MultipathController(Controller):
             out = self.recovery.as_dict()
             serving = sorted({i for idx in self._serving.values() for i in idx})
             out.update(state=self.state.value,
-                       path=", ".join(format_path(*self.path_ctrls[i].path) for i in serving)
+                       path=", ".join(self._name(self.path_ctrls[i]) for i in serving)
                        or "-",
                        held_now=len(self._held), failbacks=self.failbacks,
                        reconnects=sum(pc.recovery.reconnects for pc in self.path_ctrls),
@@ -493,9 +605,12 @@ class MultipathController(Controller):
             try:
                 pc.close()
             except Exception:  # noqa: BLE001 - close the others all the same
-                log.exception("closing path %s", format_path(*pc.path))
+                log.exception("closing path %s", self._name(pc))
         with self._mp_lock:
             self.state = CtrlState.CLOSED
             self._route = {}
         self.admin, self.io_queues = None, []
         super().close()
+        if self._pd_cmid is not None:
+            self._pd_cmid.close()
+            self._pd_cmid = None

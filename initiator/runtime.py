@@ -122,13 +122,20 @@ def _unescape(text: str) -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` runs.  A zombie (exited, not yet reaped by its parent: a
+    foreground mount started by a shell or supervisor that waits later) is not alive: its
+    mount is gone, and ``umount`` waiting for it would only time out."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def active_records(directory: str | None = None, clean: bool = True) -> list[MountRecord]:

@@ -11,7 +11,7 @@ from blockfabric.errors import ConfigError
 from blockfabric.initiator.cli import build_parser, main, resolve_path_args
 from blockfabric.initiator.commands import options
 from blockfabric.initiator.initiator_config import loads
-from blockfabric.initiator.multipath import format_path, parse_path
+from blockfabric.initiator.multipath import format_path, parse_path, parse_path_spec
 
 COMMON = ["-a", "10.0.0.1", "-s", "4420", "-n", "nqn.2026-12.io.blockfabric:ram0"]
 
@@ -122,3 +122,67 @@ def test_bad_yaml_paths_name_file_key_and_expectation(value, key, expected):
     assert (exc.value.path, exc.value.key) == ("/etc/blockfabric/initiator.yaml", key)
     assert expected in exc.value.expected, exc.value
     assert str(exc.value).startswith(f"/etc/blockfabric/initiator.yaml: {key}: expected ")
+
+
+# -- paths over their own transport (tcp://, rdma://; transport: in the YAML) -------------
+
+@pytest.mark.parametrize("text,want", [
+    ("tcp://10.0.0.2:4421", ("10.0.0.2", 4421, "tcp")),
+    ("RDMA://10.0.0.2", ("10.0.0.2", None, "rdma")),
+    ("tcp://[fd00::2]:4421", ("fd00::2", 4421, "tcp")),
+    ("[fd00::2]:4421", ("fd00::2", 4421)),
+])
+def test_parse_path_spec_reads_the_transport(text, want):
+    assert parse_path_spec(text) == want
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("udp://10.0.0.2", "tcp:// or rdma:// before the address"),
+    ("tcp://", "ADDR, ADDR:PORT"),
+    ("tcp://fd00::2:4420", "IPv6 address in brackets"),
+])
+def test_parse_path_spec_refuses(text, expected):
+    with pytest.raises(ValueError, match=expected.replace("[", r"\[")):
+        parse_path_spec(text)
+
+
+def test_path_transport_reaches_the_connect_options_and_formats_back():
+    parser = build_parser()
+    args = parser.parse_args(["mount", *COMMON, "--path", "tcp://10.0.0.1",
+                              "--path", "[fd00::3]:4431", "/mnt"])
+    resolve_path_args(parser, args)
+    # the same address and port over TCP is another path than the primary RDMA one
+    assert options(args, args.nqn).paths == [("10.0.0.1", 4420, "tcp"), ("fd00::3", 4431)]
+    assert format_path("fd00::3", 4431, "rdma") == "rdma://[fd00::3]:4431"
+    assert parse_path_spec(format_path("fd00::3", 4431, "rdma")) == ("fd00::3", 4431, "rdma")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["connect", *COMMON, "--path", "rdma://10.0.0.1"], "path rdma://10.0.0.1:4420 is the "
+                                                        "same as the primary path"),
+    (["connect", *COMMON, "-t", "tcp", "--path", "tcp://10.0.0.1:4420"],
+     "is the same as the primary path"),
+    (["connect", *COMMON, "--path", "nvme://10.0.0.2"], "expected tcp:// or rdma://"),
+])
+def test_bad_path_transport_is_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_yaml_paths_name_their_transport():
+    spec = loads("mounts: [{traddr: 10.0.0.1, nqn: n, mountpoint: /m, transport: tcp, "
+                 "paths: ['rdma://10.0.0.1', {traddr: 10.0.0.2, transport: RDMA}, "
+                 "{traddr: 10.0.0.3, transport: tcp}, 10.0.0.4]}]").mounts[0]
+    assert spec.connect_options().paths == [("10.0.0.1", 4420, "rdma"),
+                                            ("10.0.0.2", 4420, "rdma"),
+                                            ("10.0.0.3", 4420, "tcp"), ("10.0.0.4", 4420)]
+    for value, key, expected in (
+            ("[{traddr: 10.0.0.2, transport: fc}]", "mounts[0].paths[0].transport",
+             "rdma or tcp"),
+            ("['tcp://10.0.0.2', {traddr: 10.0.0.2, transport: tcp}]", "mounts[0].paths",
+             "given before")):
+        with pytest.raises(ConfigError) as exc:
+            loads(YAML % value, "/etc/i.yaml")
+        assert exc.value.key == key and expected in exc.value.expected, exc.value

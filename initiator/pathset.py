@@ -50,7 +50,7 @@ from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlState,
                    Namespace, NvmeError, _Request)
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.initiator.multipath import format_path
-from blockfabric.rdma import Access, get_provider
+from blockfabric.rdma import Access
 from blockfabric.protocol.identify import CMIC_ANA
 from blockfabric.protocol.logpages import AnaState
 

@@ -14,7 +14,7 @@ import yaml
 from blockfabric.initiator.host import NvmeError, connect
 from blockfabric.protocol import StatusCode
 
-from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config, via
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config, via
 
 #: sizes that go in the capsule (4 KiB), in one R2T, and in several R2Ts (8 x 128 KiB)
 SIZES = (4096, 64 << 10, 1 << 20)

@@ -29,8 +29,9 @@ NQN = "nqn.2026-12.io.blockfabric:gateway-group"
 MiB = 1 << 20
 LEASE, RENEW = 3, 1
 # lease + renewal interval, + RADOS round trips, the AEN and the host's log read, on a
-# loaded machine (measured 3.8-5.0 s)
-BOUND = LEASE + RENEW + 3
+# loaded machine (measured 3.8-5.0 s; 7.0 s twice with three test workers beside a TCG lab
+# guest, load above 20)
+BOUND = LEASE + RENEW + 5
 
 
 def _image(ceph) -> str:

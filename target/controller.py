@@ -40,8 +40,8 @@ from blockfabric.target.metrics import READ, WRITE, IoStats, done_pair
 
 if TYPE_CHECKING:
     from blockfabric.target.fairshare import Lease
-    from blockfabric.target.server import Target
     from blockfabric.target.namespace import Namespace, Subsystem
+    from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,11 @@ def _no_auth(cmd: Command) -> ProtocolError:
 class Controller:
     """One host's controller on one subsystem (or on the discovery subsystem)."""
 
-    def __init__(self, target: Target, state: ControllerState, subsystem: Subsystem | None,
-                 hostnqn: str, hostid: bytes, provider: str) -> None:
-        self.target = target
+    def __init__(self, res: Resources, owner: Owner, state: ControllerState,
+                 subsystem: Subsystem | None, hostnqn: str, hostid: bytes,
+                 provider: str) -> None:
+        self.res = res                      # buffers, threads, timers, limits (services.py)
+        self.owner = owner                  # what it tells its daemon, and asks of it
         self.cntlid = state.cntlid
         kato_ms = state.kato
         self.subsystem = subsystem          # None: the discovery controller
@@ -93,7 +95,7 @@ class Controller:
         self.provider = provider            # the RDMA provider the host came in on
         self.is_discovery = subsystem is None
         self.kato_ms = self._effective_kato(kato_ms)
-        limits = target.config.limits
+        limits = res.limits
         self.queue_size = state.cap.mqes + 1      # the listener's queue_size, or the limit
         self.mdts_bytes = limits.mdts
         self.state = state                  # registers, phase, queues: the protocol's table
@@ -142,7 +144,7 @@ class Controller:
     # -- identity --------------------------------------------------------------------
     @property
     def subnqn(self) -> str:
-        return self.subsystem.nqn if self.subsystem else self.target.discovery_nqn
+        return self.subsystem.nqn if self.subsystem else self.owner.discovery_nqn
 
     @property
     def name(self) -> str:
@@ -171,15 +173,15 @@ class Controller:
         keep-alive) still ends a controller that sees no command at all for that long (a
         discovery controller: DISCOVERY_KATO_MS, as nvmet), so that no controller nobody
         uses lives for ever."""
-        cap = self.target.config.keep_alive.max_timeout_ms
+        cap = self.res.keep_alive.max_timeout_ms
         if requested_ms == 0:
             requested_ms = DISCOVERY_KATO_MS if self.is_discovery else cap
         return min(requested_ms, cap)
 
     def start_keep_alive(self) -> None:
         if self.kato_ms:
-            self.kato_timer = self.target.reactor.call_later(self.kato_ms / 1000,
-                                                             self._check_keep_alive)
+            self.kato_timer = self.res.reactor.call_later(self.kato_ms / 1000,
+                                                          self._check_keep_alive)
 
     def _check_keep_alive(self) -> None:
         if self.dead:
@@ -188,15 +190,15 @@ class Controller:
         if idle * 1000 >= self.kato_ms:
             log.warning("%s: keep-alive timeout kato_ms=%d idle_s=%.1f: tearing it down",
                         self.name, self.kato_ms, idle)
-            self.target.destroy_controller(self, "keep-alive expired")
+            self.owner.destroy_controller(self, "keep-alive expired")
             return
-        self.kato_timer = self.target.reactor.call_later(
+        self.kato_timer = self.res.reactor.call_later(
             self.kato_ms / 1000 - idle, self._check_keep_alive)
 
     # -- dispatch --------------------------------------------------------------------
     def handle(self, cmd: Command) -> None:
         """A command on one of this controller's queues (after Connect)."""
-        if self.target.draining:
+        if self.owner.draining:
             # Stopping: hold the command unanswered.  It was not executed, so the host may
             # retry it elsewhere or after a reconnect; it dies with the queue.
             return
@@ -241,11 +243,11 @@ class Controller:
         controller).  nvmet resets an abandoned transaction after KATO (120 s without);
         here an unauthenticated queue holds a connection slot and may keep its controller
         alive with Fabrics commands, so it ends."""
-        timeout = self.target.config.limits.auth_timeout
+        timeout = self.res.limits.auth_timeout
         old = self.auth_timers.pop(queue.qid, None)
         if old is not None:
             old.cancel()
-        self.auth_timers[queue.qid] = self.target.reactor.call_later(
+        self.auth_timers[queue.qid] = self.res.reactor.call_later(
             timeout, lambda: self._auth_expired(queue, auth, timeout))
 
     def _auth_expired(self, queue: TargetQueue, auth: au.TargetAuth, timeout: int) -> None:
@@ -270,7 +272,7 @@ class Controller:
             return
         self._auth_reported.add(auth)
         self.auth_failures += 1
-        self.target.auth_failed(self, queue, auth)
+        self.owner.auth_failed(self, queue, auth)
         if not auth.fatal:
             self._arm_auth_timer(queue, auth)
 
@@ -279,9 +281,9 @@ class Controller:
         nvmet); an I/O queue goes alone, so that whoever joins a controller with a queue it
         cannot authenticate does not take down the host that owns it."""
         if queue.qid == 0:
-            self.target.destroy_controller(self, reason)
+            self.owner.destroy_controller(self, reason)
         else:
-            self.target.end_queue(queue, reason)
+            self.owner.end_queue(queue, reason)
 
     def _gate(self, cmd: Command, auth: au.TargetAuth) -> None:
         """Authentication Send/Receive go to the queue's transaction; before it succeeded,
@@ -290,7 +292,7 @@ class Controller:
         if cmd.opcode == FABRICS_OPCODE:
             fctype = cmd.sqe.fctype
             if fctype == FabricsType.AUTH_SEND or fctype == FabricsType.AUTH_RECEIVE:
-                if self.target.draining:
+                if self.owner.draining:
                     return
                 self.last_activity = monotonic()
                 try:
@@ -324,7 +326,7 @@ class Controller:
             if cmd.data_length != send.tl:
                 raise ProtocolError(f"SGL length {cmd.data_length}, TL {send.tl}",
                                     StatusCode.SGL_DATA_LENGTH_INVALID)
-            view, sge, release = self.target.control_buffer(cmd.queue, send.tl)
+            view, sge, release = self.res.control_buffer(cmd.queue, send.tl)
             cmd.on_released = release
             cmd.fetch(view, sge, lambda c: self._auth_sent(c, auth, bytes(view[:send.tl])))
             return
@@ -339,7 +341,7 @@ class Controller:
             raise ProtocolError(str(exc), StatusCode.INVALID_FIELD) from exc
         if auth.failed:
             self._auth_failed(cmd.queue, auth)
-        view, sge, release = self.target.control_buffer(cmd.queue, len(message))
+        view, sge, release = self.res.control_buffer(cmd.queue, len(message))
         view[:len(message)] = message
         cmd.on_released = self._auth_release(cmd, auth, release)
         cmd.respond(data=(sge,))
@@ -376,7 +378,7 @@ class Controller:
         def released(c: Command) -> None:
             if release is not None:
                 release(c)
-            self.target.reactor.call_later(0, lambda: self._end_auth(queue, reason))
+            self.res.reactor.call_later(0, lambda: self._end_auth(queue, reason))
 
         return released
 
@@ -428,7 +430,7 @@ class Controller:
         if phase is Phase.SHUTTING_DOWN:
             # Every command before this one has been answered or is in the backend pool;
             # flushing the volumes is what makes a normal shutdown safe.
-            self.target.flush_subsystem(self.subsystem)
+            self.owner.flush_subsystem(self.subsystem)
             self.state = self.state.shutdown_complete()
         cmd.respond()
 
@@ -464,19 +466,19 @@ class Controller:
         self.send_data(cmd, data)
 
     def identify_controller(self) -> idn.IdentifyController:
-        limits = self.target.config.limits
+        limits = self.res.limits
         sub = self.subsystem
         inline = limits.inline_data_size
         # CMIC: a subsystem takes any number of controllers (hosts, and a host's paths),
         # through every listener; the Linux host refuses a second controller of a subsystem
         # whose CMIC lacks bit 1.  A gateway group adds the ANA bit.
         cmic = idn.CMIC_MULTI_PORT | idn.CMIC_MULTI_CTRL if sub else 0
-        ana = self.target.ana.identify() if self.target.ana and sub else {"cmic": cmic}
+        ana = self.owner.ana.identify() if self.owner.ana and sub else {"cmic": cmic}
         return idn.IdentifyController(
             vid=0, ssvid=0,
-            sn=sub.serial if sub else self.target.discovery_serial,
+            sn=sub.serial if sub else self.owner.discovery_serial,
             mn=sub.model if sub else "blockfabric discovery",
-            fr=self.target.firmware_revision,
+            fr=self.owner.firmware_revision,
             rab=6,
             mdts=(self.mdts_bytes // 4096).bit_length() - 1,
             cntlid=self.cntlid, ver=NVME_VERSION,
@@ -484,14 +486,14 @@ class Controller:
             ctratt=pr.CTRATT_HOSTID_128,
             cntrltype=idn.CNTRLTYPE_DISCOVERY if self.is_discovery else idn.CNTRLTYPE_IO,
             acl=3, aerl=AERL, frmw=3, lpa=0, elpe=0,
-            kas=self.target.config.keep_alive.kas_ms // 100,
+            kas=self.res.keep_alive.kas_ms // 100,
             sqes=0x66, cqes=0x44, maxcmd=self.queue_size,
             nn=0 if self.is_discovery else 1024,
             oncs=(0 if self.is_discovery else
                   idn.ONCS_DSM | idn.ONCS_WRITE_ZEROES | pr.ONCS_RESERVATIONS),
             vwc=0 if self.is_discovery else 1,
             sgls=idn.SGLS_SUPPORTED | idn.SGLS_KEYED | idn.SGLS_OFFSET,
-            subnqn=sub.nqn if sub else self.target.discovery_nqn,
+            subnqn=sub.nqn if sub else self.owner.discovery_nqn,
             ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0, fcatt=0, msdbd=1,
             **ana)
 
@@ -499,7 +501,7 @@ class Controller:
         """The asynchronous events this controller can send (Identify OAES)."""
         if self.is_discovery:
             return OAES_DISCOVERY_CHANGE
-        return OAES_NS_ATTR | (OAES_ANA_CHANGE if self.target.ana else 0)
+        return OAES_NS_ATTR | (OAES_ANA_CHANGE if self.owner.ana else 0)
 
     def _namespace(self, nsid: int) -> Namespace:
         ns = self.subsystem.namespaces.get(nsid) if self.subsystem else None
@@ -530,7 +532,7 @@ class Controller:
             if not self.is_discovery:
                 raise ProtocolError("discovery log page on an NVM controller",
                                     StatusCode.INVALID_LOG_PAGE)
-            page = self.target.discovery_log(self)
+            page = self.owner.discovery_log(self)
         elif self.is_discovery:
             raise ProtocolError(f"log page {lid:#x} on a discovery controller",
                                 StatusCode.INVALID_LOG_PAGE)
@@ -548,8 +550,8 @@ class Controller:
             page = lp.ChangedNamespaceList(nsids=tuple(nsids[:1024])).pack()
         elif lid == LogPageId.FW_SLOT:
             page = bytes(512)
-        elif lid == LogPageId.ANA and self.target.ana is not None:
-            page = self.target.ana.log_page(self, rgo=bool(glp.lsp & lp.ANA_LSP_RGO),
+        elif lid == LogPageId.ANA and self.owner.ana is not None:
+            page = self.owner.ana.log_page(self, rgo=bool(glp.lsp & lp.ANA_LSP_RGO),
                                             retain=glp.rae)
         elif lid == LogPageId.RESV_NOTIFY:
             page = self.resv.next_page()
@@ -660,12 +662,12 @@ class Controller:
         if length is None:
             length = len(data)
             self._check_length(cmd, length)
-        view, sge, release = self.target.control_buffer(cmd.queue, len(data))
+        view, sge, release = self.res.control_buffer(cmd.queue, len(data))
         view[:len(data)] = data
         cmd.on_released = release
         sges = (sge,) if data else ()
         if length > len(data):
-            sges += (self.target.zeros(cmd.queue, length - len(data)),)
+            sges += (self.res.zeros(cmd.queue, length - len(data)),)
         cmd.respond(data=sges)
 
     # -- I/O ---------------------------------------------------------------------------
@@ -823,7 +825,7 @@ class Controller:
         started = cmd.started = perf_counter_ns()
         if mr is None:
             cmd.user = self._unpin_cmd          # undo, should the queue die before the answer
-            self.target.with_bounce(cmd, self.hostnqn, length, lambda view, sge, lease:
+            self.res.with_bounce(cmd, self.hostnqn, length, lambda view, sge, lease:
                                     self._bounce_rw(cmd, ns, offset, length, write, view, sge,
                                                     lease, started))
             return
@@ -895,7 +897,7 @@ class Controller:
             raise ProtocolError(f"namespace {ns.nsid} is read-only",
                                 StatusCode.NS_WRITE_PROTECTED)
         # Only the ranges are read (at most 256 x 16 bytes), however long the SGL is.
-        view, sge, release = self.target.control_buffer(cmd.queue, dsm.data_length)
+        view, sge, release = self.res.control_buffer(cmd.queue, dsm.data_length)
         cmd.on_released = release
         started = self._begin([ns])
         cmd.user = lambda _c: self._unpin([ns])
@@ -923,7 +925,7 @@ class Controller:
         None (the backend threads run the synchronous form)."""
         if len(nss) != 1 or not nss[0].backend.aio:
             return None
-        backend, post = nss[0].backend, self.target.reactor.call_soon_threadsafe
+        backend, post = nss[0].backend, self.res.reactor.call_soon_threadsafe
         return lambda done: backend.start(post, done, op, *args)
 
     def _backend_call(self, cmd: Command, nss: list[Namespace], work: Callable[[], object],
@@ -946,7 +948,7 @@ class Controller:
                 self._end(cmd, nss, started, data=data, rw=rw, nbytes=nbytes)
             elif isinstance(exc, OSError):
                 if isinstance(exc, Unavailable):        # the store does not answer
-                    self.target.volumes.lost(nss, exc)
+                    self.res.volume_lost(nss, exc)
                 status = errno_status(exc, writing)
                 log.warning("%s: backend error %s -> %s", self.name, exc, status.name)
                 self._end(cmd, nss, started, status, dnr=status != StatusCode.INTERNAL_ERROR,
@@ -970,4 +972,4 @@ class Controller:
             else:
                 finish(None)
             return
-        self.target.run_blocking(work, finish, self.hostnqn)
+        self.res.run_blocking(work, finish, self.hostnqn)

@@ -25,6 +25,7 @@ from blockfabric.target import reservations as rs
 from blockfabric.target.resvstore import NOTIFY_TIMEOUT_MS, RadosStore, StoreError, store_for
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Reactor
     from blockfabric.fabric.target_side import Command
     from blockfabric.target.controller import Controller
     from blockfabric.target.namespace import Namespace
@@ -123,11 +124,12 @@ class CtrlResv:
         return pr.NotificationLog(count, log_type, len(self.queue), nsid).pack()
 
 
-def _notify(target: Target, ns: Namespace, notices: list[rs.Notice]) -> None:
+def _notify(controllers: dict[int, Controller], ns: Namespace,
+            notices: list[rs.Notice]) -> None:
     """Log entries and AENs for every controller of each notice's host on this daemon."""
     for notice in notices:
         bit = pr.LOG_MASK_BIT[notice.log_type]
-        for other in list(target.controllers.values()):
+        for other in list(controllers.values()):
             if other.hostid != notice.hostid or other.dead or other.subsystem is None \
                     or other.subsystem.namespaces.get(ns.nsid) is not ns \
                     or other.resv.masks.get(ns.nsid, 0) & bit:
@@ -165,7 +167,7 @@ def execute(ctrl: Controller, cmd: Command, ns: Namespace) -> None:
         def change(st: rs.State, k: tuple[int, int]) -> rs.Outcome:
             return rs.release(st, hostid, fields.action, fields.iekey, fields.rtype, k[0])
     # nvmet reads only the first 16 (8) bytes, however long the host's buffer is.
-    view, sge, release = ctrl.target.control_buffer(cmd.queue, need)
+    view, sge, release = ctrl.res.control_buffer(cmd.queue, need)
     cmd.on_released = release
 
     def fetched(c: Command) -> None:
@@ -197,13 +199,13 @@ def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
         set_state(ns, out.state)
         if out.notices:
             log.info("%s: ns %d: reservation %s", ctrl.name, ns.nsid, rs.describe(out.state))
-        _notify(ctrl.target, ns, out.notices)
+        _notify(ctrl.owner.controllers, ns, out.notices)
         if out.fenced:
             _fence(ctrl, ns, set(out.fenced), cmd)
         else:
             _answer(cmd)
 
-    ctrl.target.run_blocking(work, finish, ctrl.hostnqn)
+    ctrl.res.run_blocking(work, finish, ctrl.hostnqn)
 
 
 def _answer(cmd: Command, status: int = StatusCode.SUCCESS, dnr: bool = False) -> None:
@@ -220,17 +222,19 @@ def _fence(ctrl: Controller, ns: Namespace, hosts: set[bytes], cmd: Command) -> 
     """Preempt and Abort: no command of the preempted hosts still in flight when it
     completes (their new ones already conflict).  Like nvmet, nothing is aborted: their
     in-flight commands are waited for."""
-    _drained(ctrl.target, hosts, lambda: _answer(cmd), lambda: cmd.queue.closed)
+    _drained(ctrl.owner.controllers, ctrl.res.reactor, hosts, lambda: _answer(cmd),
+             lambda: cmd.queue.closed)
 
 
-def _drained(target: Target, hosts: set[bytes], then: Callable[[], None],
+def _drained(controllers: dict[int, Controller], reactor: Reactor, hosts: set[bytes],
+             then: Callable[[], None],
              give_up: Callable[[], bool] = lambda: False) -> None:
     """On the reactor: ``then()`` once no controller of ``hosts`` has a command in flight
     on this daemon."""
     def check() -> None:
-        busy = sum(c.io.inflight for c in target.controllers.values() if c.hostid in hosts)
+        busy = sum(c.io.inflight for c in controllers.values() if c.hostid in hosts)
         if busy and not give_up():
-            target.reactor.call_later(FENCE_POLL, check)
+            reactor.call_later(FENCE_POLL, check)
             return
         then()
 
@@ -285,9 +289,9 @@ def _watch(target: Target, ns: Namespace) -> None:
 
         def on_reactor() -> None:
             set_state(ns, out.state)
-            _notify(target, ns, out.notices)
+            _notify(target.controllers, ns, out.notices)
             if out.fenced:
-                _drained(target, set(out.fenced), done.set)
+                _drained(target.controllers, target.reactor, set(out.fenced), done.set)
             else:
                 done.set()
         target.reactor.call_soon_threadsafe(on_reactor)

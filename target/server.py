@@ -56,6 +56,7 @@ from blockfabric.target.gateway import Coordinator, refuse_exclusive_lock
 from blockfabric.target.namespace import Namespace, Subsystem
 from blockfabric.target.rbdvolume import VolumeWatch
 from blockfabric.target.reloader import Reloader, close_namespace
+from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,6 @@ class Target:
         #: Peer addresses whose authentications keep failing (limits.auth_max_failures).
         self.auth_backoff = PeerBackoff()
         self.hold_disconnects = 0               # controllers ended for holding a bounce buffer
-        self.draining = False
         self.started = time.time()
         self.reloads = 0
         self.last_reload_error: str | None = None
@@ -298,6 +298,17 @@ class Target:
         except BaseException:
             self.close()
             raise
+        # What a controller may use of the daemon (services.py), the same pair for all.
+        self.resources = Resources(
+            reactor=self.reactor, control_buffer=self.control_buffer, zeros=self.zeros,
+            with_bounce=self.with_bounce, run_blocking=self.run_blocking,
+            volume_lost=self.volumes.lost, config=lambda: self.config)
+        self.owner = Owner(
+            destroy_controller=self.destroy_controller, end_queue=self.end_queue,
+            flush_subsystem=self.flush_subsystem, auth_failed=self.auth_failed,
+            discovery_log=self.discovery_log, controllers=self.controllers, ana=self.ana,
+            discovery_nqn=self.discovery_nqn, discovery_serial=self.discovery_serial,
+            firmware_revision=self.firmware_revision)
 
     def __enter__(self) -> Target:
         return self
@@ -722,7 +733,8 @@ class Target:
                 cap=Controller.capabilities(min(limits.queue_size,
                                                 lconf.queue_size or limits.queue_size)),
                 aerl=AERL)
-            ctrl = Controller(self, state, subsystem, hostnqn, data.hostid, session.provider)
+            ctrl = Controller(self.resources, self.owner, state, subsystem, hostnqn,
+                              data.hostid, session.provider)
             ctrl.auth_policy = policy
             ctrl.listener = session.listener
             ctrl.peer = _peer(session.queue)
@@ -923,6 +935,11 @@ class Target:
         nss = [ns for sub in self.subsystems.values() for ns in sub.namespaces.values()]
         return sum(ns.stats.inflight for ns in nss + self._closing)
 
+    @property
+    def draining(self) -> bool:
+        """Stopping (SIGTERM): held on :attr:`owner`, which every controller reads."""
+        return self.owner.draining
+
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
         """Stop accepting, let the commands in flight finish (new ones are held, not run),
         flush every volume, disconnect every host, and stop the reactor."""
@@ -930,7 +947,7 @@ class Target:
             log.warning("stop requested again while draining: stopping now")
             self.reactor.stop()
             return
-        self.draining = True
+        self.owner.draining = True
         sd_notify("STOPPING=1")
         for entry in list(self.listeners):
             self._close_listener(entry)

@@ -30,7 +30,7 @@ def _nvmet_like(self, cmd, auth):
     if cmd.sqe.fctype == FabricsType.AUTH_RECEIVE and auth.step == au.AuthMsg.FAILURE1:
         if MODE == "end":
             log.info("nvmet-like: controller ended before Failure1 was sent")
-            self.target.destroy_controller(self, "authentication failed")
+            self.owner.destroy_controller(self, "authentication failed")
         else:
             log.info("nvmet-like: Authentication Receive for Failure1 left unanswered")
         return

@@ -262,8 +262,8 @@ class Rig:
         self.ns = sub.namespaces
         state = ControllerState(cntlid=1, max_io_queues=4, phase=Phase.READY,
                                 queues=frozenset({0, 1}))
-        self.ctrl = Controller(self.target, state, sub, "nqn.2014-08.org.example:h",
-                               bytes(16), "soft")
+        self.ctrl = Controller(self.target.resources, self.target.owner, state, sub,
+                               "nqn.2014-08.org.example:h", bytes(16), "soft")
         self.queue = make_queue(context, Recorder())
         self.queue.dispatch = self.ctrl.handle
         self.ctrl.queues[1] = self.queue

@@ -214,11 +214,47 @@ class _IoRequest:
         self.write_reply = bytearray(WRITE_REPLY.size)
 
     def io_done(self, _cmd: Any, error: BaseException | None) -> None:
+        """One command done (reactor thread); the last one replies, counts and gives the
+        buffer back, in this frame (the FUSE reply's chain is the command's ``complete``,
+        then this)."""
         if error is not None and self.error is None:
             self.error = error
         left = self.left = self.left - 1
-        if not left:
-            self.server._io_finished(self)
+        if left:
+            return
+        server = self.server
+        server._inflight -= self.pieces
+        counters = server.fs.counters
+        error = self.error
+        if error is not None:
+            self.error = None
+            counters.errors += 1
+            server._error(self.unique, nvme_errno(error))
+        elif self.read:
+            lo, hi = self.lo, self.hi
+            view = server.bufs.views[self.index]
+            if lo != self.reply_lo or hi != self.reply_hi:
+                self.reply = view[lo - OUT_SIZE:hi]
+                self.reply_lo, self.reply_hi = lo, hi
+            # the reply header goes right before the data, over what the request held
+            _pack_out(view, lo - OUT_SIZE, OUT_SIZE + hi - lo, 0, self.unique)
+            try:
+                _write(server.fd, self.reply)
+            except OSError as exc:
+                server._send_failed(exc)
+            counters.reads += 1
+            counters.read_bytes += hi - lo
+        else:
+            size = self.hi
+            WRITE_REPLY.pack_into(self.write_reply, 0, WRITE_REPLY.size, 0, self.unique, size, 0)
+            server._send(self.write_reply)
+            counters.writes += 1
+            counters.write_bytes += size
+        # the buffer back (on the reactor: no wake-up, one queued resume at most)
+        server.bufs.free.append(self.index)
+        if not server._reading and not server._ended_flag and not server._resume_due:
+            server._resume_due = True
+            server.reactor.call_soon(server._resume)
 
 
 class KernelFuse:
@@ -677,7 +713,7 @@ class KernelFuse:
     def _start_io(self, req: _IoRequest, n: int, unique: int, ns: Any, opcode: int,
                   offset: int, length: int, data_off: int, data: memoryview | None) -> bool:
         """Issue the NVMe command(s) of request buffer ``req.index`` on its data at
-        ``data_off``; the last completion replies (:meth:`_io_finished`).  Parked instead
+        ``data_off``; the last completion replies (:meth:`_IoRequest.io_done`).  Parked instead
         when the queues have no room.  Owns the buffer either way (True)."""
         ctrl = self.ctrl
         most = ctrl.max_transfer
@@ -712,41 +748,6 @@ class KernelFuse:
                     req.io_done(None, exc)
                 break
         return True
-
-    def _io_finished(self, req: _IoRequest) -> None:
-        """The last command of ``req`` completed (reactor thread): reply, count, release."""
-        self._inflight -= req.pieces
-        counters = self.fs.counters
-        error = req.error
-        if error is not None:
-            req.error = None
-            counters.errors += 1
-            self._error(req.unique, nvme_errno(error))
-        elif req.read:
-            lo, hi = req.lo, req.hi
-            if lo != req.reply_lo or hi != req.reply_hi:
-                req.reply = self.bufs.views[req.index][lo - OUT_SIZE:hi]
-                req.reply_lo, req.reply_hi = lo, hi
-            # the reply header goes right before the data, over what the request held
-            _pack_out(self.bufs.views[req.index], lo - OUT_SIZE, OUT_SIZE + hi - lo, 0,
-                      req.unique)
-            try:
-                _write(self.fd, req.reply)
-            except OSError as exc:
-                self._send_failed(exc)
-            counters.reads += 1
-            counters.read_bytes += hi - lo
-        else:
-            size = req.hi
-            WRITE_REPLY.pack_into(req.write_reply, 0, WRITE_REPLY.size, 0, req.unique, size, 0)
-            self._send(req.write_reply)
-            counters.writes += 1
-            counters.write_bytes += size
-        # the buffer back (on the reactor: no wake-up, one queued resume at most)
-        self.bufs.free.append(req.index)
-        if not self._reading and not self._ended_flag and not self._resume_due:
-            self._resume_due = True
-            self.reactor.call_soon(self._resume)
 
     def _send(self, reply) -> None:
         """One write of a whole reply (header included)."""

@@ -47,6 +47,11 @@ class Endpoint:
     #: the provider calls :meth:`service` for every completion (Reactor.add_cq): no arming,
     #: and a batch smaller than asked for means the CQ is drained
     _attached = False
+    #: a side that takes completions as (wr_id, status, byte_len) tuples in
+    #: :meth:`handle_raw`: a CQ that can hand them out (the soft provider's, attached to
+    #: the reactor) is asked to (no WC object per completion); others give WCs to handle
+    raw_completions = False
+    _raw = False
 
     def __init__(self, cmid: CMId, pd: PD, *, recv_count: int, recv_size: int,
                  send_count: int, send_size: int, max_send_wr: int,
@@ -76,7 +81,7 @@ class Endpoint:
         self.recv_pools = [first]
         #: the receive slots' buffers, by slot index (across every pool)
         self.recv_views: list[memoryview] = list(first.views)
-        self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [first.sge(i)])
+        self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [first.sge(i)], False)
                           for i in range(first.count)]
         self.reactor: Reactor | None = None
         self.on_cm_event: Callable[[], None] | None = None
@@ -96,7 +101,7 @@ class Endpoint:
         pool = BufferPool(self.pd, more, self.recv_size, Access.LOCAL_WRITE)
         self.recv_pools.append(pool)
         base = len(self._recv_wrs)
-        wrs = [RecvWR(wr_id(KIND_RECV, base + i), [pool.sge(i)]) for i in range(more)]
+        wrs = [RecvWR(wr_id(KIND_RECV, base + i), [pool.sge(i)], False) for i in range(more)]
         self.recv_views.extend(pool.views)
         self._recv_wrs.extend(wrs)
         self.qp.post_recv(wrs)
@@ -111,6 +116,9 @@ class Endpoint:
         ``on_cm_event`` when the side defines it) from now on."""
         def register() -> None:
             self._attached = reactor.add_cq(self.cq, self.service) is True
+            if self._attached and self.raw_completions and hasattr(self.cq, "set_raw"):
+                self.cq.set_raw()       # completions as (wr_id, status, byte_len) tuples
+                self._raw = True
             if self.on_cm_event is not None:
                 reactor.add_reader(self.cmid.fileno(), self.on_cm_event)
         self.arm()
@@ -168,7 +176,7 @@ class Endpoint:
                     wcs = cq.poll(budget)
                     if not wcs:
                         break
-                done += self.handle(wcs)
+                done += self.handle_raw(wcs) if self._raw else self.handle(wcs)
                 if attached and len(wcs) < budget:
                     break               # drained; what arrived since calls us again
         except Exception as exc:      # the CQ itself failed (ibv_poll_cq, the provider)
@@ -189,6 +197,10 @@ class Endpoint:
             except Exception as exc:
                 self.completion_failed(wc.wr_id, exc)
         return done
+
+    def handle_raw(self, entries: list[tuple]) -> int:  # pragma: no cover - see raw_completions
+        """A batch of ``(wr_id, status, byte_len)`` completions (:attr:`raw_completions`)."""
+        raise NotImplementedError
 
     def completion_failed(self, wr_id: int, exc: Exception) -> None:
         """A bug, or a completion that makes no sense: this queue's state can no longer be
@@ -220,6 +232,8 @@ class Endpoint:
             return
         self._detach()      # before any fd closes: a reused fd number must not be shadowed
         self.closed = True
+        for wr in self._recv_wrs:
+            wr.resolved = False     # the provider's views of the pools: gone before they close
         for step in (self.cmid.disconnect, self.cmid.close, self.cq.close,
                      *(pool.close for pool in self.recv_pools), self.send_pool.close):
             try:

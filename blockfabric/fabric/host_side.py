@@ -352,7 +352,12 @@ class HostQueue(Endpoint):
         return exc
 
     # -- completions (reactor thread) ---------------------------------------------------
+    raw_completions = True
+
     def handle(self, wcs: list[WC]) -> int:
+        return self.handle_raw([(wc.wr_id, wc.status, wc.byte_len) for wc in wcs])
+
+    def handle_raw(self, wcs: list[tuple]) -> int:
         """:meth:`Endpoint.handle` for a host queue, a batch at once: the response capsules
         are read first and their receives posted again in one ``post_recv``, then the
         completions are handled in order (a response, a SEND) in this frame.  A receive goes
@@ -361,9 +366,8 @@ class HostQueue(Endpoint):
         views, wrs = self.recv_views, self._recv_wrs
         raws = []
         again = []
-        for wc in wcs:
-            wid = wc.wr_id
-            if wid >> KIND_SHIFT == KIND_RECV and not wc.status and wc.byte_len >= CQE_SIZE:
+        for wid, status, length in wcs:
+            if wid >> KIND_SHIFT == KIND_RECV and not status and length >= CQE_SIZE:
                 index = wid & INDEX_MASK
                 raws.append(_unpack_cqe(views[index]))
                 again.append(wrs[index])
@@ -376,21 +380,20 @@ class HostQueue(Endpoint):
                 return 0
         slots = self.slots
         k = done = 0
-        for wc in wcs:
+        for wid, status, length in wcs:
             if self.closed:
                 break
             done += 1
-            wid = wc.wr_id
             try:
                 kind = wid >> KIND_SHIFT
-                if wc.status:
-                    status = WcStatus(wc.status).name \
-                        if wc.status in WcStatus._value2member_map_ else str(wc.status)
-                    self.fail(f"work completion {status}", expected=self.closed)
-                elif kind == KIND_RECV and wc.byte_len < CQE_SIZE:
+                if status:
+                    name = WcStatus(status).name \
+                        if status in WcStatus._value2member_map_ else str(status)
+                    self.fail(f"work completion {name}", expected=self.closed)
+                elif kind == KIND_RECV and length < CQE_SIZE:
                     # a host that gets a short response capsule has lost the transfer
                     self.repost(wid & INDEX_MASK)
-                    self.fail(f"malformed response capsule: {wc.byte_len} bytes, a CQE is "
+                    self.fail(f"malformed response capsule: {length} bytes, a CQE is "
                               f"{CQE_SIZE}")
                 elif kind == KIND_RECV:
                     raw = raws[k]
@@ -415,7 +418,7 @@ class HostQueue(Endpoint):
         return done
 
     def on_completion(self, wc: WC) -> None:
-        self.handle([wc])
+        self.handle_raw([(wc.wr_id, wc.status, wc.byte_len)])
 
     def on_fault(self, reason: str) -> None:
         self.fail(reason, expected=self.closed)

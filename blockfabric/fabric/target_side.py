@@ -188,20 +188,24 @@ class TargetQueue(Endpoint):
             self._free[:0] = range(self.depth - 1, have - 1, -1)
 
     # -- completions -----------------------------------------------------------------
+    raw_completions = True
+
     def handle(self, wcs: list[WC]) -> int:
+        return self.handle_raw([(wc.wr_id, wc.status, wc.byte_len) for wc in wcs])
+
+    def handle_raw(self, wcs: list[tuple]) -> int:
         """:meth:`Endpoint.handle` with each completion's handling in this frame (no call
         per completion): a capsule, a response SEND done (its command free again), data
         fetched by an RDMA READ; a failed one breaks the queue."""
         commands = self.commands
-        for n, wc in enumerate(wcs):
+        for n, (wid, status, length) in enumerate(wcs):
             if self.closed:
                 return n
-            wid = wc.wr_id
             try:
-                if wc.status != _SUCCESS:
-                    self._fail(wc, wid >> KIND_SHIFT)
+                if status != _SUCCESS:
+                    self._fail(status, wid >> KIND_SHIFT)
                 elif wid >> KIND_SHIFT == KIND_RECV:
-                    self._on_capsule(wid & INDEX_MASK, wc.byte_len)
+                    self._on_capsule(wid & INDEX_MASK, length)
                 elif wid >> KIND_SHIFT == KIND_SEND:
                     cmd = commands[wid & INDEX_MASK]
                     if cmd.on_released is not None:
@@ -222,18 +226,18 @@ class TargetQueue(Endpoint):
             done(cmd)
 
     def on_completion(self, wc: WC) -> None:
-        self.handle([wc])
+        self.handle_raw([(wc.wr_id, wc.status, wc.byte_len)])
 
     def on_fault(self, reason: str) -> None:
         if not self.closed:
             self.handler.queue_broken(self, reason)
 
-    def _fail(self, wc: WC, kind: int) -> None:
+    def _fail(self, wc_status: int, kind: int) -> None:
         if self.closed:
             return
-        status = WcStatus(wc.status).name if wc.status in WcStatus._value2member_map_ \
-            else str(wc.status)
-        if wc.status == WcStatus.WR_FLUSH_ERR:
+        status = WcStatus(wc_status).name if wc_status in WcStatus._value2member_map_ \
+            else str(wc_status)
+        if wc_status == WcStatus.WR_FLUSH_ERR:
             reason = "queue flushed (peer disconnected or queue in error)"
         else:
             reason = f"work completion {status} on a {_KIND_NAMES.get(kind, kind)}"

@@ -188,6 +188,11 @@ class RecvWR:
 
     wr_id: int = 0
     sg_list: Sequence[SGE] = ()
+    #: None, or (opt-in, for an owner that posts the same WR again and again) False: the
+    #: provider may keep a note here (the soft provider: the memory views it resolved to,
+    #: reused while the SGE and its region are unchanged).  The note holds views of the
+    #: memory: set it back to False (or None) before closing what backs the region.
+    resolved: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)

@@ -562,3 +562,38 @@ def test_an_owner_that_has_not_posted_lately_is_acknowledged_at_once(reactor_sid
     peer.established()
     peer.sock.sendall(wire.pack(Frame.SEND, 0, 16) + bytes(16))
     assert _frames(peer, 1, timeout=5)[0][:3] == (Frame.ACK, 0, 0)
+
+
+def test_a_reposted_receive_follows_its_sge_and_region_and_raw_completions(passive):
+    """The fast path of the reactor's queues: a RecvWR posted with ``resolved=False`` keeps
+    the views it resolved to, and a raw CQ hands out (wr_id, status, byte_len).  A changed
+    SGE lands the next SEND in the new place; a closed region fails it (LOC_PROT_ERR), never
+    writes through an old view."""
+    port, accept = passive
+    peer = RawPeer(port)
+    made = accept()
+    peer.established()
+    qp, cq, pd = made["qp"], made["cq"], made["pd"]
+    cq.set_raw()
+    bufs = [bytearray(64), bytearray(64)]
+    mrs = [pd.reg_mr(b, RW) for b in bufs]
+    sge = SGE(mrs[0].addr, 64, mrs[0].lkey)
+    rwr = RecvWR(7, [sge], False)
+    got = []
+
+    def one_send(psn: int, fill: int) -> tuple:
+        qp.post_recv(rwr)
+        peer.sock.sendall(wire.pack(Frame.SEND, psn, 16) + bytes([fill]) * 16)
+        assert _wait(lambda: got.extend(cq.poll()) or got)
+        return got.pop()
+
+    assert one_send(0, 1) == (7, WcStatus.SUCCESS, 16) and bufs[0][:16] == b"\x01" * 16
+    assert rwr.resolved                                     # noted: reused on the next post
+    assert one_send(1, 2) == (7, WcStatus.SUCCESS, 16) and bufs[0][:16] == b"\x02" * 16
+    sge.addr, sge.lkey = mrs[1].addr, mrs[1].lkey           # the same SGE, pointed elsewhere
+    assert one_send(2, 3) == (7, WcStatus.SUCCESS, 16)
+    assert bufs[1][:16] == b"\x03" * 16 and bufs[0][:16] == b"\x02" * 16
+    mrs[1].close()                                          # deregistered: no old view used
+    assert one_send(3, 4) == (7, WcStatus.LOC_PROT_ERR, 0)
+    assert bufs[0][:16] == b"\x02" * 16
+    mrs[0].close()

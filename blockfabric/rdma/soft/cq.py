@@ -44,13 +44,28 @@ class SoftCQ(CQ):
         self.group: "Group | None" = None
         self.owner: Callable[[], None] | None = None
         self.listed = False         # on the group's ready list
+        #: (opt-in, :meth:`set_raw`) entries are (wr_id, status, byte_len) tuples, not WCs
+        self.raw = False
         if self._poll_mode:
             ctx.watch_fd(self._efd)
+
+    def set_raw(self) -> None:
+        """From now on :meth:`poll` hands out ``(wr_id, status, byte_len)`` tuples, not
+        :class:`WC` objects (no opcode, flags, immediate data nor invalidated rkey): the
+        fast path of an owner that needs no more, with no object made per completion."""
+        self.raw = True
 
     def push(self, wc: WC) -> None:
         """Add a completion (engine side).  Append before reading the arm flag or listing
         the CQ: no lost wake-up."""
-        self._q.append(wc)
+        self._q.append((wc.wr_id, wc.status, wc.byte_len) if self.raw else wc)
+        if not self.listed:
+            self.note()
+
+    def note(self) -> None:
+        """After an entry was appended to ``_q`` (by :meth:`push`, or inline by the engine's
+        per-I/O paths, which append a raw tuple or a WC as :attr:`raw` says and call this
+        unless the CQ is ``listed`` already): list the CQ for its group, or signal it."""
         group = self.group
         if group is not None:
             if not self.listed:

@@ -288,6 +288,8 @@ class SoftQP(QP):
             return
         if self._rwc is not None:
             wc, self._rwc = self._rwc, None
+            if type(wc) is tuple:           # a raw CQ's entry (SoftCQ.set_raw)
+                wc = WC(wc[0], WcStatus.SUCCESS, WcOpcode.RECV)
             self.recv_cq.push(WC(wc.wr_id, WcStatus.WR_FLUSH_ERR, wc.opcode, 0, self.qp_num))
         self._rentry = None
         self._rviews = None
@@ -469,8 +471,24 @@ class SoftQP(QP):
                     raise RdmaError(f"recv WR {wr.wr_id}: {len(wr.sg_list)} SGEs > "
                                     f"{cap.max_recv_sge}", errno=_errno.EINVAL)
             for wr in wrs:
-                views, total, status = self._resolve(wr.sg_list, True)
+                # The views a WR of one SGE resolved to when last posted on this QP, while
+                # that SGE still says the same and its region is still registered (a closed
+                # region is never reached through an old view); else resolved afresh.
+                sg = wr.sg_list
+                c = wr.resolved
+                if c and c[0] is self and c[1] is sg and len(sg) == 1:
+                    sge = sg[0]
+                    if (sge is c[2] and sge.addr == c[3] and sge.length == c[4]
+                            and sge.lkey == c[5] and not c[6].closed):
+                        rq.append((wr.wr_id, c[7], c[8], 0))
+                        continue
+                views, total, status = self._resolve(sg, True)
                 rq.append((wr.wr_id, views, total, status))
+                if c is not None and not status and len(sg) == 1:      # opted in
+                    sge = sg[0]
+                    mr = self.ctx.lkeys[sge.lkey]
+                    wr.resolved = (self, sg, sge, sge.addr, sge.length, sge.lkey, mr, views,
+                                   total)
 
     # ------------------------------------------------------------------ transmit
     def _xmit(self, bufs: list, size: int) -> None:
@@ -800,14 +818,17 @@ class SoftQP(QP):
                                   WcStatus.LOC_LEN_ERR)
             return
         self._exp_psn = (psn + 1) & M
-        wc = WC(wr_id, WcStatus.SUCCESS, WcOpcode.RECV, length, self.qp_num)
-        if flags & _F_INV:
-            wc.wc_flags = WcFlags.WITH_INV
-            wc.invalidated_rkey = extra
-        elif flags & _F_IMM:
-            wc.wc_flags = WcFlags.WITH_IMM
-            wc.imm_data = extra
-        self._rwc = wc
+        if self.recv_cq.raw:
+            self._rwc = (wr_id, 0, length)      # an owner of raw completions: no WC
+        else:
+            wc = WC(wr_id, WcStatus.SUCCESS, WcOpcode.RECV, length, self.qp_num)
+            if flags & _F_INV:
+                wc.wc_flags = WcFlags.WITH_INV
+                wc.invalidated_rkey = extra
+            elif flags & _F_IMM:
+                wc.wc_flags = WcFlags.WITH_IMM
+                wc.imm_data = extra
+            self._rwc = wc
         self._rx_psn = psn
         if not length:
             self._expect(None, 0, RX_RECV)
@@ -877,9 +898,13 @@ class SoftQP(QP):
                 self._ack_due = True
             else:
                 self._owe_ack()
-            if self._rwc is not None:
-                self.recv_cq.push(self._rwc)
+            rwc = self._rwc
+            if rwc is not None:
                 self._rwc = None
+                cq = self.recv_cq           # push, inline
+                cq._q.append(rwc)
+                if not cq.listed:
+                    cq.note()
         elif kind == RX_READ:
             e = self._rentry
             self._rentry = None
@@ -917,7 +942,8 @@ class SoftQP(QP):
         gone out whole: a peer acknowledging what it cannot have received, or past a READ
         it has not answered, is lying, and the connection ends (WireError)."""
         self._last_progress = _now()
-        sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
+        sq, cq, qpn = self._sq, self.send_cq, self.qp_num
+        append, raw = cq._q.append, cq.raw
         sent = self._tx_sent
         while sq:
             e = sq[0]
@@ -930,8 +956,11 @@ class SoftQP(QP):
                                         else "a READ not answered"))
             sq.popleft()
             self._acked = e.psn
-            if e.signaled:
-                push(WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
+            if e.signaled:              # push, inline
+                append((e.wr_id, 0, e.byte_len) if raw else
+                       WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
+                if not cq.listed:
+                    cq.note()
         if (self._acked - psn) & M >= 0x80000000:
             raise wire.WireError(f"acknowledgement of PSN {psn}, never sent")
 

@@ -57,6 +57,30 @@ class FaultMount(Mount):
         assert mounted_at(self.path), self.log_path.read_text()
         return self
 
+    def logs(self, target: Restartable | None = None) -> str:
+        """The mount's log without its DEBUG lines (but the errors among them), and the
+        target's, for an assertion's message."""
+        text = "\nMOUNTLOG\n" + "\n".join(
+            line for line in self.log_path.read_text().splitlines()
+            if "DEBUG" not in line or "error" in line.lower())[-3000:]
+        if target is not None:
+            text += "\nTARGETLOG\n" + "\n".join(
+                line for line in target.proc.log.splitlines() if "DEBUG" not in line)[-6000:]
+        return text
+
+    def cleanup(self) -> None:
+        """Unmount, then reap the foreground mount process (killed if it outlives the
+        unmount, or never mounted) and close its log."""
+        super().cleanup()
+        proc = getattr(self, "proc", None)
+        if proc is not None:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            self.logf.close()
+
 
 @pytest.fixture
 def target(tmp_path):
@@ -93,10 +117,7 @@ def test_fio_verify_through_a_target_restart(target, tmp_path):
         time.sleep(1.0)
         target.start()
         out, err = fio.communicate(timeout=60)
-        assert fio.returncode == 0, out + err + "\nMOUNTLOG\n" + "\n".join(
-            line for line in mount.log_path.read_text().splitlines()
-            if "DEBUG" not in line or "error" in line.lower())[-3000:] + "\nTARGETLOG\n" + "\n".join(
-            line for line in target.proc.log.splitlines() if "DEBUG" not in line)[-6000:]
+        assert fio.returncode == 0, out + err + mount.logs(target)
         rec = recovery(mount.status())
         assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
         assert rec["failed"] == 0, rec
@@ -141,10 +162,7 @@ def fails_over(mount: FaultMount, target: Restartable, fault, first: str, second
         time.sleep(1.0)
         fault()
         out, err = fio.communicate(timeout=60)
-        assert fio.returncode == 0, out + err + "\nMOUNTLOG\n" + "\n".join(
-            line for line in mount.log_path.read_text().splitlines()
-            if "DEBUG" not in line or "error" in line.lower())[-3000:] + "\nTARGETLOG\n" + "\n".join(
-            line for line in target.proc.log.splitlines() if "DEBUG" not in line)[-6000:]
+        assert fio.returncode == 0, out + err + mount.logs(target)
         status = mount.status()
         rec = recovery(status)
         print(f"\nobserved: {rec}")          # for docs/reliability.md (pytest -s)

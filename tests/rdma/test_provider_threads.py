@@ -6,8 +6,10 @@ sockets no reactor read once the first path's queues were torn down (fio EIO on 
 from __future__ import annotations
 
 import threading
+import time
 
 import blockfabric.rdma as rdma
+import blockfabric.rdma.soft as soft
 from blockfabric.rdma.soft import SoftProvider
 
 
@@ -38,8 +40,18 @@ def test_soft_device_is_opened_once_by_racing_threads():
                 c.close()
 
 
+class _SlowSoftProvider(SoftProvider):
+    """A provider that takes a while to make: threads asking for one at once all arrive
+    while the first is being made (without the lock, each made its own)."""
+
+    def __init__(self) -> None:
+        time.sleep(0.05)
+        super().__init__()
+
+
 def test_get_provider_makes_one_instance_for_racing_threads(monkeypatch):
-    for _ in range(20):
+    monkeypatch.setattr(soft, "SoftProvider", _SlowSoftProvider)
+    for _ in range(5):
         monkeypatch.setattr(rdma, "_instances", {})
         providers = _at_once(lambda: rdma.get_provider("soft"))
         assert all(p is providers[0] for p in providers), \

@@ -178,6 +178,12 @@ notif_type() {  # notif_type N -> the type of the next entry of host N's notific
     cat "$W/log.json" >&2
     "$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["rn_log_type"])' "$W/log.json"
 }
+expect_notif() {  # expect_notif N TYPE WHAT: host N's next notification is of that type
+    local got
+    got=$(notif_type "$1")
+    echo "host $1's next notification: type $got"
+    [ "$got" = "$2" ] || { echo "FAILED: wanted $2 ($3)"; ok=FAIL; }
+}
 
 say "setup: blockfabric-target on $IP ($T), ports ${PORT[*]}, three kernel host identities"
 nvme version
@@ -260,9 +266,7 @@ result resv/conflict $ok "host 2's write is RESERVATION_CONFLICT, its read succe
 
 say "resv/notify"
 ok=OK
-got=$(notif_type 2)
-echo "host 2's next notification: type $got"
-[ "$got" = 2 ] || { echo "FAILED: wanted 2 (reservation released)"; ok=FAIL; }
+expect_notif 2 2 "reservation released"
 result resv/notify $ok "host 2's notification log: reservation released (types 3-6 released by host 1)"
 
 say "resv/preempt: host 2 preempts and aborts host 1"
@@ -272,9 +276,7 @@ check "host 2 preempts and aborts" nvme resv-acquire "${DEV[2]}" --crkey=${KEY[2
 expect_report 1 3 2 0 2:1
 expect_io "conflict conflict ok ok conflict conflict"
 expect_status conflict 1 resv-acquire --crkey=${KEY[1]} --rtype=2 --racqa=0  # no longer registered
-got=$(notif_type 1)
-echo "host 1's next notification: type $got"
-[ "$got" = 1 ] || { echo "FAILED: wanted 1 (registration preempted)"; ok=FAIL; }
+expect_notif 1 1 "registration preempted"
 result resv/preempt $ok "preempt and abort fences host 1 (reads and writes), gen 3, its log says preempted"
 
 say "resv/ptpl: persist through a SIGKILL and restart of the target"
@@ -301,9 +303,7 @@ expect_io "conflict conflict ok ok conflict conflict"
 check "host 2 clears" nvme resv-release "${DEV[2]}" --crkey=${KEY[2]} --rrela=1
 for h in "${HOSTS[@]}"; do expect_report "$h" 6 0 1; done
 expect_io "ok ok ok ok ok ok"
-got=$(notif_type 1)
-echo "host 1's next notification: type $got"
-[ "$got" = 3 ] || { echo "FAILED: wanted 3 (reservation preempted)"; ok=FAIL; }
+expect_notif 1 3 "reservation preempted"
 result resv/clear $ok "clear: no registrants, no reservation, gen 6, every host writes, host 1 told"
 
 echo; echo "---- the kernel's log of it (nvme lines of dmesg) ----"

@@ -27,6 +27,7 @@ import os
 import stat
 from typing import Callable
 
+from blockfabric import numa
 from blockfabric.sizes import MiB, format_size
 from blockfabric.target.config import Namespace
 
@@ -179,6 +180,7 @@ class RamdiskBackend(Backend):
         super().__init__(size, block_size, read_only)
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        numa.bind_region(self._map, "ramdisks")     # before any page is touched
         self._view = memoryview(self._map)
 
     @property

@@ -54,6 +54,9 @@ Semantics that are not obvious from the schema:
   ``dhchap_ctrl_secret`` lets it authenticate the controller too; ``dhchap_hash`` and
   ``dhchap_dhgroup`` as nvmet's configfs attributes of the same names).  A secret is never
   echoed in an error message; ``to_dict()`` (and so ``check``) does write it out.
+- ``numa_node``, ``cpus`` and ``numa_memory`` place the daemon (docs/numa.md): a node or a
+  CPU this machine does not have is refused at load (read from sysfs, or from
+  ``BLOCKFABRIC_SYSFS``); ``auto`` asks the listeners' NICs only at start.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from typing import Any, ClassVar, Iterable, NoReturn, TypeVar
 
 import yaml
 
+from blockfabric import numa
 from blockfabric.errors import ConfigError
 from blockfabric.protocol.auth import DHGROUP_NAMES, HASH_NAMES, SUPPORTED_DHGROUPS, Secret
 from blockfabric.protocol.fabrics import MAX_NQN_BYTES, NQN_PATTERN, nqn_problem
@@ -259,6 +263,32 @@ class Size(Kind):
 
     def dump(self, value: int) -> str:
         return format_size(value)
+
+
+class NumaNode(Kind):
+    expected = "auto, none or a NUMA node number"
+
+    def load(self, value: Any, where: Where) -> str | int:
+        if value in ("auto", "none") or (isinstance(value, int) and not isinstance(value, bool)
+                                         and 0 <= value < 1024):
+            return value
+        where.fail(self.expected, value)
+
+
+class CpuList(Kind):
+    expected = 'a CPU list in the kernel\'s syntax ("0-3,8", as taskset -c)'
+
+    def load(self, value: Any, where: Where) -> frozenset[int]:
+        try:
+            cpus = numa.parse_cpulist(value) if isinstance(value, (str, int)) else None
+        except ValueError as exc:
+            where.fail(f"{self.expected}; {exc}", value)
+        if not cpus:
+            where.fail(self.expected, value)
+        return cpus
+
+    def dump(self, value: frozenset[int]) -> str:
+        return numa.format_cpulist(value)
 
 
 class ListOf(Kind):
@@ -825,6 +855,15 @@ class TargetConfig(Model):
     #: standalone target.
     gateway: Gateway | None = _field(Nested(Gateway), None)
     control_socket: str = _field(AbsPath(), DEFAULT_CONTROL_SOCKET)
+    #: The NUMA node the reactor and its registered memory are placed on (docs/numa.md).
+    #: auto: the node of the listeners' NICs when they agree and the machine has more than
+    #: one node; none: no memory placement.  Applied at start (a reload does not move it).
+    numa_node: str | int = _field(NumaNode(), "auto")
+    #: CPUs the target's threads are pinned to (unset: the numa_node's, or any).
+    cpus: frozenset[int] | None = _field(CpuList(), None)
+    #: How memory is held to numa_node: preferred (there while it has room) or bind (only
+    #: there: allocations fail when the node is full).
+    numa_memory: str = _field(Choice(*numa.POLICIES), "preferred")
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
 
@@ -874,6 +913,11 @@ class TargetConfig(Model):
                                op_timeout=min(rbd.op_timeout, 5))
             self = dataclasses.replace(self, gateway=dataclasses.replace(self.gateway,
                                                                          ceph=ceph))
+        if self.numa_node not in ("auto", "none") or self.cpus is not None:
+            try:      # nodes and CPUs of this machine (without asking the NICs)
+                numa.resolve(self.numa_node, self.cpus)
+            except numa.PlacementError as exc:
+                where.at(exc.key).fail(exc.expected, _Plain(str(exc.got)))
         return dataclasses.replace(self, source=where.file)
 
     @classmethod

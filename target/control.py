@@ -145,6 +145,23 @@ def _io_line(io: dict[str, int]) -> str:
             f"({_size(io['written_bytes'])})  errors {io['errors']}  inflight {io['inflight']}")
 
 
+def placement_lines(pl: dict[str, Any] | None) -> list[str]:
+    """Where the reactor runs and where its memory lives (docs/numa.md)."""
+    if not pl:
+        return []
+    r = pl["reactor"]
+    nodes = ",".join(map(str, r["nodes"])) or "?"
+    memory = (f"memory {pl['memory_policy']} node {pl['node']}" if pl["node"] is not None
+              else "memory not placed")
+    lines = [f"placement: reactor on CPUs {r['cpus']} (node {nodes}, last ran on CPU "
+             f"{r['last_cpu']}), {memory} ({pl['reason']})"]
+    for m in pl["memory"]:
+        pages = " ".join(f"N{n}={c}" for n, c in m["pages_by_node"].items()) or "none yet"
+        lines.append(f"  {m['what']}: {m['regions']} region(s), {_size(m['bytes'])}, "
+                     f"policy {m['policy']}, pages {pages}")
+    return lines
+
+
 def format_status(st: dict[str, Any]) -> str:
     """The status answer as text: listeners, subsystems and namespaces, controllers."""
     up = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["started"]))
@@ -165,6 +182,7 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"gateway {gw['name']} in group {gw['group']}  cntlid {lo}-{hi}  home "
                      f"groups {gw['home_groups'] or 'none'}  ANA groups: {groups}  chgcnt "
                      f"{gw['chgcnt']}  takeovers {gw['takeovers']} releases {gw['releases']}")
+    lines.extend(placement_lines(st.get("placement")))
     lines.append("")
     lines.append("listeners:")
     for x in st["listeners"]:

@@ -230,6 +230,25 @@ class MetricsServer:
         self.httpd.server_close()
 
 
+def placement_families(pl: dict[str, Any] | None) -> list[Family]:
+    """Where the reactor runs and where placed memory lives (docs/numa.md)."""
+    if not pl:
+        return []
+    reactor = pl["reactor"]
+    info = Family("blockfabric_reactor_placement_info", "gauge",
+                  "1, labelled with the reactor's allowed CPUs, their NUMA node(s) and the "
+                  "configured memory node (none: not placed).",
+                  [({"cpus": reactor["cpus"], "nodes": ",".join(map(str, reactor["nodes"])),
+                     "memory_node": "none" if pl["node"] is None else str(pl["node"]),
+                     "memory_policy": pl["memory_policy"]}, 1)])
+    pages = Family("blockfabric_placed_memory_pages", "gauge",
+                   "Pages present per NUMA node of the memory bound to the placement's node "
+                   "(from /proc/self/numa_maps), per kind of region.",
+                   [({"region": m["what"], "node": node}, n)
+                    for m in pl["memory"] for node, n in m["pages_by_node"].items()])
+    return [info, pages]
+
+
 def render_metrics(st: dict[str, Any]) -> str:
     """The target's status snapshot (``Target.snapshot``, what ``status`` shows) in the
     Prometheus text format, every name prefixed ``blockfabric_``."""
@@ -275,4 +294,4 @@ def render_metrics(st: dict[str, Any]) -> str:
         for q in c["queues"]:
             depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
     return render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues,
-                   depth] + sub_fams.families() + ns_fams.families() + ctrl_fams.families())
+                   depth] + placement_families(st.get("placement")) + sub_fams.families() + ns_fams.families() + ctrl_fams.families())

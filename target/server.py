@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from blockfabric import __version__
+from blockfabric import __version__, numa
 from blockfabric.errors import BlockfabricError
 from blockfabric.logutil import printable
 from blockfabric.sdnotify import sd_notify
@@ -253,6 +253,9 @@ class Target:
 
     def __init__(self, config: cfg.TargetConfig) -> None:
         self.config = config
+        # First: the threads started below and the memory allocated below (ramdisks,
+        # buffer pools) inherit the placement (docs/numa.md).
+        self.placement = numa.place_target(config)
         self.reactor = Reactor("target")
         self.discovery_nqn = DISCOVERY_NQN
         self.discovery_serial = "blockfabric-disc"
@@ -1070,6 +1073,9 @@ class Target:
                           for lc, p, _li in self.listeners],
             "subsystems": subsystems, "controllers": controllers,
             "gateway": self.ana.snapshot() if self.ana is not None else None,
+            # Where the reactor (this thread) runs and where registered memory lives.
+            "placement": {**self.placement.as_dict(), "reactor": numa.thread_report(),
+                          "memory": numa.memory_report()},
             # What hosts hold right now: a host that vanished must leave all of it at rest.
             "resources": {
                 "connections": len(self.sessions),

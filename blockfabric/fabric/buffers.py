@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 
+from blockfabric import numa
 from blockfabric.rdma import PD, SGE, Access
 
 
@@ -23,6 +24,7 @@ class BufferPool:
         self.count = count
         self.size = size
         self._slab = mmap.mmap(-1, count * size)
+        numa.bind_region(self._slab, "buffer pools")    # on the placement's node, if any
         self.mr = pd.reg_mr(self._slab, access)
         base = self.mr.buf
         self.views: list[memoryview] = [base[i * size:(i + 1) * size] for i in range(count)]

@@ -4,7 +4,7 @@ and where the time goes: py-spy flame graphs of the target and the host at QD16 
 
     python benchmarks/scaling.py [--runtime 6] [--progress thread] [--out benchmarks/results]
 
-Queues: one ``blockfabric bench`` with ``-i N --numjobs N`` (QD16 each, one shared controller).
+Queues: one ``blockfabric bench`` with ``-i N --numjobs N --thread`` (QD16 each, one shared controller).
 Hosts: N ``blockfabric bench`` processes at once, each its own host NQN, one queue, QD16.
 Profiles: the target and ``blockfabric bench`` (the host library), then the target and the
 FUSE mount daemon under fio, 5 s each; SVGs in --out, and the top self-time frames in the
@@ -48,7 +48,7 @@ def scale(bf: systems.System, runtime: float, env: dict[str, str]) -> list[dict]
 
     for n in range(1, 5):
         argv = cost_per_io.bench_argv(bf.port, 16, runtime, "-i", str(n), "--numjobs",
-                                      str(n), "--group_reporting")
+                                      str(n), "--thread", "--group_reporting")
         iops, w = cost_per_io.measure(argv, {"target": bf.server_pid}, runtime, env,
                                       ready=connected(1))
         rows.append(row("I/O queues", n, iops, w))

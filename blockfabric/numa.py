@@ -646,10 +646,13 @@ def nic_of_address(address: str, rdma: bool = False,
     return (topology or Topology()).nic_node(ifname, rdma)
 
 
-def place_host(address: str, cpus: frozenset[int] | None, rdma: bool = True) -> Placement:
+def place_host(address: str, cpus: frozenset[int] | None, rdma: bool = True,
+               apply_now: bool = True) -> Placement:
     """The host side (mount, bench): ``cpus`` if given, else the node of the NIC the
-    kernel routes ``address`` through, when the machine has more than one node.
-    Best-effort: anything that fails is logged and the process runs unplaced."""
+    kernel routes ``address`` through, when the machine has more than one node; applied
+    to this process unless ``apply_now`` is false (a parent that places its workers with
+    :func:`worker_placement`).  Best-effort: anything that fails is logged and the process
+    runs unplaced; a CPU that is not online raises :class:`PlacementError`."""
     topo = Topology()
     nics = []
     try:
@@ -666,4 +669,4 @@ def place_host(address: str, cpus: frozenset[int] | None, rdma: bool = True) -> 
     if not placement.placed:
         log.debug("host not placed: %s", placement.reason)
         return placement
-    return apply(placement, "host")
+    return apply(placement, "host") if apply_now else placement

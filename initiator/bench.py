@@ -86,6 +86,10 @@ class BenchOptions:
     eta: str = "auto"                # auto (when stderr is a TTY), always, never
     controllers: str = "shared"      # shared: one controller for all jobs; per-job
     group_reporting: bool = False
+    #: fio's --thread: the jobs are threads of one process; else (numjobs > 1) one process
+    #: per job, each with its own controller (benchjobs.py)
+    thread: bool = False
+    cpus: frozenset[int] | None = None   # --cpus: pin the process(es) there
 
     @property
     def random(self) -> bool:
@@ -107,7 +111,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         offset=parse_fio_size(args.offset), runtime=args.runtime, time_based=args.time_based,
         ramp_time=args.ramp_time, rwmixread=args.rwmixread, verify=args.verify,
         nsid=args.nsid, seed=args.seed, name=args.name, eta=args.eta,
-        controllers=args.controllers, group_reporting=args.group_reporting)
+        controllers=args.controllers, group_reporting=args.group_reporting,
+        thread=args.thread, cpus=args.cpus)
 
 
 # --------------------------------------------------------------------------- verify blocks
@@ -286,6 +291,26 @@ class DirStats:
 
 
 # --------------------------------------------------------------------------- one job
+
+@dataclass
+class JobResult:
+    """What the report needs of a finished job: plain data, so that a job run in another
+    process (benchjobs.py) sends it back whole, latencies included."""
+
+    index: int
+    pid: int
+    stats: dict[str, DirStats]
+    runtime_ns: int
+    error_kind: int
+    errors: list[str]
+    max_inflight: int
+    verified: int
+    held: int
+    queues: set[int]
+    #: qid -> the most commands that queue carried at once (the controller's count)
+    queue_max_inflight: dict[int, int]
+    cpu: tuple[float, float]            # user, system seconds of the job's process
+
 
 class Slot:
     """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue (to the queue with
@@ -556,16 +581,30 @@ class Job:
         end = self.t_end or time.monotonic_ns()
         return max(0, end - self.t_start) if self.t_start else 0
 
+    def result(self, queue_stats: dict[int, dict[str, int]]) -> JobResult:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return JobResult(
+            index=self.index, pid=os.getpid(), stats=self.stats, runtime_ns=self.runtime_ns,
+            error_kind=self.error_kind, errors=list(self.errors),
+            max_inflight=self.max_inflight, verified=self.verified, held=self.held,
+            queues=set(self.queues),
+            queue_max_inflight={q: queue_stats[q]["max_inflight"] for q in self.queues
+                                if q in queue_stats},
+            cpu=(usage.ru_utime, usage.ru_stime))
+
 
 # --------------------------------------------------------------------------- the run
 
 class Bench:
     """Connect, lay the jobs out over the namespace, run, and collect results."""
 
-    def __init__(self, opts: BenchOptions, connect_opts: Any, err=sys.stderr) -> None:
+    def __init__(self, opts: BenchOptions, connect_opts: Any, err=sys.stderr,
+                 only: list[int] | None = None) -> None:
         self.opts = opts
         self.connect_opts = connect_opts
         self.err = err
+        #: the jobs this process runs (benchjobs.py runs one per process); None: all
+        self.only = only
         self.controllers: list[Controller] = []
         self.jobs: list[Job] = []
         self.interrupted = False
@@ -617,12 +656,14 @@ class Bench:
             raise BenchError(f"namespace {nsid} is read-only")
         start, size = self._check(ctrl.namespaces[nsid], ctrl)
         split = bool(opts.verify and opts.writes and opts.numjobs > 1)
-        for j in range(opts.numjobs):
-            if per_job and j:
+        here = list(range(opts.numjobs)) if self.only is None else self.only
+        for local, j in enumerate(here):
+            if per_job and local:
                 ctrl = self._connect()
-            local = 0 if per_job else j
+            if per_job:
+                local = 0
             queues = ctrl.io_queues
-            slots_here = (opts.iodepth if per_job else opts.iodepth * opts.numjobs)
+            slots_here = (opts.iodepth if per_job else opts.iodepth * len(here))
             room = len(queues) * min(q.depth for q in queues)
             if slots_here > room:
                 raise BenchError(f"{slots_here} commands in flight per controller exceed its "
@@ -633,7 +674,8 @@ class Bench:
             self.jobs.append(Job(j, opts, ctrl, ctrl.namespaces[nsid],
                                  start + (j * size if split else 0), size, rotated))
 
-    def run(self) -> None:
+    def run(self, on_tick: Callable[[], None] | None = None) -> None:
+        """Run the jobs to their end (``on_tick``: called a few times a second)."""
         opts = self.opts
         for job in self.jobs:
             job.ctrl.reactor.call_soon_threadsafe(job.start_io)
@@ -642,7 +684,7 @@ class Bench:
         ramped = opts.ramp_time <= 0
         limit = opts.ramp_time + opts.runtime if (opts.time_based or opts.runtime > 0) \
             else None
-        progress = Progress(self, self.err, opts.eta)
+        progress = Progress(self.totals, opts, self.err, opts.eta)
         try:
             while not all(j.finished.is_set() for j in self.jobs):
                 now = time.monotonic()
@@ -661,6 +703,8 @@ class Bench:
                     wake = min(wake, ramp_end - now)
                 self.jobs[0].finished.wait(max(0.001, min(wake, 0.25)))
                 progress.tick(time.monotonic() - t0)
+                if on_tick is not None:
+                    on_tick()
         except KeyboardInterrupt:
             self.interrupted = True
         finally:
@@ -701,89 +745,120 @@ class Bench:
     def errors(self) -> list[str]:
         return [e for j in self.jobs for e in j.errors]
 
-    def job_report(self, jobs: list[Job], name: str) -> dict[str, Any]:
-        runtime = max((j.runtime_ns for j in jobs), default=0)
-        report: dict[str, Any] = {
-            "jobname": name, "groupid": 0,
-            "error": next((j.error_kind for j in jobs if j.error_kind), 0),
-            "eta": 0, "elapsed": round(runtime / 1e9),
-            "job options": self.job_options(),
-            "job_runtime": int(runtime / 1e6),
-        }
-        for direction in ("read", "write"):
-            report[direction] = DirStats.merge([j.stats[direction] for j in jobs]
-                                               ).as_fio(runtime)
-        report["trim"] = DirStats().as_fio(0)
-        stats = [j.ctrl.queue_stats() for j in jobs]    # none left once a controller failed
-        used = [st[q] for j, st in zip(jobs, stats) for q in j.queues if q in st]
-        report["blockfabric"] = {
-            "max_inflight": max(j.max_inflight for j in jobs),
-            "queue_max_inflight": max((u["max_inflight"] for u in used), default=0),
-            "queues": sorted({q for j in jobs for q in j.queues}),
-            "verified_blocks": sum(j.verified for j in jobs),
-            "held": sum(j.held for j in jobs),
-            "errors": [e for j in jobs for e in j.errors][:10],
-        }
-        return report
+    def totals(self) -> tuple[int, int, int, int]:
+        """Read I/Os, read bytes, write I/Os, write bytes so far (for the progress line)."""
+        r = [j.stats["read"] for j in self.jobs]
+        w = [j.stats["write"] for j in self.jobs]
+        return (sum(s.ios for s in r), sum(s.bytes for s in r),
+                sum(s.ios for s in w), sum(s.bytes for s in w))
+
+    def job_results(self) -> list[JobResult]:
+        stats = {id(c): c.queue_stats() for c in self.controllers}
+        return [j.result(stats.get(id(j.ctrl), {})) for j in self.jobs]
+
+    def job_report(self, jobs: list[JobResult], name: str) -> dict[str, Any]:
+        return job_report(self.opts, jobs, name)
 
     def job_options(self) -> dict[str, str]:
-        o = self.opts
-        out = {"rw": o.rw, "bs": str(o.bs), "iodepth": str(o.iodepth),
-               "numjobs": str(o.numjobs), "offset": str(o.offset),
-               "runtime": str(o.runtime), "rwmixread": str(o.rwmixread),
-               "randseed": str(o.seed)}
-        if o.size is not None:
-            out["size"] = str(o.size)
-        if o.time_based:
-            out["time_based"] = "1"
-        if o.ramp_time:
-            out["ramp_time"] = str(o.ramp_time)
-        if o.verify:
-            out["verify"] = o.verify
-        return out
+        return job_options(self.opts)
 
     def result(self) -> dict[str, Any]:
-        now = time.time()
-        if self.opts.group_reporting:
-            jobs = [self.job_report(self.jobs, self.opts.jobname)]
-        else:
-            jobs = [self.job_report([j], self.opts.jobname) for j in self.jobs]
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        wall = max((j.runtime_ns for j in self.jobs), default=1) / 1e9 or 1.0
-        for job in jobs:
-            job["usr_cpu"] = 100.0 * usage.ru_utime / wall
-            job["sys_cpu"] = 100.0 * usage.ru_stime / wall
         first = self.controllers[0] if self.controllers else None
-        return {
-            "fio version": f"blockfabric-bench-{__version__}",
-            "timestamp": int(now), "timestamp_ms": int(now * 1000),
-            "time": time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now)),
-            "global options": {"traddr": self.connect_opts.traddr,
-                               "trsvcid": str(self.connect_opts.trsvcid),
-                               "subnqn": self.connect_opts.subnqn},
-            "jobs": jobs,
-            "disk_util": [],
-            "blockfabric": {
-                "controllers": self.opts.controllers,
-                "provider": first.provider.name if first else None,
-                "nsid": self.jobs[0].ns.nsid if self.jobs else None,
-                "interrupted": self.interrupted,
-                "queue_stats": [{str(q): s for q, s in c.queue_stats().items()}
-                                for c in self.controllers],
-                # Reconnects and failovers during the run (see docs/reliability.md).
-                "paths": [format_path(a, p) for a, p in first.paths] if first else [],
-                "recovery": [c.recovery_stats() for c in self.controllers],
-                "ana_paths": [c.paths_view() for c in self.controllers
-                              if hasattr(c, "paths_view")],
-            },
-        }
+        return make_result(self.opts, self.connect_opts, self.job_results(), {
+            "controllers": self.opts.controllers,
+            "provider": first.provider.name if first else None,
+            "nsid": self.jobs[0].ns.nsid if self.jobs else None,
+            "interrupted": self.interrupted,
+            "queue_stats": [{str(q): s for q, s in c.queue_stats().items()}
+                            for c in self.controllers],
+            # Reconnects and failovers during the run (see docs/reliability.md).
+            "paths": [format_path(a, p) for a, p in first.paths] if first else [],
+            "recovery": [c.recovery_stats() for c in self.controllers],
+            "ana_paths": [c.paths_view() for c in self.controllers
+                          if hasattr(c, "paths_view")],
+        })
+
+
+def job_report(opts: BenchOptions, jobs: list[JobResult], name: str) -> dict[str, Any]:
+    """fio's per-job JSON for ``jobs`` merged (one job, or all with group_reporting)."""
+    runtime = max((j.runtime_ns for j in jobs), default=0)
+    report: dict[str, Any] = {
+        "jobname": name, "groupid": 0,
+        "error": next((j.error_kind for j in jobs if j.error_kind), 0),
+        "eta": 0, "elapsed": round(runtime / 1e9),
+        "job options": job_options(opts),
+        "job_runtime": int(runtime / 1e6),
+    }
+    for direction in ("read", "write"):
+        report[direction] = DirStats.merge([j.stats[direction] for j in jobs]
+                                           ).as_fio(runtime)
+    report["trim"] = DirStats().as_fio(0)
+    # the controllers' own counts (none left once a controller failed)
+    used = [m for j in jobs for m in j.queue_max_inflight.values()]
+    cpu = {j.pid: j.cpu for j in jobs}          # each process once
+    wall = runtime / 1e9 or 1.0
+    report["usr_cpu"] = 100.0 * sum(c[0] for c in cpu.values()) / wall
+    report["sys_cpu"] = 100.0 * sum(c[1] for c in cpu.values()) / wall
+    report["blockfabric"] = {
+        "max_inflight": max(j.max_inflight for j in jobs),
+        "queue_max_inflight": max(used, default=0),
+        "queues": sorted({q for j in jobs for q in j.queues}),
+        "verified_blocks": sum(j.verified for j in jobs),
+        "held": sum(j.held for j in jobs),
+        "errors": [e for j in jobs for e in j.errors][:10],
+        "pids": sorted(cpu),
+        "jobs": len(jobs),
+    }
+    return report
+
+
+def job_options(o: BenchOptions) -> dict[str, str]:
+    out = {"rw": o.rw, "bs": str(o.bs), "iodepth": str(o.iodepth),
+           "numjobs": str(o.numjobs), "offset": str(o.offset),
+           "runtime": str(o.runtime), "rwmixread": str(o.rwmixread),
+           "randseed": str(o.seed)}
+    if o.size is not None:
+        out["size"] = str(o.size)
+    if o.time_based:
+        out["time_based"] = "1"
+    if o.ramp_time:
+        out["ramp_time"] = str(o.ramp_time)
+    if o.verify:
+        out["verify"] = o.verify
+    if o.thread:
+        out["thread"] = "1"
+    return out
+
+
+def make_result(opts: BenchOptions, connect_opts: Any, results: list[JobResult],
+                extra: dict[str, Any]) -> dict[str, Any]:
+    """fio's JSON document: one report per job, or one for all with group_reporting;
+    ``extra`` is the "blockfabric" section (controllers, paths, recovery)."""
+    now = time.time()
+    if opts.group_reporting:
+        jobs = [job_report(opts, results, opts.jobname)]
+    else:
+        jobs = [job_report(opts, [r], opts.jobname) for r in results]
+    return {
+        "fio version": f"blockfabric-bench-{__version__}",
+        "timestamp": int(now), "timestamp_ms": int(now * 1000),
+        "time": time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now)),
+        "global options": {"traddr": connect_opts.traddr,
+                           "trsvcid": str(connect_opts.trsvcid),
+                           "subnqn": connect_opts.subnqn},
+        "jobs": jobs,
+        "disk_util": [],
+        "blockfabric": extra,
+    }
 
 
 class Progress:
     """fio's eta line: once a second, elapsed time, IOPS and MB/s since the last line."""
 
-    def __init__(self, bench: Bench, out, mode: str) -> None:
-        self.bench = bench
+    def __init__(self, totals: Callable[[], tuple[int, int, int, int]], opts: BenchOptions,
+                 out, mode: str) -> None:
+        self.totals = totals
+        self.opts = opts
         self.out = out
         tty = hasattr(out, "isatty") and out.isatty()
         self.enabled = mode == "always" or (mode == "auto" and tty)
@@ -792,20 +867,14 @@ class Progress:
         self.last = (0, 0, 0, 0)
         self.printed = False
 
-    def _totals(self) -> tuple[int, int, int, int]:
-        r = [j.stats["read"] for j in self.bench.jobs]
-        w = [j.stats["write"] for j in self.bench.jobs]
-        return (sum(s.ios for s in r), sum(s.bytes for s in r),
-                sum(s.ios for s in w), sum(s.bytes for s in w))
-
     def tick(self, elapsed: float) -> None:
         if not self.enabled or elapsed - self.last_t < 1.0:
             return
-        totals = self._totals()
+        totals = self.totals()
         dt = elapsed - self.last_t
         d = [max(0, a - b) for a, b in zip(totals, self.last)]
         self.last, self.last_t = totals, elapsed
-        opts = self.bench.opts
+        opts = self.opts
         limit = opts.ramp_time + opts.runtime
         parts = [f"[{elapsed:4.0f}s/{limit:.0f}s]"]
         for label, ios, nbytes in (("r", d[0], d[1]), ("w", d[2], d[3])):
@@ -867,8 +936,9 @@ def format_text(result: dict[str, Any]) -> str:
     """A summary laid out like fio's normal output."""
     lines = []
     for job in result["jobs"]:
-        lines.append(f"{job['jobname']}: (groupid=0, jobs=1): err={job['error']:2d}: "
-                     f"pid={os.getpid()}: {result['time']}")
+        pids = job["blockfabric"]["pids"]
+        lines.append(f"{job['jobname']}: (groupid=0, jobs={job['blockfabric']['jobs']}): "
+                     f"err={job['error']:2d}: pid={','.join(map(str, pids))}: {result['time']}")
         for direction in ("read", "write"):
             d = job[direction]
             if not d["total_ios"]:
@@ -921,9 +991,19 @@ def _io_text(n: int) -> str:
 # --------------------------------------------------------------------------- command
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from blockfabric import numa
+    from blockfabric.initiator.benchjobs import ProcessBench
     from blockfabric.initiator.commands import options
     opts = options_from_args(args)
-    bench = Bench(opts, options(args, args.nqn))
+    connect_opts = options(args, args.nqn)
+    processes = opts.numjobs > 1 and not opts.thread
+    try:        # --cpus, or the route's NIC's node (best effort; logged)
+        placement = numa.place_host(connect_opts.traddr, opts.cpus,
+                                    rdma=connect_opts.transport == "rdma", apply_now=not processes)
+    except numa.PlacementError as exc:
+        raise BenchError(str(exc)) from None
+    bench = (ProcessBench(opts, connect_opts, placement) if processes
+             else Bench(opts, connect_opts))
     try:
         bench.setup()
         bench.run()

@@ -116,6 +116,25 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 
 
+def _cpus(text: str) -> frozenset[int]:
+    from blockfabric.numa import parse_cpulist
+    try:
+        cpus = parse_cpulist(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a CPU list such as 0-3,8")
+    return cpus
+
+
+def add_cpus_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--cpus", type=_cpus, metavar="LIST",
+                   help=f"pin {what} to these CPUs (taskset -c syntax: 0-3,8) and place its "
+                        "memory on their NUMA node; default: the CPUs of the NUMA node of the "
+                        "NIC the route to the target leaves by, on a machine with more than "
+                        "one node (docs/numa.md)")
+
+
 def add_output_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output-format", choices=("normal", "json"), default="normal",
                    help="output format")
@@ -175,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mount what an initiator YAML lists (configs/initiator.yaml): the "
                         "entry for MOUNTPOINT, or every entry with --all")
     p.add_argument("--all", action="store_true", help="with --config: every listed mount")
+    add_cpus_flag(p, "the mount process")
     p.add_argument("--output-format", choices=("normal", "json"), default="normal",
                    help="output format")
 
@@ -219,10 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block size, in fio's syntax (4k, 128k, 1m)")
     p.add_argument("--iodepth", type=int, default=16, metavar="N",
                    help="commands in flight per job")
-    p.add_argument("--numjobs", type=int, default=1, metavar="N", help="parallel jobs")
+    p.add_argument("--numjobs", type=int, default=1, metavar="N",
+                   help="parallel jobs, each in its own process with its own controller "
+                        "(as fio), so that N jobs can use N cores")
+    p.add_argument("--thread", action="store_true",
+                   help="run the jobs as threads of one process instead (fio's --thread), "
+                        "sharing one controller unless --controllers per-job")
     p.add_argument("--controllers", choices=("shared", "per-job"), default="shared",
-                   help="jobs share one controller (one reactor thread), or each job "
-                        "connects its own")
+                   help="with --thread: jobs share one controller (one reactor thread), or "
+                        "each job connects its own")
+    add_cpus_flag(p, "the benchmark (each job process its own share of the list)")
     p.add_argument("--size", default=None, metavar="SIZE",
                    help="region of the namespace to use (default: from --offset to the end)")
     p.add_argument("--offset", default="0", metavar="SIZE", help="start of the region")
@@ -345,6 +371,17 @@ def _check_secrets(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      "authenticates only after the host has)")
 
 
+def _check_cpus(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--cpus naming a CPU that is not online is a usage error."""
+    cpus = getattr(args, "cpus", None)
+    if cpus:
+        from blockfabric.numa import Topology, format_cpulist
+        online = Topology().online_cpus()
+        if cpus - online:
+            parser.error(f"--cpus {format_cpulist(cpus)}: CPU(s) {format_cpulist(cpus - online)}"
+                         f" not online (online: {format_cpulist(online)})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -353,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resolve_path_args(parser, args)
     _check_secrets(parser, args)
+    _check_cpus(parser, args)
     handler = cmd_gen_dhchap_key if args.command == "gen-dhchap-key" else _handler(args.command)
     if handler is None:
         return not_implemented(f"blockfabric {args.command}")

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Callable
 
+from blockfabric import numa
 from blockfabric.errors import BlockfabricError
 from blockfabric.initiator import runtime
 from blockfabric.initiator.fusefs import MountOptions, VolumeFS
@@ -51,7 +52,8 @@ def check_mountpoint(mountpoint: str) -> str:
 
 
 def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
-                on_ready: Callable[[], None] | None = None) -> None:
+                on_ready: Callable[[], None] | None = None,
+                cpus: frozenset[int] | None = None) -> None:
     """Connect, mount, serve until unmounted, then disconnect and drop the record.
 
     Termination signals are blocked while the controller's threads start, so that they
@@ -60,6 +62,8 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
         from blockfabric.initiator import fuse_binding as binding
     else:
         from blockfabric.initiator import fuse_kernel as binding
+    # --cpus, or the route's NIC's node; before the threads and buffers exist (best effort)
+    numa.place_host(conn.traddr, cpus, rdma=conn.transport == "rdma")
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
     try:
         ctrl = Controller(conn).connect()
@@ -151,13 +155,13 @@ def _tell(fd: int, text: str) -> None:
 
 
 def mount_one(conn: ConnectOptions, mountpoint: str, options: MountOptions,
-              foreground: bool) -> int:
+              foreground: bool, cpus: frozenset[int] | None = None) -> int:
     mountpoint = check_mountpoint(mountpoint)
     if foreground:
         from blockfabric.sdnotify import sd_notify
-        serve_mount(conn, mountpoint, options, lambda: sd_notify("READY=1"))
+        serve_mount(conn, mountpoint, options, lambda: sd_notify("READY=1"), cpus)
         return 0
-    return daemonize(lambda ready: serve_mount(conn, mountpoint, options, ready))
+    return daemonize(lambda ready: serve_mount(conn, mountpoint, options, ready, cpus))
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -182,7 +186,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                   f"{args.mountpoint}", file=sys.stderr)
             return 2
         return mount_one(spec.connect_options(), spec.mountpoint, spec.mount_options(),
-                         args.foreground)
+                         args.foreground, args.cpus)
     if not args.mountpoint:
         print("blockfabric mount: missing MOUNTPOINT", file=sys.stderr)
         return 2
@@ -192,7 +196,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"blockfabric mount: {exc}", file=sys.stderr)
         return 2
-    return mount_one(connect_options(args, args.nqn), args.mountpoint, mopts, args.foreground)
+    return mount_one(connect_options(args, args.nqn), args.mountpoint, mopts, args.foreground,
+                     args.cpus)
 
 
 def mount_all(specs: list) -> int:

@@ -52,14 +52,15 @@ def test_iodepth_really_keeps_that_many_commands_in_flight(target):
     assert shallow["queue_max_inflight"] == 1, shallow
 
 
-def test_numjobs_share_one_controller_and_report_per_job_or_grouped(target):
-    result = bench_json(target, "--numjobs", "2", "--iodepth", "4", "--runtime", "0.5",
-                        "--size", "16m")
+def test_thread_jobs_share_one_controller_and_report_per_job_or_grouped(target):
+    result = bench_json(target, "--thread", "--numjobs", "2", "--iodepth", "4", "--runtime",
+                        "0.5", "--size", "16m")
     assert len(result["jobs"]) == 2
     assert all(j["read"]["total_ios"] > 0 for j in result["jobs"])
     assert len(result["blockfabric"]["queue_stats"]) == 1     # one controller
-    grouped = bench_json(target, "--numjobs", "2", "--iodepth", "4", "--runtime", "0.5",
-                         "--size", "16m", "--group_reporting")
+    assert len({pid for j in result["jobs"] for pid in j["blockfabric"]["pids"]}) == 1
+    grouped = bench_json(target, "--thread", "--numjobs", "2", "--iodepth", "4", "--runtime",
+                         "0.5", "--size", "16m", "--group_reporting")
     assert len(grouped["jobs"]) == 1 and grouped["jobs"][0]["blockfabric"]["max_inflight"] == 4
 
 

@@ -386,6 +386,14 @@ def worker_placement(placement: Placement, index: int, count: int) -> Placement:
                                reason=f"{placement.reason}; worker {index} of {count}")
 
 
+def place_worker(placement: Placement, index: int, count: int) -> Placement:
+    """In worker ``index`` of ``count`` (a poll group's process, a bench job's): apply its
+    share of ``placement`` (:func:`worker_placement`) to this process, first thing, before
+    it starts threads or allocates its registered memory.  Returns what was applied."""
+    share = worker_placement(placement, index, count)
+    return apply(share, f"worker {index}") if share.placed else share
+
+
 # --------------------------------------------------------------------------- syscalls
 
 _libc: Any = None

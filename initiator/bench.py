@@ -1008,6 +1008,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.setup()
         bench.run()
         result = bench.result()
+        result["blockfabric"]["placement"] = placement.as_dict()
     finally:
         bench.close()
     if args.output_format == "json":

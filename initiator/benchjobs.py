@@ -50,8 +50,7 @@ def _job_process(conn: Connection, opts: BenchOptions, connect_opts: Any, index:
                  placement: numa.Placement) -> None:
     """One job, in its own process (the target of a spawned multiprocessing.Process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the parent says when to stop
-    if placement.placed:
-        numa.apply(placement, f"bench job {index}")
+    numa.place_worker(placement, index, opts.numjobs)
     bench = Bench(dataclasses.replace(opts, eta="never"), connect_opts, only=[index])
     try:
         try:
@@ -120,7 +119,7 @@ class ProcessBench:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_job_process, name=f"blockfabric-bench-job{j}",
                                args=(theirs, self.opts, self.connect_opts, j,
-                                     numa.worker_placement(self.placement, j, n)),
+                                     self.placement),
                                daemon=True)
             proc.start()
             theirs.close()

@@ -997,7 +997,13 @@ class Target:
 
     def reload(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new`` (see :class:`~blockfabric.target.reloader.Reloader`)."""
-        return self.reloader.apply(new)
+        old = self.config
+        done = self.reloader.apply(new)
+        if done and (old.numa_node, old.cpus, old.numa_memory) != (
+                new.numa_node, new.cpus, new.numa_memory):
+            log.warning("numa_node, cpus or numa_memory changed: a reload does not move a "
+                        "running target; restart it to apply (docs/numa.md)")
+        return done
 
     def may_stay(self, ctrl: Controller) -> bool:
         """After a reload: still allowed, still exposed, and authenticated with what the

@@ -178,3 +178,11 @@ def test_unplaced_process_binds_nothing(monkeypatch):
     region = mmap.mmap(-1, mmap.PAGESIZE)
     assert not numa.bind_region(region, "x")
     region.close()
+
+
+def test_place_worker_without_a_placement_touches_nothing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(numa, "apply", lambda p, what="": calls.append(p) or p)
+    assert numa.place_worker(numa.NONE, 1, 4) == numa.NONE and calls == []
+    p = Placement(frozenset({2, 3}), 0, reason="cpus")
+    assert numa.place_worker(p, 1, 2).cpus == {3} and calls[0].cpus == {3}

@@ -129,3 +129,16 @@ def test_check_refuses_a_node_or_cpus_this_machine_lacks(tmp_path):
         done = subprocess.run([str(BIN / "blockfabric-target"), "check", "-C", str(path)],
                               capture_output=True, text=True, timeout=20)
         assert done.returncode == 2 and f"{key}: expected" in done.stderr, done.stderr
+
+
+def test_a_reload_that_changes_placement_says_it_needs_a_restart(start_target, tmp_path):
+    import signal
+
+    import yaml
+    _port, config = placed_config(tmp_path)
+    proc = start_target(config)
+    before = allowed_cpus(proc.proc.pid)
+    proc.path.write_text(yaml.safe_dump(dict(config, cpus="0")))
+    proc.proc.send_signal(signal.SIGHUP)
+    assert proc.wait_log("a reload does not move a running target", 10), proc.log
+    assert allowed_cpus(proc.proc.pid) == before

@@ -310,6 +310,9 @@ class JobResult:
     #: qid -> the most commands that queue carried at once (the controller's count)
     queue_max_inflight: dict[int, int]
     cpu: tuple[float, float]            # user, system seconds of the job's process
+    #: wall-clock (time.time()) start and end of the counted run, to line CPU samples
+    #: up with it (benchmarks/numjobs.py)
+    window: tuple[float, float] = (0.0, 0.0)
 
 
 class Slot:
@@ -583,6 +586,8 @@ class Job:
 
     def result(self, queue_stats: dict[int, dict[str, int]]) -> JobResult:
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        wall, mono = time.time(), time.monotonic_ns()
+        end = self.t_end or mono
         return JobResult(
             index=self.index, pid=os.getpid(), stats=self.stats, runtime_ns=self.runtime_ns,
             error_kind=self.error_kind, errors=list(self.errors),
@@ -590,7 +595,9 @@ class Job:
             queues=set(self.queues),
             queue_max_inflight={q: queue_stats[q]["max_inflight"] for q in self.queues
                                 if q in queue_stats},
-            cpu=(usage.ru_utime, usage.ru_stime))
+            cpu=(usage.ru_utime, usage.ru_stime),
+            window=(wall - (mono - self.t_start) / 1e9 if self.t_start else 0.0,
+                    wall - (mono - end) / 1e9))
 
 
 # --------------------------------------------------------------------------- the run
@@ -808,6 +815,7 @@ def job_report(opts: BenchOptions, jobs: list[JobResult], name: str) -> dict[str
         "errors": [e for j in jobs for e in j.errors][:10],
         "pids": sorted(cpu),
         "jobs": len(jobs),
+        "window": [min(j.window[0] for j in jobs), max(j.window[1] for j in jobs)],
     }
     return report
 

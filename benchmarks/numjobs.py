@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""``blockfabric bench --numjobs N``: jobs as processes (the default, as fio) against jobs
+as threads of one process (``--thread``, one shared controller), side by side.
+
+    python benchmarks/numjobs.py [--numjobs 2] [--iodepth 16] [--runtime 3] [--rounds 5]
+
+One soft-provider ramdisk target; each round runs both modes, the order flipped every
+round, 4 KiB randread.  For each run: IOPS (the bench's own count), and CPU microseconds per
+I/O of the target and of the bench (the bench process and its job processes, read from
+/proc every 25 ms) over exactly the counted run (the bench's ``window``, ramp and start-up
+excluded).  The report gives the medians per mode and the median of the per-round ratios
+processes/thread.  On a shared machine quote ranges, not points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BIN = pathlib.Path(sys.executable).parent
+NQN = "nqn.2026-12.io.blockfabric:numjobs"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class TreeSampler:
+    """CPU seconds of a process and its children (the last value seen of each, so that a
+    child that has exited still counts), sampled with wall-clock stamps."""
+
+    def __init__(self, pids: dict[str, int], interval: float = 0.025) -> None:
+        self.pids = pids
+        self.last: dict[str, dict[int, float]] = {k: {} for k in pids}
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for key, pid in self.pids.items():
+            tree = [pid] + (children(pid) if key == "bench" else [])
+            for p in tree:
+                v = cpu_seconds(p)
+                if v is not None:
+                    self.last[key][p] = v
+        self.samples.append((time.time(), {k: sum(v.values()) for k, v in self.last.items()}))
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.025):
+            self._sample()
+
+    def __enter__(self) -> TreeSampler:
+        self._sample()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._sample()
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        def at(key: str, t: float) -> float:
+            pts = [(ts, v[key]) for ts, v in self.samples]
+            for (ta, va), (tb, vb) in zip(pts, pts[1:]):
+                if ta <= t <= tb:
+                    return va + (vb - va) * ((t - ta) / (tb - ta) if tb > ta else 0)
+            return pts[-1][1] if t > pts[-1][0] else pts[0][1]
+        return {k: at(k, t1) - at(k, t0) for k in self.pids}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_target(tmp: pathlib.Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    conf = tmp / "target.yaml"
+    conf.write_text(json.dumps({
+        "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
+        "control_socket": str(tmp / "target.sock"),
+        "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
+            {"nsid": 1, "backend": "ramdisk", "size": "256MiB"}]}]}))
+    proc = subprocess.Popen([str(BIN / "blockfabric-target"), "run", "-C", str(conf)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if "ready:" in line:
+            break
+    else:
+        raise SystemExit("the target did not start")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    return proc, port
+
+
+def one(port: int, target_pid: int, mode: str, args: argparse.Namespace) -> dict:
+    argv = [str(BIN / "blockfabric"), "bench", "-a", "127.0.0.1", "-s", str(port), "-n", NQN,
+            "--provider", "soft", "--rw", "randread", "--bs", "4k",
+            "--iodepth", str(args.iodepth), "--numjobs", str(args.numjobs),
+            "-i", str(args.numjobs), "--runtime", str(args.runtime), "--ramp_time", "1",
+            "--group_reporting", "--eta", "never", "-o", "json"]
+    if mode == "thread":
+        argv.append("--thread")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    with TreeSampler({"target": target_pid, "bench": proc.pid}) as sampler:
+        out, err = proc.communicate(timeout=args.runtime + 120)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv)}: {err}")
+    job = json.loads(out)["jobs"][0]
+    t0, t1 = job["blockfabric"]["window"]
+    ios = job["read"]["total_ios"]
+    cpu = sampler.between(t0, t1)
+    return {"mode": mode, "iops": job["read"]["iops"], "ios": ios,
+            "target_us": cpu["target"] / ios * 1e6, "bench_us": cpu["bench"] / ios * 1e6,
+            "bench_cores": cpu["bench"] / (t1 - t0), "target_cores": cpu["target"] / (t1 - t0)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numjobs", type=int, default=2)
+    ap.add_argument("--iodepth", type=int, default=16)
+    ap.add_argument("--runtime", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target, port = start_target(pathlib.Path(tmp))
+        try:
+            for r in range(args.rounds):
+                for mode in ("thread", "processes") if r % 2 == 0 else ("processes", "thread"):
+                    row = one(port, target.pid, mode, args)
+                    row["round"] = r
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+        finally:
+            target.terminate()
+            target.wait(30)
+    print(f"blockfabric bench --numjobs {args.numjobs} -i {args.numjobs} --iodepth "
+          f"{args.iodepth}, 4k randread, {args.runtime} s x {args.rounds} rounds "
+          f"(load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs)")
+    print("| mode | IOPS median (range) | bench cores | target cores | bench us/IO | "
+          "target us/IO |")
+    print("|---|---|---|---|---|---|")
+    for mode in ("thread", "processes"):
+        mine = [x for x in rows if x["mode"] == mode]
+
+        def med(key: str) -> float:
+            return statistics.median(x[key] for x in mine)
+        lo, hi = min(x["iops"] for x in mine), max(x["iops"] for x in mine)
+        print(f"| {mode} | {med('iops'):.0f} ({lo:.0f}-{hi:.0f}) | {med('bench_cores'):.2f} | "
+              f"{med('target_cores'):.2f} | {med('bench_us'):.1f} | {med('target_us'):.1f} |")
+    ratios = [p["iops"] / t["iops"] for r in range(args.rounds)
+              for t in rows if t["round"] == r and t["mode"] == "thread"
+              for p in rows if p["round"] == r and p["mode"] == "processes"]
+    print(f"IOPS processes/thread per round: median {statistics.median(ratios):.2f} "
+          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

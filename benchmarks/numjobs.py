@@ -29,16 +29,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 NQN = "nqn.2026-12.io.blockfabric:numjobs"
-TICK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(ROOT / "benchmarks" / "compare"))
 
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICK
+from cpu import cpu_seconds  # noqa: E402  (0.0 once a process is gone)
 
 
 def children(pid: int) -> list[int]:
@@ -65,7 +58,7 @@ class TreeSampler:
             tree = [pid] + (children(pid) if key == "bench" else [])
             for p in tree:
                 v = cpu_seconds(p)
-                if v is not None:
+                if v:                   # gone (0.0): its last value stands
                     self.last[key][p] = v
         self.samples.append((time.time(), {k: sum(v.values()) for k, v in self.last.items()}))
 

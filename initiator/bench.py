@@ -763,12 +763,6 @@ class Bench:
         stats = {id(c): c.queue_stats() for c in self.controllers}
         return [j.result(stats.get(id(j.ctrl), {})) for j in self.jobs]
 
-    def job_report(self, jobs: list[JobResult], name: str) -> dict[str, Any]:
-        return job_report(self.opts, jobs, name)
-
-    def job_options(self) -> dict[str, str]:
-        return job_options(self.opts)
-
     def result(self) -> dict[str, Any]:
         first = self.controllers[0] if self.controllers else None
         return make_result(self.opts, self.connect_opts, self.job_results(), {

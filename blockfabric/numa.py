@@ -580,13 +580,15 @@ def numa_maps(pid: int | str = "self") -> list[tuple[int, str, dict[int, int]]]:
     return out
 
 
-def memory_report() -> list[dict[str, Any]]:
+def memory_report(regions: list[tuple[str, int, int]] | None = None) -> list[dict[str, Any]]:
     """Where the bound regions' memory lives, per kind of region (``what``): how many
     regions and bytes, their policy as the kernel shows it (``prefer:1``, ``bind:1``) and
-    the pages present per node (from /proc/self/numa_maps)."""
+    the pages present per node (from /proc/self/numa_maps, whose read walks every present
+    page: take ``regions`` from :func:`bound_regions` where the memory is owned, and read
+    this on another thread)."""
     maps = numa_maps()
     kinds: dict[str, dict[str, Any]] = {}
-    for what, addr, length in bound_regions():
+    for what, addr, length in bound_regions() if regions is None else regions:
         entry = kinds.setdefault(what, {"what": what, "regions": 0, "bytes": 0,
                                         "policies": set(), "pages": {}})
         entry["regions"] += 1

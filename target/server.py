@@ -1023,14 +1023,20 @@ class Target:
         command = request.get("command")
         if command != "status":
             raise ValueError(f"unknown command {command!r} (known: status)")
-        box: list[dict[str, Any]] = []
-        self.reactor.call_sync(lambda: box.append(self.snapshot()))
-        return box[0]
+        return self._snapshot_here()
 
     def metrics_text(self) -> str:
+        return mx.render_metrics(self._snapshot_here())
+
+    def _snapshot_here(self) -> dict[str, Any]:
+        """The snapshot, copied on the reactor; then, on the calling thread, where the
+        placed memory lives (/proc/self/numa_maps walks every present page: not a cost
+        for the reactor to pay)."""
         box: list[dict[str, Any]] = []
         self.reactor.call_sync(lambda: box.append(self.snapshot()))
-        return mx.render_metrics(box[0])
+        placement = box[0]["placement"]
+        placement["memory"] = numa.memory_report(placement["memory"])
+        return box[0]
 
     def snapshot(self) -> dict[str, Any]:
         """Everything ``status`` and the metrics show, copied on the reactor."""
@@ -1080,8 +1086,9 @@ class Target:
             "subsystems": subsystems, "controllers": controllers,
             "gateway": self.ana.snapshot() if self.ana is not None else None,
             # Where the reactor (this thread) runs and where registered memory lives.
+            # (memory: the regions here; where their pages are is read off the reactor)
             "placement": {**self.placement.as_dict(), "reactor": numa.thread_report(),
-                          "memory": numa.memory_report()},
+                          "memory": numa.bound_regions()},
             # What hosts hold right now: a host that vanished must leave all of it at rest.
             "resources": {
                 "connections": len(self.sessions),

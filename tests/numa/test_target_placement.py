@@ -68,7 +68,9 @@ def test_cpus_zero_runs_every_thread_of_the_target_on_cpu_0(start_target, tmp_pa
 
 def test_numa_node_puts_ramdisk_and_buffers_on_it_and_status_reads_it_back(start_target,
                                                                           tmp_path):
-    port, config = placed_config(tmp_path, numa_node=0, numa_memory="bind")
+    mport = free_port()
+    port, config = placed_config(tmp_path, numa_node=0, numa_memory="bind",
+                                 metrics={"port": mport})
     proc = start_target(config)
     if "memory not placed" in proc.log:
         pytest.skip("this kernel has no memory policy: " + proc.log)
@@ -87,6 +89,12 @@ def test_numa_node_puts_ramdisk_and_buffers_on_it_and_status_reads_it_back(start
     assert regions["buffer pools"]["policy"] == "bind:0"
     assert set(allowed_cpus(proc.proc.pid).values()) == {frozenset(os.sched_getaffinity(0))
                                                          & frozenset(numa.Topology().nodes()[0])}
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=20).read().decode()
+    assert 'memory_node="0",memory_policy="bind"' in text, text
+    pages = [line for line in text.splitlines()
+             if line.startswith('blockfabric_placed_memory_pages{region="ramdisks",node="0"}')]
+    assert pages and int(float(pages[0].split()[-1])) >= 8, text
 
 
 def test_auto_on_a_fake_two_node_machine_pins_to_the_nics_node(start_target, tmp_path):

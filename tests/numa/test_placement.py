@@ -186,3 +186,22 @@ def test_place_worker_without_a_placement_touches_nothing(monkeypatch):
     assert numa.place_worker(numa.NONE, 1, 4) == numa.NONE and calls == []
     p = Placement(frozenset({2, 3}), 0, reason="cpus")
     assert numa.place_worker(p, 1, 2).cpus == {3} and calls[0].cpus == {3}
+
+
+def test_place_target_reads_each_listeners_nic(tmp_path, monkeypatch):
+    """lo has node 1 in the fake tree; a wildcard listener says nothing; an address no
+    interface has says so (nothing is applied here: apply is replaced)."""
+    monkeypatch.setenv(numa.SYSFS_ENV, str(make_sysfs(tmp_path / "sys", {0: "0-1", 1: "2-3"},
+                                                      netdevs={"lo": 1})))
+    applied = []
+    monkeypatch.setattr(numa, "apply", lambda p, what="": applied.append(p) or p)
+    assert numa.nic_of_address("0.0.0.0") == (None, "wildcard address: any NIC")
+    assert numa.nic_of_address("192.0.2.77")[0] is None
+    conf = cfg.TargetConfig.from_dict({"listeners": [
+        {"address": "127.0.0.1", "transport": "tcp"},
+        {"address": "0.0.0.0", "port": 4421}]})
+    p = numa.place_target(conf)
+    assert (p.cpus, p.node) == ({2, 3}, 1) and applied == [p]
+    assert "listener 127.0.0.1:4420: netdev lo on node 1" in p.reason
+    none = cfg.TargetConfig.from_dict({"listeners": [{"address": "0.0.0.0"}]})
+    assert not numa.place_target(none).placed and len(applied) == 1

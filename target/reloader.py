@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.errors import BlockfabricError
+from blockfabric.fabric.reactor import spin_default
 from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.rdma import Listener
@@ -145,6 +146,9 @@ class Reloader:
         t.listeners = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in t.listeners]
         for entry in opened:
             t._add_listener(entry)
+        if t.config.spin_us != new.spin_us:
+            t.reactor.set_spin(spin_default() if new.spin_us is None else new.spin_us)
+            log.info("reactor spin: %s us", t.reactor.spin_us)
         t.config = new
         for nqn in plan.removed_subsystems:
             sub = t.subsystems.pop(nqn)

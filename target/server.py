@@ -253,7 +253,7 @@ class Target:
 
     def __init__(self, config: cfg.TargetConfig) -> None:
         self.config = config
-        self.reactor = Reactor("target")
+        self.reactor = Reactor("target", spin_us=config.spin_us)
         self.discovery_nqn = DISCOVERY_NQN
         self.discovery_serial = "blockfabric-disc"
         self.firmware_revision = __version__[:8]

@@ -238,3 +238,98 @@ def test_a_device_served_by_two_reactors_nests_in_both():
         first.close()
         second.close()
         provider.close()
+
+
+def _spinning_reactor(spin_us: float) -> Reactor:
+    reactor = Reactor("spin", spin_us=spin_us)
+    return reactor
+
+
+def test_spin_stops_after_far_misses_and_only_probes():
+    """A peer that answers far later than the spin (here: never, each wait ends by its
+    timeout, 5x spin_us after the spin began): two such far misses stop the spinning, and
+    then only one wait in SPIN_PROBE_EVERY spins, so an idle outstanding request (a
+    keep-alive) or a slow backend costs no CPU."""
+    from blockfabric.fabric import reactor as mod
+    reactor = _spinning_reactor(100.0)
+    calls = [0]
+
+    def never() -> bool:
+        calls[0] += 1
+        return False            # work outstanding, nothing arrived yet
+
+    reactor.add_poller(never)
+    try:
+        reactor.run_once(0.0005)
+        assert reactor._spinning and reactor.spin_misses == 1
+        reactor.run_once(0.0005)
+        assert not reactor._spinning and reactor.spin_misses == 2
+        before = calls[0]
+        for _ in range(mod.SPIN_PROBE_EVERY - 1):
+            reactor.run_once(0.0001)
+        assert calls[0] == before, "a loop that stopped spinning must not poll"
+        reactor.run_once(0.0001)             # the probe
+        assert calls[0] > before and reactor.spin_misses == 3
+    finally:
+        reactor.close()
+
+
+def test_near_miss_keeps_spinning_and_a_hit_restores_it():
+    """A spin that ran out but whose wait ended soon after (the peer was asleep: once it
+    spins too, answers come in time) keeps the loop spinning; a hit after probing restores
+    the full spin."""
+    reactor = _spinning_reactor(400.0)
+    state = {"n": 0, "answer_after": 10**9}
+
+    def poller() -> bool:
+        state["n"] += 1
+        return state["n"] >= state["answer_after"]
+
+    reactor.add_poller(poller)
+    try:
+        for _ in range(3):
+            reactor.run_once(0.0002)     # ran out; the wait ended 0.6 ms in: near
+        assert reactor._spinning and reactor.spin_misses == 3
+        reactor.run_once(0.003)
+        reactor.run_once(0.003)          # two far misses
+        assert not reactor._spinning
+        reactor._spin_skips = 10**6      # the next wait probes
+        state["n"], state["answer_after"] = 0, 3    # the answer now comes while spinning
+        reactor.run_once(0.0005)
+        assert reactor.spin_hits == 1 and reactor._spinning
+    finally:
+        reactor.close()
+
+
+def test_no_spin_without_outstanding_work_or_with_spin_zero():
+    polled = []
+    for spin, answer in ((400.0, None), (0.0, False)):
+        reactor = _spinning_reactor(spin)
+        reactor.add_poller(lambda a=answer: polled.append(spin) or a)
+        try:
+            t0 = time.monotonic()
+            reactor.run_once(0.0005)
+            assert time.monotonic() - t0 < 0.05
+        finally:
+            reactor.close()
+    assert polled == [400.0]        # asked once (nothing outstanding); never with spin 0
+    assert reactor.spin_hits == reactor.spin_misses == 0
+
+
+def test_spin_knob_is_validated(monkeypatch):
+    import pytest
+
+    from blockfabric.fabric import reactor as mod
+    with pytest.raises(ValueError):
+        Reactor("bad", spin_us=-1)
+    with pytest.raises(ValueError):
+        Reactor("bad", spin_us=mod.MAX_SPIN_US + 1)
+    monkeypatch.setenv(mod.SPIN_ENV, "junk")
+    assert mod.spin_default() == mod.DEFAULT_SPIN_US
+    monkeypatch.setenv(mod.SPIN_ENV, "25")
+    assert mod.spin_default() == 25.0
+    mod.set_default_spin(7)
+    try:
+        assert Reactor("x").spin_us == 7.0
+    finally:
+        mod.set_default_spin(None)

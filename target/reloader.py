@@ -18,8 +18,9 @@ from blockfabric.errors import BlockfabricError
 from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.rdma import Listener
+from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as cfg
-from blockfabric.target import metrics as mx
+from blockfabric.target import metrics
 from blockfabric.target import reload as rl
 from blockfabric.target import resvctl
 from blockfabric.target.gateway import refuse_exclusive_lock
@@ -50,6 +51,27 @@ class Reloader:
     def __init__(self, target: Target) -> None:
         self.target = target
 
+    def reload_from(self, load: Callable[[], cfg.TargetConfig]) -> bool:
+        """Load a new configuration and apply it; on any error keep the old one whole."""
+        t = self.target
+        if t.draining:
+            log.warning("reload ignored: the target is stopping")
+            return False
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            try:
+                new = load()
+            except BlockfabricError as exc:
+                self._failed(str(exc))
+                return False
+            return self.apply(new)
+        finally:
+            sd_notify("READY=1\nSTATUS=serving")
+
+    def _failed(self, error: str) -> None:
+        self.target.last_reload_error = error
+        log.error("reload rejected, the running configuration is unchanged: %s", error)
+
     def apply(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
         t = self.target
@@ -57,14 +79,14 @@ class Reloader:
         opened: list[tuple[cfg.Listener, str, Listener]] = []
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
-        metrics = None
+        metrics_server = None
         gateway_prepared = False
         try:
             for change in plan.changed:
                 for ns_conf in change.resized:
                     self._check_resize(change.new.nqn, ns_conf)
             for lconf in plan.added_listeners:
-                opened.append(t._open_listener(lconf))
+                opened.append(t.listening.open(lconf))
             for sconf in plan.added_subsystems:
                 subsystems.append(Subsystem(sconf))
             for change in plan.changed:
@@ -81,8 +103,8 @@ class Reloader:
                 if old is not None and old.port == new.metrics.port:
                     old.close()      # the same port: it must be free for the new one
                     t.metrics_server = None
-                metrics = mx.MetricsServer(new.metrics.address, new.metrics.port,
-                                           t.metrics_text)
+                metrics_server = metrics.MetricsServer(new.metrics.address,
+                                                       new.metrics.port, t.metrics_text)
         except (OSError, BlockfabricError, ValueError) as exc:
             for _l, _p, listener in opened:
                 listener.close()
@@ -92,9 +114,9 @@ class Reloader:
                 ns.close()
             if gateway_prepared and t.coordinator is not None:
                 t.coordinator.rollback(new.gateway)
-            t._reload_failed(f"{new.source}: {exc}")
+            self._failed(f"{new.source}: {exc}")
             return False
-        self._commit(plan, new, opened, subsystems, namespaces, metrics)
+        self._commit(plan, new, opened, subsystems, namespaces, metrics_server)
         t.reloads += 1
         t.last_reload_error = None
         t.volumes.poll_sizes()               # an image resized in the cluster
@@ -134,17 +156,16 @@ class Reloader:
     def _commit(self, plan: rl.ReloadPlan, new: cfg.TargetConfig,
                 opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
                 namespaces: dict[tuple[str, int], Namespace],
-                metrics: mx.MetricsServer | None) -> None:
+                metrics_server: metrics.MetricsServer | None) -> None:
         """Apply a prepared plan; nothing here is expected to fail."""
         t = self.target
         removed = {rl.listener_key(x) for x in plan.removed_listeners}
-        for entry in [e for e in t.listeners if rl.listener_key(e[0]) in removed]:
-            t._close_listener(entry)
+        for entry in [e for e in t.listening.entries if rl.listener_key(e[0]) in removed]:
+            t.listening.close_one(entry)
             log.info("stopped listening on %s", entry[0].endpoint)
-        renamed = {rl.listener_key(x): x for x in new.listeners}
-        t.listeners = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in t.listeners]
+        t.listening.rename(new.listeners)
         for entry in opened:
-            t._add_listener(entry)
+            t.listening.add(entry)
         t.config = new
         for nqn in plan.removed_subsystems:
             sub = t.subsystems.pop(nqn)
@@ -169,11 +190,11 @@ class Reloader:
             if t.control_server is not None:
                 t.control_server.close()
                 t.control_server = None
-            t._start_control()
+            t.start_control()
         if plan.metrics_changed:
             if t.metrics_server is not None:
                 t.metrics_server.close()
-            t.metrics_server = metrics.start() if metrics is not None else None
+            t.metrics_server = metrics_server.start() if metrics_server is not None else None
         resvctl.bind(t)          # new namespaces: their shared reservation state
         if t.ana is not None:
             if plan.gateway_changed:

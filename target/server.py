@@ -42,10 +42,11 @@ from blockfabric.target.drain import DRAIN_TIMEOUT, count_inflight, flush_subsys
 from blockfabric.target.controller import Controller
 from blockfabric.target.gateway import Coordinator, refuse_exclusive_lock
 from blockfabric.target.listeners import Entry, Listeners
-from blockfabric.target.namespace import Namespace, Subsystem
+from blockfabric.target.namespace import Subsystem
 from blockfabric.target.rbdvolume import VolumeWatch
-from blockfabric.target.registry import MAX_CNTLID, ControllerRegistry, discovery_log, may_stay
-from blockfabric.target.reloader import Reloader, close_namespace
+from blockfabric.target.registry import MAX_CNTLID, ControllerRegistry, discovery_log
+from blockfabric.target.nschanges import NamespaceChanges
+from blockfabric.target.reloader import Reloader
 from blockfabric.target.services import Owner, Resources
 from blockfabric.target.sessions import Connector, QueueSession
 from blockfabric.target.status import snapshot
@@ -69,7 +70,6 @@ class Target:
         self.last_reload_error: str | None = None
         self.metrics_server: metrics.MetricsServer | None = None
         self.control_server: ControlServer | None = None
-        self._closing: list[Namespace] = []     # removed, closed once their I/O is done
         self.ana: Ana | None = None             # a member of a gateway group: its ANA state
         self.coordinator: Coordinator | None = None
         live_config = self._live_config
@@ -77,9 +77,12 @@ class Target:
                                    lambda queue, held, bound: self.registry.hoarding(
                                        queue, held, bound))
         self.registry = ControllerRegistry(self.broker, self._cntlid_range)
-        self.controllers = self.registry.controllers
-        self.reloader = Reloader(self)          # reloads, and namespace changes while serving
-        self.volumes = VolumeWatch(self)        # RBD volumes: availability and size
+        #: namespace changes while serving (a reload's, an RBD image's new size)
+        self.namespaces = NamespaceChanges(self.reactor, self.registry.controllers)
+        self.volumes = VolumeWatch(                 # RBD volumes: availability and size
+            self.reactor, self.subsystems, self.registry.destroy_where,
+            self.broker.run_blocking, self.namespaces.resize)
+        self.reloader = Reloader(self)
         self.listening = Listeners(self.reactor, live_config, self.registry, self.broker,
                                    self._new_session)
         self.connector = Connector(
@@ -92,7 +95,8 @@ class Target:
             if config.gateway is not None:
                 refuse_exclusive_lock(ns for sub in self.subsystems.values()
                                       for ns in sub.namespaces.values())
-                self.ana = Ana(self, config.gateway)
+                self.ana = Ana(self.reactor, self.subsystems, self.registry.controllers,
+                               config.gateway)
         except BaseException:
             self.close()
             raise
@@ -106,7 +110,7 @@ class Target:
             destroy_controller=self.registry.destroy_controller,
             end_queue=self.registry.end_queue, flush_subsystem=flush_subsystem,
             auth_failed=self.connector.auth_failed, discovery_log=self.discovery_log,
-            controllers=self.controllers, ana=self.ana,
+            controllers=self.registry.controllers, ana=self.ana,
             discovery_nqn=self.discovery_nqn, discovery_serial=self.discovery_serial,
             firmware_revision=self.firmware_revision)
 
@@ -145,18 +149,10 @@ class Target:
         """Stopping (SIGTERM): held on :attr:`owner`, which every controller reads."""
         return self.owner.draining
 
-    def run_blocking(self, work: Callable[[], object],
-                     finish: Callable[[BaseException | None], None], host: str) -> None:
-        """Run ``work`` on the backend threads, in ``host``'s fair turn; ``finish(exc)``
-        runs back on the reactor."""
-        self.broker.run_blocking(work, finish, host)
-
-    def destroy_where(self, condition: Callable[[Controller], bool], reason: str) -> None:
-        self.registry.destroy_where(condition, reason)
-
-    def may_stay(self, ctrl: Controller) -> bool:
-        """After a reload: still allowed, still exposed, authenticated as configured now."""
-        return may_stay(ctrl, self.config, self.subsystems)
+    def bind_reservations(self) -> None:
+        """Watch the reservation state shared with other gateways of namespaces not yet
+        watched (at start, and after a reload)."""
+        resvctl.bind(self.subsystems, self.resources, self.owner)
 
     def discovery_log(self, ctrl: Controller) -> bytes:
         return discovery_log(ctrl, self.config, self.subsystems.values(),
@@ -164,7 +160,7 @@ class Target:
 
     def inflight(self) -> int:
         """Commands executing on any namespace (held ones, and AERs, are not counted)."""
-        return count_inflight(self.subsystems.values(), self._closing)
+        return count_inflight(self.subsystems.values(), self.namespaces.closing)
 
     # -- start -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -172,7 +168,7 @@ class Target:
         socket: when this returns, every listener accepts."""
         try:
             if self.ana is not None:        # join the group first: it may refuse us
-                self.coordinator = Coordinator(self, self.ana, self.config.gateway)
+                self.coordinator = Coordinator(self.reactor, self.ana, self.config.gateway)
                 self.coordinator.connect()
             for lconf in self.config.listeners:
                 self.listening.add(self.listening.open(lconf))
@@ -186,7 +182,7 @@ class Target:
         self.start_control()
         self._start_watchdog()
         self.volumes.start()
-        resvctl.bind(self)                  # reservations shared with the other gateways
+        self.bind_reservations()
         self._started.set()
 
     def _start_metrics(self) -> None:
@@ -290,8 +286,6 @@ class Target:
             flush_subsystem(sub)
             sub.close()
         self.subsystems.clear()
-        for ns in self._closing:
-            close_namespace(ns)
-        self._closing.clear()
+        self.namespaces.close()
         self.broker.close()
         self.reactor.close()

@@ -864,6 +864,10 @@ class TargetConfig(Model):
     #: How memory is held to numa_node: preferred (there while it has room) or bind (only
     #: there: allocations fail when the node is full).
     numa_memory: str = _field(Choice(*numa.POLICIES), "preferred")
+    #: Microseconds the reactor busy-polls for an answer it waits for before it sleeps
+    #: (adaptive: spins that find nothing shrink it, down to none; see
+    #: docs/performance.md).  0: never spin; unset: $BLOCKFABRIC_REACTOR_SPIN_US, else 80.
+    spin_us: int | None = _field(Int(0, 10_000, unit="microseconds"), None)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
 

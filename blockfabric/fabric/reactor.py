@@ -5,6 +5,10 @@ tens of microseconds.  So each queue group is serviced by one loop that waits on
 completion queues and CM ids it owns, runs the command logic inline, and keeps its own
 timers (keep-alive) — the way an SPDK reactor owns its pollers.  Other threads talk to a
 loop only through :meth:`Reactor.call_soon_threadsafe`.
+
+Why one module of ~550 lines: the loop, its timers, its cross-thread calls and its
+adaptive busy-poll are one wait; the waiter hand-off to a provider (set_waiter) is what
+makes a wake-up one system call, and it reads the loop's private state.
 """
 
 from __future__ import annotations

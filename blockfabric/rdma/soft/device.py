@@ -17,6 +17,10 @@ Doorbell batching: a pass (the engine's, and a group's whole pass with its owner
 each QP that has any sends them in one ``sendmsg`` (with the acknowledgement it owes, see
 :mod:`blockfabric.rdma.soft.qp`).  Posts from other threads are not corked: they go out at
 once.
+
+Why one module of ~600 lines: the device's key tables, its engine and the reactor group
+that drives it in poll mode are one piece of state read on every pass (the group's wait is
+the engine's epoll, its pass corks the engine's sends).
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ Because a send WR completes only once its bytes are out, and a failure that comp
 with bytes still queued cuts the connection first, no completed WR's memory is referenced
 by the provider any more (receives: an error aborts the payload being placed).  Bytes the
 peer leaves unread are bounded by :attr:`SoftQP.max_unsent`.
+
+Why one module of ~1000 lines: the requester and the responder share every field of the
+connection (PSNs, the send queue, the staged receive, the lock), and the per-I/O path runs
+through both halves in one pass; split, each 4 KiB I/O would pay cross-module attribute
+reads and calls on its hottest path (issue 14), and the RC rules would be read in two places.
 """
 
 from __future__ import annotations

@@ -45,6 +45,12 @@ MAX_SPIN_US = 10_000.0
 SPIN_NEAR_FACTOR = 4.0
 SPIN_FAR_MISSES = 2
 SPIN_PROBE_EVERY = 64
+#: No busy-poll while the machine is oversubscribed: a 1-minute load average above this
+#: many times the CPUs the process may use (checked every SPIN_LOAD_EVERY s).  Then a
+#: spinning loop takes the CPU its peer and the application need: with load average 22-29
+#: on 2 cores, an 80 us spin took the mount's QD1 reads from 2.2-5.3k IOPS to 1.0-3.6k.
+SPIN_LOAD_FACTOR = 2.0
+SPIN_LOAD_EVERY = 1.0
 
 _default_override: float | None = None
 
@@ -65,6 +71,15 @@ def set_default_spin(us: float | None) -> None:
     target's ``spin_us``); None: back to the environment or DEFAULT_SPIN_US."""
     global _default_override
     _default_override = None if us is None else parse_spin_us(us)
+
+
+def _oversubscribed() -> bool:
+    """The 1-minute load average is above SPIN_LOAD_FACTOR x the CPUs this process may use."""
+    try:
+        cpus = len(os.sched_getaffinity(0)) or 1
+        return os.getloadavg()[0] > SPIN_LOAD_FACTOR * cpus
+    except OSError:
+        return False
 
 
 def spin_default() -> float:
@@ -111,6 +126,8 @@ class Reactor:
         self._far = 0
         self._spin_skips = 0
         self._spun_out = 0.0
+        self._load_at = 0.0             # when to look at the load average again
+        self._crowded = False           # it was too high: no spinning
         #: counters for status: spins that found work, spins that ran out
         self.spin_hits = 0
         self.spin_misses = 0
@@ -298,6 +315,11 @@ class Reactor:
         pollers = self._pollers
         now = time.monotonic
         start = now()
+        if start >= self._load_at:
+            self._load_at = start + SPIN_LOAD_EVERY
+            self._crowded = _oversubscribed()
+        if self._crowded:
+            return False
         deadline = start + self.spin_us * 1e-6
         while True:
             waiting = False

@@ -6,7 +6,10 @@ import os
 import threading
 import time
 
+import pytest
+
 from blockfabric.fabric.reactor import Reactor
+from blockfabric.fabric.reactor import _oversubscribed as _real_oversubscribed
 
 
 def test_reader_timer_and_threadsafe_call_run_on_the_loop_thread():
@@ -240,6 +243,35 @@ def test_a_device_served_by_two_reactors_nests_in_both():
         provider.close()
 
 
+@pytest.fixture(autouse=True)
+def _machine_not_crowded(monkeypatch):
+    """The spin tests below must not depend on this machine's load average (the reactor does
+    not spin on an oversubscribed machine: test_no_spin_on_a_crowded_machine)."""
+    from blockfabric.fabric import reactor as mod
+    monkeypatch.setattr(mod, "_oversubscribed", lambda: False)
+
+
+def test_no_spin_on_a_crowded_machine(monkeypatch):
+    """A load average above SPIN_LOAD_FACTOR x the usable CPUs: the loop sleeps at once,
+    leaving the CPU to its peer and the application; the check is redone each second."""
+    from blockfabric.fabric import reactor as mod
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(mod, "_oversubscribed", _real_oversubscribed)
+    monkeypatch.setattr(mod.os, "getloadavg", lambda: (mod.SPIN_LOAD_FACTOR * cpus + 1, 0, 0))
+    reactor = _spinning_reactor(10_000.0)
+    polled = [0]
+    reactor.add_poller(lambda: polled.__setitem__(0, polled[0] + 1) or False)
+    try:
+        reactor.run_once(0.001)
+        assert polled[0] == 0 and reactor.spin_misses == 0
+        monkeypatch.setattr(mod.os, "getloadavg", lambda: (0.1, 0, 0))
+        reactor._load_at = 0.0              # (a second later)
+        reactor.run_once(0.001)
+        assert polled[0] > 0
+    finally:
+        reactor.close()
+
+
 def _spinning_reactor(spin_us: float) -> Reactor:
     return Reactor("spin", spin_us=spin_us)
 
@@ -345,8 +377,6 @@ def test_no_spin_without_outstanding_work_or_with_spin_zero():
 
 
 def test_spin_knob_is_validated(monkeypatch):
-    import pytest
-
     from blockfabric.fabric import reactor as mod
     with pytest.raises(ValueError):
         Reactor("bad", spin_us=-1)

@@ -27,7 +27,8 @@ import errno
 import logging
 import socket
 import threading
-from typing import Callable
+from time import monotonic as _monotonic
+from typing import Any
 
 from blockfabric.protocol import tcp_pdu as tp
 from blockfabric.rdma.soft.memory import KeyAllocator, SoftPD
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: the staging buffer's first size: a connection that only connects costs this
 STAGING_START = 4096
+#: the most it grows to (past the largest PDU it must hold) when receives keep filling it:
+#: a connection with many small PDUs in flight reads them all with one receive per wake-up
+STAGING_MAX = 256 << 10
 #: a send the socket did not take whole is retried after this long (seconds)
 RETRY_DELAY = 0.0005
 IOV_MAX = 512
@@ -102,10 +106,14 @@ class PduConnection:
         self._filled = 0
         self._out: list = []
         self._out_bytes = 0
-        #: called once what was queued before them is written or copied (the memory it
-        #: referenced may then be reused)
-        self._after: list[Callable[[], None]] = []
+        #: given to :meth:`released` once what was queued before them is written or
+        #: copied (the memory it referenced may then be reused)
+        self._after: list[Any] = []
         self._flush_queued = False
+        #: PDUs of a receive are being handled: what they send goes out at its end
+        self._in_pass = False
+        #: when the last receive brought bytes (time.monotonic)
+        self.rx_at = 0.0
         self._paused = False
         self._retry = None
         self.max_unsent = 64 << 20
@@ -114,8 +122,17 @@ class PduConnection:
 
     # -- the reactor ---------------------------------------------------------------
     def attach(self, reactor) -> None:
+        """Serve the connection on ``reactor``: its socket's readiness, and its busy-poll
+        (``Reactor.add_poller``: before the loop sleeps, it polls the socket while
+        :meth:`expecting` says an answer is due; see :meth:`poll`)."""
         self.reactor = reactor
-        reactor.call_sync(lambda: reactor.add_reader(self.sock.fileno(), self.on_readable))
+
+        def register() -> None:
+            reactor.add_reader(self.sock.fileno(), self.on_readable)
+            add_poller = getattr(reactor, "add_poller", None)
+            if add_poller is not None:
+                add_poller(self.poll)
+        reactor.call_sync(register)
 
     def _detach(self) -> None:
         reactor, self.reactor = self.reactor, None
@@ -125,6 +142,9 @@ class PduConnection:
 
         def unregister() -> None:
             reactor.remove_reader(fd, self.on_readable)
+            remove_poller = getattr(reactor, "remove_poller", None)
+            if remove_poller is not None:
+                remove_poller(self.poll)
         if reactor.thread is None or reactor.thread is threading.current_thread():
             unregister()
         else:
@@ -138,30 +158,67 @@ class PduConnection:
 
     # -- receiving -----------------------------------------------------------------
     def on_readable(self) -> None:
-        if self.closed or self._paused:
-            return
+        if not self.closed and not self._paused:
+            self._receive()
+
+    def poll(self) -> bool | None:
+        """The reactor's busy-poll (``Reactor.add_poller``): one non-blocking receive when
+        an answer is due (:meth:`expecting`), handled as a wake-up's would be; True if
+        something came, False if not yet, None when nothing is due (no point spinning)."""
+        if self.closed or self._paused or not self.expecting():
+            return None
+        return self._receive()
+
+    def expecting(self) -> bool:
+        """Whether the peer is due to send soon (a side overrides it): while so, the
+        reactor polls the socket for up to its ``spin_us`` before it sleeps."""
+        return False
+
+    def _receive(self) -> bool:
+        """One ``recv_into`` the staging buffer, every complete PDU in it handled, and what
+        they queued written with one ``sendmsg``; False when nothing had arrived."""
         view = self._view
+        room = len(view)
+        filled = self._filled
         try:
-            n = self.sock.recv_into(view[self._filled:])
+            n = self.sock.recv_into(view[filled:])
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
             self.on_lost(f"connection failed: {exc.strerror or exc}")
-            return
+            return True
         if not n:
             self.on_lost("peer disconnected")
-            return
-        self._filled += n
+            return True
+        filled += n
+        self._filled = filled
+        self.rx_at = _monotonic()
+        self._in_pass = True
         try:
             self._parse()
         except tp.PduError as exc:
+            self._end_pass()
             self.terminate(exc)
+            return True
         except Exception as exc:          # a bug: this connection only
+            self._end_pass()
             log.error("%s: PDU handling failed", self.name, exc_info=True)
             self.on_lost(f"PDU handling failed: {type(exc).__name__}: {exc}")
-            return
-        if self._out and not self._flush_queued and not self.closed:
-            self.flush()
+            return True
+        self._end_pass()
+        if filled == room and room < STAGING_MAX and self._view is view and \
+                self.initialized and not self.closed:
+            # the receive filled the buffer: more was waiting, so read more at once next
+            self._grow(min(STAGING_MAX, 2 * room), 0, self._filled)
+        return True
+
+    def _end_pass(self) -> None:
+        """The receive's PDUs are handled: write what they queued (one ``sendmsg``)."""
+        with self._send_lock:
+            self._in_pass = False
+            if self._out and not self.closed:
+                self._flush_queued = False
+                self._write()
 
     def _parse(self) -> None:
         view = self._view
@@ -270,9 +327,10 @@ class PduConnection:
         self.on_lost(f"protocol error: {exc} (termination request sent, FES {exc.fes:#x})")
 
     # -- sending -------------------------------------------------------------------
-    def send(self, bufs: list, after: Callable[[], None] | None = None) -> None:
-        """Queue ``bufs`` to go out with the rest of this pass (``after``: called once
-        they are written or copied)."""
+    def send(self, bufs: list, after: Any = None) -> None:
+        """Queue ``bufs`` to go out with the rest of this pass: at the end of the receive
+        whose PDUs are being handled, else in the reactor's next pass (``after``: given
+        to :meth:`released` once they are written or copied)."""
         with self._send_lock:
             out = self._out
             for b in bufs:
@@ -280,13 +338,19 @@ class PduConnection:
                 self._out_bytes += len(b)
             if after is not None:
                 self._after.append(after)
-            if self._flush_queued or self.reactor is None:
+            if self._in_pass or self._flush_queued or self.reactor is None:
                 return
             self._flush_queued = True
-        if self.reactor.thread is threading.current_thread():
-            self.reactor.call_soon(self.flush)
+        reactor = self.reactor
+        if reactor.ident == threading.get_ident():
+            reactor.call_soon(self.flush)
         else:
-            self.reactor.call_soon_threadsafe(self.flush)
+            reactor.call_soon_threadsafe(self.flush)
+
+    def released(self, item: Any) -> None:
+        """What was queued with ``after=item`` is written (or copied): ``item()`` unless a
+        side says otherwise."""
+        item()
 
     def send_now(self, bufs: list) -> None:
         """From a thread that is not the reactor's: write ``bufs`` at once (after what is
@@ -334,20 +398,24 @@ class PduConnection:
             self._out = out = [bytes(b) for b in out]
             self._schedule_retry()
             break
-        after, self._after = self._after, []
-        for fn in after:
-            try:
-                fn()
-            except Exception:
-                log.exception("%s: release after send failed", self.name)
+        if self._after:
+            self._release_after("after send")
         self._pause_if_full()
+
+    def _release_after(self, when: str) -> None:
+        after, self._after = self._after, []
+        for item in after:
+            try:
+                self.released(item)
+            except Exception:
+                log.exception("%s: release %s failed", self.name, when)
 
     def _schedule_retry(self) -> None:
         if self._retry is None and self.reactor is not None:
             def retry() -> None:
                 self._retry = None
                 self.flush()
-            if self.reactor.thread is threading.current_thread():
+            if self.reactor.ident == threading.get_ident():
                 self._retry = self.reactor.call_later(RETRY_DELAY, retry)
             else:
                 self.reactor.call_soon_threadsafe(
@@ -374,13 +442,8 @@ class PduConnection:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        after, self._after = self._after, []
         self._out = []
-        for fn in after:
-            try:
-                fn()
-            except Exception:
-                log.exception("%s: release at close failed", self.name)
+        self._release_after("at close")
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError as exc:

@@ -30,6 +30,7 @@ import logging
 import socket
 import struct
 import time
+from threading import get_ident as _get_ident
 
 from blockfabric.fabric.host_side import HostQueue, Slot
 from blockfabric.fabric.tcp import PduConnection, resolve
@@ -133,8 +134,17 @@ class TcpHostQueue(PduConnection, HostQueue):
         """:meth:`HostQueue.submit_rw` without the RDMA queue's reactor fast path, which
         posts the slot's SEND work request itself: here every command goes out through
         :meth:`_post` (the CapsuleCmd PDU, and the data's transport SGL)."""
+        free = self._free
+        if free and _get_ident() == self._loop_ident and self.dead_reason is None:
+            # the reactor's own submission (the mount's): no lock, no closure
+            return self._post_rw(self._take(free.pop(), owner), opcode, nsid, slba, nlb,
+                                 addr, length, rkey, data, False)
         return self._submit_with(owner, lambda slot, locked: self._post_rw(
             slot, opcode, nsid, slba, nlb, addr, length, rkey, data, locked), None)
+
+    def expecting(self) -> bool:
+        """Commands in flight: their answers are due (the reactor spins for them)."""
+        return len(self._free) < self.depth
 
     def _post(self, slot: Slot, length: int, locked: bool) -> int:
         view = slot.view

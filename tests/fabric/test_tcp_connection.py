@@ -1,13 +1,18 @@
 """The NVMe/TCP connection's receive path over a real socket pair: PDUs cut anywhere by the
 stream arrive whole and in order, through a staging buffer that grows for a large PDU (with
-earlier PDUs of the same read still in it) and never for one whose header is refused."""
+earlier PDUs of the same read still in it) and never for one whose header is refused, and
+grows (bounded) when receives keep filling it; what the PDUs of one receive send goes out in
+one ``sendmsg``; the reactor's busy-poll receives only while an answer is due."""
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+import time
 
-from blockfabric.fabric.tcp import STAGING_START, PduConnection, local_pd, resolve
+from blockfabric.fabric.reactor import Reactor
+from blockfabric.fabric.tcp import STAGING_MAX, STAGING_START, PduConnection, local_pd, resolve
 from blockfabric.protocol import tcp_pdu as tp
 
 
@@ -108,3 +113,132 @@ def test_resolve_checks_the_region_bounds_and_key():
     finally:
         mr.close()
         pd.close()
+
+
+class CountingSocket:
+    """A socket whose ``sendmsg`` calls are counted (a socket object takes no attributes)."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self.sendmsgs = 0
+
+    def sendmsg(self, bufs):
+        self.sendmsgs += 1
+        return self._sock.sendmsg(bufs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class Echo(Recorder):
+    """Answers every capsule with a 24-byte PDU of its first SQE byte."""
+
+    def on_pdu(self, ptype, flags, pdu, pdo, dlen) -> None:
+        super().on_pdu(ptype, flags, pdu, pdo, dlen)
+        self.send([bytes([pdu[8]]) * 24])
+
+
+def capsules(count: int) -> bytes:
+    return b"".join(bytes(tp.capsule_cmd_header(bytes([i % 256]) * 64, 0, False, True))
+                    for i in range(count))
+
+
+def test_answers_to_the_pdus_of_one_receive_go_out_in_one_sendmsg():
+    """As the target runs its loop (run_forever on its main thread, no Reactor.thread):
+    the answers go out at the end of the receive, in one sendmsg, with no cross-thread
+    wake-up of the loop by itself."""
+    a, b = tcp_pair()
+    reactor = Reactor("test")
+    loop = threading.Thread(target=reactor.run_forever, daemon=True)
+    loop.start()
+    conn = Echo(b)
+    counting = conn.sock = CountingSocket(b)
+    try:
+        conn.attach(reactor)
+        wakes = []
+        threadsafe = reactor.call_soon_threadsafe
+
+        def counted(callback):
+            wakes.append(callback)
+            threadsafe(callback)
+        reactor.call_soon_threadsafe = counted
+        a.sendall(capsules(20))             # 1440 bytes: one receive
+        a.settimeout(5)
+        got = b""
+        while len(got) < 20 * 24:
+            got += a.recv(4096)
+        assert got == b"".join(bytes([i]) * 24 for i in range(20))
+        assert len(conn.got) == 20 and counting.sendmsgs == 1 and not wakes
+    finally:
+        a.close()
+        reactor.call_sync(conn.close)
+        reactor.stop()
+        loop.join(5)
+        reactor.close()
+
+
+def test_the_staging_buffer_grows_while_receives_fill_it_up_to_its_bound():
+    a, b = tcp_pair()
+    conn = Recorder(b)
+    try:
+        sizes = []
+        for _ in range(12):
+            a.sendall(capsules(8000))       # 576 000 bytes each time: more than it holds
+            drain(conn, 100000)
+            sizes.append(len(conn._staging))
+        assert conn.lost is None and len(conn.got) == 12 * 8000
+        assert sizes[0] > STAGING_START and max(sizes) == STAGING_MAX
+    finally:
+        a.close()
+        conn.close()
+
+
+class Expecting(Recorder):
+    due = False
+
+    def expecting(self) -> bool:
+        return self.due
+
+
+def test_the_busy_poll_receives_only_while_an_answer_is_due():
+    a, b = tcp_pair()
+    conn = Expecting(b)
+    try:
+        assert conn.poll() is None          # nothing due: no point spinning
+        conn.due = True
+        assert conn.poll() is False         # due, not here yet
+        a.sendall(capsules(3))
+        deadline = 1000
+        while not conn.got and deadline:
+            assert conn.poll() in (True, False)
+            deadline -= 1
+        assert len(conn.got) == 3
+        conn.due = False
+        a.sendall(capsules(1))
+        assert conn.poll() is None and len(conn.got) == 3
+    finally:
+        a.close()
+        conn.close()
+
+
+def test_a_connection_is_the_reactors_poller_while_attached():
+    a, b = tcp_pair()
+    reactor = Reactor("test", spin_us=50)
+    reactor.start()
+    conn = Expecting(b)
+    try:
+        conn.attach(reactor)
+        assert conn.poll in reactor._pollers
+        conn.due = True
+        a.sendall(capsules(2))
+        deadline = time.monotonic() + 5
+        while len(conn.got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(conn.got) == 2
+        reactor.call_sync(conn.close)
+        assert conn.poll not in reactor._pollers
+    finally:
+        a.close()
+        reactor.stop()
+        reactor.join(5)
+        reactor.close()

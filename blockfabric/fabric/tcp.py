@@ -40,6 +40,9 @@ STAGING_START = 4096
 #: the most it grows to (past the largest PDU it must hold) when receives keep filling it:
 #: a connection with many small PDUs in flight reads them all with one receive per wake-up
 STAGING_MAX = 256 << 10
+#: a data PDU (C2HData, H2CData) carrying at least this much goes straight into the memory
+#: its command names once its header is in (see PduConnection._start_direct)
+DIRECT_MIN = 32 << 10
 #: a send the socket did not take whole is retried after this long (seconds)
 RETRY_DELAY = 0.0005
 IOV_MAX = 512
@@ -114,6 +117,9 @@ class PduConnection:
         self._in_pass = False
         #: when the last receive brought bytes (time.monotonic)
         self.rx_at = 0.0
+        #: a data PDU being received straight into its memory: [type, flags, header (its
+        #: first pdo bytes), destination view, bytes in, data length], or None
+        self._direct: list | None = None
         self._paused = False
         self._retry = None
         self.max_unsent = 64 << 20
@@ -180,8 +186,14 @@ class PduConnection:
         view = self._view
         room = len(view)
         filled = self._filled
+        direct = self._direct
         try:
-            n = self.sock.recv_into(view[filled:])
+            if direct is None:
+                n = self.sock.recv_into(view[filled:])
+            else:
+                # the rest of the data into its memory, what follows into the staging buffer
+                rest = direct[5] - direct[4]
+                n = self.sock.recvmsg_into([direct[3][direct[4]:], view[filled:]])[0]
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
@@ -190,6 +202,13 @@ class PduConnection:
         if not n:
             self.on_lost("peer disconnected")
             return True
+        if direct is not None:
+            if n < rest:
+                direct[4] += n
+                self.rx_at = _monotonic()
+                return True
+            direct[4] = direct[5]
+            n -= rest
         filled += n
         self._filled = filled
         self.rx_at = _monotonic()
@@ -207,7 +226,7 @@ class PduConnection:
             return True
         self._end_pass()
         if filled == room and room < STAGING_MAX and self._view is view and \
-                self.initialized and not self.closed:
+                self._direct is None and self.initialized and not self.closed:
             # the receive filled the buffer: more was waiting, so read more at once next
             self._grow(min(STAGING_MAX, 2 * room), 0, self._filled)
         return True
@@ -225,7 +244,12 @@ class PduConnection:
         filled = self._filled
         pos = 0
         limits = self.limits
+        start = 0
         try:
+            if self._direct is not None:
+                pos = self._finish_direct(view, filled)
+                if self._direct is not None:
+                    return              # its data digest is not in yet
             while not self.closed:
                 start = pos
                 avail = filled - pos
@@ -246,8 +270,12 @@ class PduConnection:
                 if digested and tp.digest(view[pos:pos + hlen]) != \
                         tp.unpack_digest(view, pos + hlen)[0]:
                     raise tp.PduError("header digest mismatch", tp.Fes.HEADER_DIGEST, hlen)
-                self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
+                dest = self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
                 if avail < plen:
+                    if dest is not None and dlen >= DIRECT_MIN and pdo <= avail < pdo + dlen:
+                        pos = self._start_direct(ptype, flags, view, pos, filled, pdo, dlen,
+                                                 dest)
+                        return
                     if plen > len(view):
                         self._grow(plen, pos, filled)
                         pos = 0
@@ -255,6 +283,8 @@ class PduConnection:
                     break
                 pdu = view[pos:pos + plen]
                 pos += plen
+                if dest is not None:
+                    dest[:] = pdu[pdo:pdo + dlen]
                 if dlen and limits.ddgst and ptype > tp.C2H_TERM and \
                         tp.digest(pdu[pdo:pdo + dlen]) != tp.unpack_digest(pdu, plen - 4)[0]:
                     self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
@@ -273,6 +303,40 @@ class PduConnection:
             elif self.closed:
                 self._filled = 0
 
+    def _start_direct(self, ptype: int, flags: int, view: memoryview, pos: int, filled: int,
+                      pdo: int, dlen: int, dest: memoryview) -> int:
+        """A large data PDU whose header is in and whose data is not all: the data in the
+        staging buffer goes to ``dest`` (the memory of its command, from
+        :meth:`precheck`), and the receives that follow put the rest straight there
+        (``recvmsg_into`` the rest of ``dest`` and the staging buffer: still one receive
+        per wake-up, and no copy).  Returns the new parse position (all consumed)."""
+        have = filled - pos - pdo
+        if have:
+            dest[:have] = view[pos + pdo:filled]
+        self._direct = [ptype, flags, bytes(view[pos:pos + pdo]), dest, have, dlen]
+        return filled
+
+    def _finish_direct(self, view: memoryview, filled: int) -> int:
+        """The data of the PDU received straight into its memory is all in: check its data
+        digest (the 4 bytes now at the staging buffer's start) and hand the PDU on;
+        returns the parse position after it (0 and the PDU kept while its digest is not
+        in yet)."""
+        ptype, flags, header, dest, _got, dlen = self._direct
+        pos = 0
+        bad = False
+        if self.limits.ddgst:
+            if filled < tp.DIGEST_SIZE:
+                return 0
+            bad = tp.digest(dest) != tp.unpack_digest(view, 0)[0]
+            pos = tp.DIGEST_SIZE
+        self._direct = None
+        head = memoryview(header)
+        if bad:
+            self.on_data_digest_error(ptype, flags, head, len(header), dlen)
+        else:
+            self.on_pdu(ptype, flags, head, len(header), dlen)
+        return pos
+
     def _grow(self, size: int, pos: int, filled: int) -> None:
         """A new staging buffer that holds a PDU of ``size`` bytes (its header checked),
         with the bytes of it already received at its start."""
@@ -284,9 +348,14 @@ class PduConnection:
         self._view = memoryview(new)
         self._filled = rest
 
-    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+    def precheck(self, ptype: int, flags: int, header: memoryview,
+                 dlen: int) -> memoryview | None:
         """The PDU's header is in (and its digest right), its data not yet: raise
-        :class:`~blockfabric.protocol.tcp_pdu.PduError` if it must not be read on."""
+        :class:`~blockfabric.protocol.tcp_pdu.PduError` if it must not be read on.  For a
+        data PDU, return the ``dlen`` bytes of memory its data goes to: the connection
+        puts it there (received straight into it when large) before :meth:`on_pdu`,
+        whose ``pdu`` may then hold only the header."""
+        return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         """A whole PDU (valid as far as the common checks go); ``pdu`` is only valid during
@@ -443,6 +512,7 @@ class PduConnection:
             self._retry.cancel()
             self._retry = None
         self._out = []
+        self._direct = None                 # a view of the memory a transfer was landing in
         self._release_after("at close")
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

@@ -202,9 +202,12 @@ class TcpHostQueue(PduConnection, HostQueue):
             return None
         return slot
 
-    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+    def precheck(self, ptype: int, flags: int, header: memoryview,
+                 dlen: int) -> memoryview | None:
+        """C2HData and R2T against the command they name; a C2HData's data goes straight
+        to the command's memory (returned)."""
         if ptype != tp.C2H_DATA and ptype != tp.R2T:
-            return
+            return None
         cccid, _ttag, offset, length = tp.unpack_data_fields(header)
         slot = self._slot_for(cccid)
         data = self._data[slot.index] if slot is not None else None
@@ -227,6 +230,7 @@ class TcpHostQueue(PduConnection, HostQueue):
             if flags & tp.F_DATA_SUCCESS and offset + length != data[1]:
                 raise tp.PduError("C2HData SUCCESS before all the data (no short reads)",
                                   tp.Fes.DATA_OUT_OF_RANGE, 16)
+            return data[0][offset:offset + length]
         else:
             if data[3]:
                 raise tp.PduError(f"R2T for cid {cccid:#x}, a read",
@@ -235,6 +239,7 @@ class TcpHostQueue(PduConnection, HostQueue):
             if not length or offset != data[2] or offset + length > data[1]:
                 raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
                                   "for before", tp.Fes.DATA_OUT_OF_RANGE, 12)
+            return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         if ptype == tp.CAPSULE_RESP:
@@ -267,8 +272,7 @@ class TcpHostQueue(PduConnection, HostQueue):
     def _c2h(self, flags: int, pdu: memoryview, pdo: int, dlen: int, bad: bool) -> None:
         cccid, _ttag, offset, length = tp.unpack_data_fields(pdu)
         slot = self._slot_for(cccid)
-        data = self._data[slot.index]
-        data[0][offset:offset + length] = pdu[pdo:pdo + length]
+        data = self._data[slot.index]       # the data is in place (precheck named it)
         data[2] = offset + length
         if bad:
             data[4] = True

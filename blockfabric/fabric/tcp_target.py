@@ -179,11 +179,13 @@ class TcpTargetQueue(PduConnection):
         else:
             self._h2c_data(flags, pdu, pdo, dlen, True)
 
-    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+    def precheck(self, ptype: int, flags: int, header: memoryview,
+                 dlen: int) -> memoryview | None:
         """An H2CData's fields, before its data is read (nvmet's checks: a transfer the
-        controller asked for, in order, within what it asked)."""
+        controller asked for, in order, within what it asked); its data goes straight to
+        the memory the transfer lands in (returned)."""
         if ptype != tp.H2C_DATA:
-            return
+            return None
         cccid, ttag, offset, length = tp.unpack_data_fields(header)
         xfer = self._xfer[ttag] if ttag < len(self._xfer) else None
         if xfer is None:
@@ -211,6 +213,7 @@ class TcpTargetQueue(PduConnection):
             raise tp.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
                 "set" if flags & tp.F_DATA_LAST else "clear", end, r2t_end),
                 tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
+        return xfer[0][offset:end]
 
     def _capsule(self, pdu: memoryview, pdo: int, dlen: int, bad_digest: bool) -> None:
         free = self._free
@@ -272,8 +275,7 @@ class TcpTargetQueue(PduConnection):
     def _h2c_data(self, flags: int, pdu: memoryview, pdo: int, dlen: int,
                   bad_digest: bool) -> None:
         cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
-        xfer = self._xfer[ttag]        # precheck made sure of it
-        xfer[0][offset:offset + length] = pdu[pdo:pdo + length]
+        xfer = self._xfer[ttag]        # precheck made sure of it, and put the data in place
         end = xfer[1] = offset + length
         if bad_digest:
             xfer[3] = True

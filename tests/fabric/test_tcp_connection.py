@@ -46,10 +46,25 @@ def h2c(payload: bytes, offset: int = 0) -> bytes:
 
 def drain(conn: Recorder, rounds: int = 1000) -> None:
     for _ in range(rounds):
-        before = (len(conn.got), conn._filled)
+        before = state(conn)
         conn.on_readable()
-        if conn.closed or (len(conn.got), conn._filled) == before:
+        if conn.closed or state(conn) == before:
             return
+
+
+def feed(a, conn: Recorder, stream: bytes, rng, cuts: tuple) -> None:
+    """Send ``stream`` in pieces of the sizes ``cuts`` (at random), draining after each."""
+    pos = 0
+    while pos < len(stream):
+        n = rng.choice(cuts)
+        a.sendall(stream[pos:pos + n])
+        pos += n
+        drain(conn)
+
+
+def state(conn: Recorder) -> tuple:
+    """What a receive changes: PDUs handled, bytes staged, bytes placed straight."""
+    return len(conn.got), conn._filled, conn._direct[4] if conn._direct else None
 
 
 def test_pdus_cut_anywhere_arrive_whole_and_in_order():
@@ -67,12 +82,7 @@ def test_pdus_cut_anywhere_arrive_whole_and_in_order():
                 data = rng.randbytes(rng.choice((16, 3000, 70000, 200000)))
                 stream += h2c(data)
                 want.append((tp.H2C_DATA, data))
-        pos = 0
-        while pos < len(stream):
-            n = rng.choice((1, 7, 23, 500, 4096, 65536))
-            a.sendall(stream[pos:pos + n])
-            pos += n
-            drain(conn)
+        feed(a, conn, stream, rng, (1, 7, 23, 500, 4096, 65536))
         assert conn.lost is None
         assert conn.got == want
         assert conn._filled == 0
@@ -242,3 +252,53 @@ def test_a_connection_is_the_reactors_poller_while_attached():
         reactor.stop()
         reactor.join(5)
         reactor.close()
+
+
+class Placing(Recorder):
+    """Names memory for each H2CData's data, as a target does for a transfer it asked for."""
+
+    def __init__(self, sock, size: int) -> None:
+        super().__init__(sock)
+        self.memory = bytearray(size)
+        self.bad: list[int] = []
+
+    def precheck(self, ptype, flags, header, dlen):
+        if ptype != tp.H2C_DATA:
+            return None
+        offset = tp.unpack_data_fields(header)[2]
+        return memoryview(self.memory)[offset:offset + dlen]
+
+    def on_pdu(self, ptype, flags, pdu, pdo, dlen) -> None:
+        self.got.append((ptype, tp.unpack_data_fields(pdu)[2] if ptype == tp.H2C_DATA
+                         else bytes(pdu[8:72])))
+
+    def on_data_digest_error(self, ptype, flags, pdu, pdo, dlen) -> None:
+        self.bad.append(tp.unpack_data_fields(pdu)[2])
+
+
+def test_large_data_goes_straight_into_its_memory_with_small_pdus_around_it():
+    """200 000-byte H2CData PDUs cut anywhere, capsules between them, one with a wrong data
+    digest: the data lands in the memory precheck named, the staging buffer never grows
+    to hold it, the digest is checked over the memory, and the PDUs keep their order."""
+    rng = random.Random(7)
+    a, b = tcp_pair()
+    size = 200000
+    conn = Placing(b, 4 * size)
+    try:
+        payloads = [rng.randbytes(size) for _ in range(4)]
+        stream, want = b"", []
+        for i, data in enumerate(payloads):
+            pdu = bytearray(h2c(data, i * size))
+            if i == 2:
+                pdu[-1] ^= 0xFF             # its data digest
+            stream += bytes(pdu) + capsules(1)
+            want += [(tp.H2C_DATA, i * size)] if i != 2 else []
+            want.append((tp.CAPSULE_CMD, bytes(64)))
+        feed(a, conn, stream, rng, (1, 3, 100, 4096, 30000, 150000))
+        assert conn.lost is None
+        assert conn.got == want and conn.bad == [2 * size]
+        assert bytes(conn.memory) == b"".join(payloads)
+        assert len(conn._staging) < size and conn._filled == 0
+    finally:
+        a.close()
+        conn.close()

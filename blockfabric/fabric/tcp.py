@@ -35,6 +35,8 @@ from blockfabric.rdma.soft.memory import KeyAllocator, SoftPD
 
 log = logging.getLogger(__name__)
 
+_unpack_header = tp.COMMON.unpack_from       # tp.header, without the call
+
 #: the staging buffer's first size: a connection that only connects costs this
 STAGING_START = 4096
 #: the most it grows to (past the largest PDU it must hold) when receives keep filling it:
@@ -255,7 +257,7 @@ class PduConnection:
                 avail = filled - pos
                 if avail < tp.COMMON_SIZE:
                     break
-                ptype, flags, hlen, pdo, plen = tp.header(view, pos)
+                ptype, flags, hlen, pdo, plen = _unpack_header(view, pos)
                 dlen = tp.check_header(ptype, flags, hlen, pdo, plen,
                                        to_controller=self.to_controller,
                                        initialized=self.initialized, limits=limits)

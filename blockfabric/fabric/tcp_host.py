@@ -123,6 +123,8 @@ class TcpHostQueue(PduConnection, HostQueue):
                           for i in range(depth)])
         #: per slot, the data the transport moves: [view, length, moved, to host, bad]
         self._data: list[list | None] = [None] * depth
+        #: the C2HData precheck passed last: (cccid, its slot's data, the end it reaches)
+        self._checked: tuple = (0, None, 0)
 
     def attach(self, reactor) -> None:
         PduConnection.attach(self, reactor)
@@ -230,6 +232,8 @@ class TcpHostQueue(PduConnection, HostQueue):
             if flags & tp.F_DATA_SUCCESS and offset + length != data[1]:
                 raise tp.PduError("C2HData SUCCESS before all the data (no short reads)",
                                   tp.Fes.DATA_OUT_OF_RANGE, 16)
+            # _c2h (next for this PDU: nothing is parsed between) takes them from here
+            self._checked = (cccid, data, offset + length)
             return data[0][offset:offset + length]
         else:
             if data[3]:
@@ -270,10 +274,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         self._c2h(flags, pdu, pdo, dlen, True)
 
     def _c2h(self, flags: int, pdu: memoryview, pdo: int, dlen: int, bad: bool) -> None:
-        cccid, _ttag, offset, length = tp.unpack_data_fields(pdu)
-        slot = self._slot_for(cccid)
-        data = self._data[slot.index]       # the data is in place (precheck named it)
-        data[2] = offset + length
+        cccid, data, end = self._checked    # precheck's, the data in place
+        data[2] = end
         if bad:
             data[4] = True
         if flags & tp.F_DATA_SUCCESS:       # no CapsuleResp follows: success, unless bad

@@ -95,6 +95,9 @@ class PduConnection:
 
     #: the termination request this side sends (C2H for a controller, H2C for a host)
     term_type = tp.C2H_TERM
+    #: copy what the socket did not take (False: a side whose queued buffers all stay
+    #: valid until the peer has read them)
+    copy_unsent = True
     to_controller = True
 
     def __init__(self, sock: socket.socket, name: str) -> None:
@@ -466,7 +469,8 @@ class PduConnection:
                 out[0] = memoryview(out[0])[sent:]
             # The socket is full: copy what is left (it may reference memory that its
             # owner reuses once told, below) and try again shortly.
-            self._out = out = [bytes(b) for b in out]
+            if self.copy_unsent:
+                self._out = out = [bytes(b) for b in out]
             self._schedule_retry()
             break
         if self._after:

@@ -103,6 +103,11 @@ class TcpHostQueue(PduConnection, HostQueue):
 
     term_type = tp.H2C_TERM
     to_controller = False
+    #: what a host queues stays valid until the controller has read it: fresh headers, and
+    #: a command's data, which its owner keeps until the command completes (which takes
+    #: the controller's answer, so after the data was read): no copy of a 1 MiB write's
+    #: H2CData when the socket is full
+    copy_unsent = False
 
     def __init__(self, sock: socket.socket, pd, resp: tp.ICResp, *, qid: int, depth: int,
                  inline_size: int, name: str, hpda: int = 0) -> None:

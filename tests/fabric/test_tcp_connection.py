@@ -6,10 +6,13 @@ one ``sendmsg``; the reactor's busy-poll receives only while an answer is due.""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
 import time
+
+import pytest
 
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.tcp import STAGING_MAX, STAGING_START, PduConnection, local_pd, resolve
@@ -299,6 +302,34 @@ def test_large_data_goes_straight_into_its_memory_with_small_pdus_around_it():
         assert conn.got == want and conn.bad == [2 * size]
         assert bytes(conn.memory) == b"".join(payloads)
         assert len(conn._staging) < size and conn._filled == 0
+    finally:
+        a.close()
+        conn.close()
+
+
+@pytest.mark.parametrize("copy_unsent", [True, False])
+def test_what_a_full_socket_did_not_take_is_copied_only_where_memory_is_reused(copy_unsent):
+    a, b = tcp_pair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = Recorder(b)
+    conn.copy_unsent = copy_unsent
+    data = bytearray(os.urandom(1 << 20))
+    try:
+        conn.send_now([memoryview(data)])
+        assert conn.unsent > 0
+        assert all(isinstance(v, bytes) for v in conn._out) == copy_unsent
+        if not copy_unsent:
+            assert all(v.obj is data for v in conn._out)
+        got = bytearray()
+        a.settimeout(0.02)
+        deadline = time.monotonic() + 20
+        while len(got) < len(data) and time.monotonic() < deadline:
+            conn.flush()                    # what the reactor's retry timer does
+            try:
+                got += a.recv(1 << 20)
+            except TimeoutError:
+                pass
+        assert got == data and conn.unsent == 0
     finally:
         a.close()
         conn.close()

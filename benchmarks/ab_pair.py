@@ -4,6 +4,8 @@ for ``blockfabric bench``, with both trees' targets and mounts up at the same ti
 loads alternated run by run (the order flipped every iteration).
 
     python benchmarks/ab_pair.py TREE_A TREE_B [--iterations 8] [--runtime 3] [--out F.json]
+    python benchmarks/ab_pair.py TREE_A TREE_B -t tcp --kinds mount \
+        --workloads randread-4k-qd16,randread-4k-qd1,randwrite-4k-qd16   # over NVMe/TCP
 
 Each tree needs its own ``.venv`` (``make venv``).  On a shared machine the load changes
 within seconds, and cost_per_io.py's rounds (a minute or more apart) compare A and B under
@@ -33,18 +35,20 @@ KINDS = ("mount", "bench")
 
 
 def run(tree_a: pathlib.Path, tree_b: pathlib.Path, iterations: int,
-        runtime: float) -> list[dict]:
+        runtime: float, transport: str = "rdma", workloads: tuple = WORKLOADS,
+        kinds: tuple = KINDS) -> list[dict]:
     rows: list[dict] = []
     trees = {"A": tree_a, "B": tree_b}
+    progress = "tcp" if transport == "tcp" else "poll"
     with systems.Workspace() as ws_a, systems.Workspace() as ws_b:
         up = {}
         for side, ws in (("A", ws_a), ("B", ws_b)):
             systems.BIN = trees[side] / ".venv" / "bin"
-            up[side] = ws.blockfabric("poll")
+            up[side] = ws.blockfabric(progress)
         for i in range(iterations):
-            for wkey in WORKLOADS:
+            for wkey in workloads:
                 w = cost.WORKLOADS[wkey]
-                for kind in KINDS:
+                for kind in kinds:
                     for side in ("A", "B") if i % 2 == 0 else ("B", "A"):
                         s = up[side]
                         systems.BIN = trees[side] / ".venv" / "bin"
@@ -54,13 +58,15 @@ def run(tree_a: pathlib.Path, tree_b: pathlib.Path, iterations: int,
                                                       "host": s.client_pid}, runtime)
                         else:
                             res, span = cost.measure(
-                                cost.bench_argv(s.port, w, runtime, "-i", "1"),
+                                cost.bench_argv(s.port, w, runtime, "-i", "1",
+                                                transport=transport),
                                 {"server": s.server_pid}, runtime,
                                 {"BLOCKFABRIC_SOFT_PROGRESS": "poll"})
                         per = span.us_per_io(res.pop("ios"))
                         row = {"iteration": i, "side": side, "kind": kind, "workload": wkey,
                                "target": per.get("server", 0.0), "host": per.get("host", 0.0),
-                               "iops": res["iops"]}
+                               "iops": res["iops"], "p50": res.get("p50_us"),
+                               "p99": res.get("p99_us")}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
     return rows
@@ -70,7 +76,7 @@ def summary(rows: list[dict]) -> list[dict]:
     """Per workload and kind, over the iterations with a run of each side: each side's
     median target+host and host, and the median (min, max) of the per-iteration ratios B/A."""
     out = []
-    for wkey in WORKLOADS:
+    for wkey in cost.WORKLOADS:
         for kind in KINDS:
             side = {s: {r["iteration"]: r for r in rows if r["workload"] == wkey
                         and r["kind"] == kind and r["side"] == s} for s in "AB"}
@@ -79,7 +85,7 @@ def summary(rows: list[dict]) -> list[dict]:
                 continue
             item = {"workload": wkey, "kind": kind, "pairs": len(pairs)}
             for name, part in (("t+h", lambda r: r["target"] + r["host"]),
-                               ("host", lambda r: r["host"])):
+                               ("host", lambda r: r["host"]), ("iops", lambda r: r["iops"])):
                 ratios = sorted(part(side["B"][i]) / part(side["A"][i]) for i in pairs)
                 item[name] = {"A": statistics.median(part(side["A"][i]) for i in pairs),
                               "B": statistics.median(part(side["B"][i]) for i in pairs),
@@ -91,13 +97,15 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def markdown(items: list[dict]) -> str:
     lines = ["| workload | path | pairs | A t+h | B t+h | B/A t+h (min-max) | A host | B host | "
-             "B/A host (min-max) |", "|---" * 9 + "|"]
+             "B/A host (min-max) | A IOPS | B IOPS | B/A IOPS (min-max) |", "|---" * 12 + "|"]
     for it in items:
-        th, h = it["t+h"], it["host"]
+        th, h, io = it["t+h"], it["host"], it["iops"]
         lines.append(f"| {cost.WORKLOADS[it['workload']].title} | {it['kind']} | {it['pairs']} "
                      f"| {th['A']:.1f} | {th['B']:.1f} | {th['ratio']:.2f} "
                      f"({th['range'][0]:.2f}-{th['range'][1]:.2f}) | {h['A']:.1f} | "
-                     f"{h['B']:.1f} | {h['ratio']:.2f} ({h['range'][0]:.2f}-{h['range'][1]:.2f}) |")
+                     f"{h['B']:.1f} | {h['ratio']:.2f} ({h['range'][0]:.2f}-{h['range'][1]:.2f}) "
+                     f"| {io['A']:.0f} | {io['B']:.0f} | {io['ratio']:.2f} "
+                     f"({io['range'][0]:.2f}-{io['range'][1]:.2f}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -108,11 +116,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--runtime", type=float, default=3.0, help="seconds per run")
     p.add_argument("--out", type=pathlib.Path, help="the rows and the summary, as JSON")
+    p.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
+                   help="rdma: the soft provider, poll progress (default); tcp: NVMe/TCP")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma list of {', '.join(cost.WORKLOADS)} (default: "
+                        f"{','.join(WORKLOADS)})")
+    p.add_argument("--kinds", default=",".join(KINDS), help="mount, bench or both")
     a = p.parse_args(argv)
+    workloads = tuple(a.workloads.split(","))
+    kinds = tuple(a.kinds.split(","))
+    for w in workloads:
+        if w not in cost.WORKLOADS:
+            p.error(f"unknown workload {w!r}")
+    for k in kinds:
+        if k not in KINDS:
+            p.error(f"unknown kind {k!r}")
     for tree in (a.tree_a, a.tree_b):
         if not (tree / ".venv" / "bin" / "blockfabric").exists():
             p.error(f"{tree}: no .venv/bin/blockfabric (make venv there)")
-    rows = run(a.tree_a.resolve(), a.tree_b.resolve(), a.iterations, a.runtime)
+    rows = run(a.tree_a.resolve(), a.tree_b.resolve(), a.iterations, a.runtime,
+               a.transport, workloads, kinds)
     items = summary(rows)
     if a.out:
         a.out.write_text(json.dumps({"tree_a": str(a.tree_a), "tree_b": str(a.tree_b),

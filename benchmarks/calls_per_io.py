@@ -5,6 +5,7 @@
     python benchmarks/calls_per_io.py [--rw randread] [--qd 16] [--size 64M] [--top 25]
     python benchmarks/calls_per_io.py --mount [--qd 1]   # fio through the FUSE mount: the
                                                          # mount's reactor and the target's
+    python benchmarks/calls_per_io.py -t tcp [--mount]   # the same over NVMe/TCP
 
 A ramdisk target on the soft provider (poll progress, as ``cost_per_io.py`` runs it) is
 started with its ``Reactor.run_forever`` under cProfile; the bench runs; the target is told
@@ -85,6 +86,8 @@ def main() -> int:
     ap.add_argument("--mount", action="store_true",
                     help="fio (direct, QD1 psync or libaio) through the FUSE mount instead of "
                          "bench, and the mount's reactor profiled too")
+    ap.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
+                    help="rdma: the soft provider, poll progress (default); tcp: NVMe/TCP")
     args = ap.parse_args()
     if args.mount:
         return mount_counts(args)
@@ -97,9 +100,11 @@ def main() -> int:
                 argv = [sys.executable, "-c", WRAPPER, prof, argv[-1]]
             return real_spawn(name, argv, env)
         ws.spawn = spawn
-        port, pid, _ = ws.target("poll")
+        progress = "tcp" if args.transport == "tcp" else "poll"
+        port, pid, _ = ws.target(progress)
         bench = subprocess.run(
-            [systems.BIN / "blockfabric", "bench", *systems.connect_flags(port), "-i", "1",
+            [systems.BIN / "blockfabric", "bench", *systems.connect_flags(port, args.transport),
+             "-i", "1",
              "--rw", args.rw, "--bs", "4k", "--iodepth", str(args.qd), "--size", args.size,
              "--no-time_based", "-o", "json"], capture_output=True, text=True, check=True)
         job = json.loads(bench.stdout)["jobs"][0]
@@ -118,7 +123,7 @@ def report(label: str, dumps: list[pathlib.Path], ios: int, args) -> None:
     st = pstats.Stats(*map(str, dumps))
     total = sum(v[1] for v in st.stats.values())
     python = sum(v[1] for k, v in st.stats.items() if k[0] != "~")
-    print(f"{args.rw} 4k QD{args.qd}: {ios} I/Os; the {label}'s reactor made "
+    print(f"{args.rw} 4k QD{args.qd} ({args.transport}): {ios} I/Os; the {label}'s reactor made "
           f"{total / ios:.1f} calls per I/O, {python / ios:.1f} of them to Python functions")
     by_time = getattr(args, "by_time", False)
     rows = sorted(((k, v) for k, v in st.stats.items() if args.builtins or k[0] != "~"),
@@ -146,7 +151,7 @@ def mount_counts(args) -> int:
                 argv = [sys.executable, "-c", WRAPPER, profs["mount"], "mount", *argv[1:]]
             return real_spawn(name, argv, env)
         ws.spawn = spawn
-        s = ws.blockfabric("poll")
+        s = ws.blockfabric("tcp" if args.transport == "tcp" else "poll")
         engine = ["--ioengine=psync"] if args.qd == 1 else \
             ["--ioengine=libaio", f"--iodepth={args.qd}"]
         fio = subprocess.run(

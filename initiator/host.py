@@ -462,7 +462,11 @@ class ConnectOptions:
     ctrl_loss_tmo: float = 600.0
     connect_timeout: float = 5.0
     arena_size: int = DEFAULT_ARENA
-    disable_sqflow: bool = False
+    #: Connect CATTR bit 2 (nvme connect --disable-sqflow): the controller then reports no
+    #: SQ head, which this host never reads.  None (the default): on NVMe/TCP, where the
+    #: controller then sends a read's data with SUCCESS and no response capsule (Linux
+    #: nvmet and this target do); off on RDMA
+    disable_sqflow: bool | None = None
     send_keep_alive: bool = True    # False only to test a target's keep-alive timeout
     #: DH-HMAC-CHAP secret of this host ('DHHC-1:XX:...:', as nvme connect --dhchap-secret):
     #: used when the subsystem asks the host to authenticate (Connect with ATR).
@@ -639,7 +643,10 @@ class Controller:
         ``authenticate=False`` leaves that to the caller (tests)."""
         data = ConnectData(hostid=self.hostid, cntlid=DYNAMIC_CNTLID if qid == 0 else
                            self.cntlid, subnqn=self.opts.subnqn, hostnqn=self.hostnqn).pack()
-        cattr = 4 if self.opts.disable_sqflow else 0
+        disable = self.opts.disable_sqflow
+        if disable is None:
+            disable = self.opts.transport == "tcp"
+        cattr = 4 if disable else 0
         sqe = ConnectCommand(recfmt=0, qid=qid, sqsize=sqsize, cattr=cattr,
                              kato=kato_ms).to_sqe()
         inline = qid != 0 and queue.inline_size >= CAPSULE_CONNECT_DATA

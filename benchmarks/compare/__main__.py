@@ -14,6 +14,7 @@ Then the library level: ``blockfabric bench`` against libnbd's Python bindings (
 
     python benchmarks/compare [--rounds 3] [--runtime 5] [--out benchmarks/results]
     python benchmarks/compare --quick --out DIR     # a smoke run of seconds
+    python benchmarks/compare --systems tcp,nbd-memory,nbd-python,floor   # some systems only
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import systems  # noqa: E402
 from report import JOBS, Job  # noqa: E402
 
 FIO_JOBS = systems.ROOT / "benchmarks" / "fio"
+#: --systems: the keys, in the order the systems start
+SYSTEM_KEYS = ("thread", "poll", "nbd-memory", "nbd-python", "tcp", "floor", "tmpfs")
 #: Library-level workloads: (key, title, blockfabric bench flags, nbd_qd flags, metric).
 LIBRARY = (
     ("randread-4k-qd1", "randread 4k QD1", ["--rw", "randread", "--bs", "4k", "--iodepth", "1"],
@@ -329,11 +332,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="smoke run: one round, 0.3 s jobs, a 32 MiB volume")
     p.add_argument("--no-install", action="store_true", help="do not apt-get missing peers")
     p.add_argument("--tag", help="added to the results' file names, e.g. baseline")
+    p.add_argument("--systems", default=",".join(SYSTEM_KEYS),
+                   help=f"comma list of {', '.join(SYSTEM_KEYS)} (default: all); the library "
+                        "level runs when thread, poll and nbd-memory are all in")
     p.add_argument("--floor", help="the perf-floor directory (default: "
                                    f"${systems.FLOOR_ENV}, else a shared/perf-floor above the "
                                    "project)")
     a = p.parse_args(argv)
     a.argv = argv
+    a.systems = a.systems.split(",")
+    for key in a.systems:
+        if key not in SYSTEM_KEYS:
+            p.error(f"--systems: unknown system {key!r}")
     a.floor_dir = systems.find_floor(a.floor)
     a.floor_note = (f"floor: {a.floor_dir} (the same interpreter as blockfabric)"
                     if a.floor_dir else "floor: skipped (not found)")
@@ -357,19 +367,23 @@ def main(argv: list[str] | None = None) -> int:
     with systems.Workspace() as ws:
         say(f"workspace {ws.tmp}: starting the systems")
         say(args.floor_note)
-        order = [ws.blockfabric("thread"), ws.blockfabric("poll"), ws.nbd_memory(),
-                 ws.nbd_python(), ws.blockfabric("tcp")]
-        if args.floor_dir:
+        start = {"thread": lambda: ws.blockfabric("thread"),
+                 "poll": lambda: ws.blockfabric("poll"), "nbd-memory": ws.nbd_memory,
+                 "nbd-python": ws.nbd_python, "tcp": lambda: ws.blockfabric("tcp")}
+        order = [start[key]() for key in SYSTEM_KEYS if key in start and key in args.systems]
+        if args.floor_dir and "floor" in args.systems:
             try:
                 order.append(ws.floor(args.floor_dir))
             except systems.SetupError as exc:     # a yardstick, not the thing measured
                 args.floor_note = ("floor: skipped (did not start: "
                                    f"{' '.join(str(exc).split())})")
                 say(args.floor_note)
-        order.append(ws.tmpfs())
+        if "tmpfs" in args.systems:
+            order.append(ws.tmpfs())
         runner = Runner(args, ws)
         runner.fio_rounds(order)
-        runner.library_rounds(order[:2], order[2])
+        if {"thread", "poll", "nbd-memory"} <= set(args.systems):
+            runner.library_rounds(order[:2], order[2])
         elapsed = time.monotonic() - t0
         png = f"{stem}.png"
         labels = {s.key: s.label for s in order}

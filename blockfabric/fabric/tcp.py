@@ -27,15 +27,24 @@ import errno
 import logging
 import socket
 import threading
-from typing import Callable
+from time import monotonic as _monotonic
+from typing import Any
 
 from blockfabric.protocol import tcp_pdu as tp
 from blockfabric.rdma.soft.memory import KeyAllocator, SoftPD
 
 log = logging.getLogger(__name__)
 
+_unpack_header = tp.COMMON.unpack_from       # tp.header, without the call
+
 #: the staging buffer's first size: a connection that only connects costs this
 STAGING_START = 4096
+#: the most it grows to (past the largest PDU it must hold) when receives keep filling it:
+#: a connection with many small PDUs in flight reads them all with one receive per wake-up
+STAGING_MAX = 256 << 10
+#: a data PDU (C2HData, H2CData) carrying at least this much goes straight into the memory
+#: its command names once its header is in (see PduConnection._start_direct)
+DIRECT_MIN = 32 << 10
 #: a send the socket did not take whole is retried after this long (seconds)
 RETRY_DELAY = 0.0005
 IOV_MAX = 512
@@ -86,6 +95,9 @@ class PduConnection:
 
     #: the termination request this side sends (C2H for a controller, H2C for a host)
     term_type = tp.C2H_TERM
+    #: copy what the socket did not take (False: a side whose queued buffers all stay
+    #: valid until the peer has read them)
+    copy_unsent = True
     to_controller = True
 
     def __init__(self, sock: socket.socket, name: str) -> None:
@@ -102,10 +114,17 @@ class PduConnection:
         self._filled = 0
         self._out: list = []
         self._out_bytes = 0
-        #: called once what was queued before them is written or copied (the memory it
-        #: referenced may then be reused)
-        self._after: list[Callable[[], None]] = []
+        #: given to :meth:`released` once what was queued before them is written or
+        #: copied (the memory it referenced may then be reused)
+        self._after: list[Any] = []
         self._flush_queued = False
+        #: PDUs of a receive are being handled: what they send goes out at its end
+        self._in_pass = False
+        #: when the last receive brought bytes (time.monotonic)
+        self.rx_at = 0.0
+        #: a data PDU being received straight into its memory: [type, flags, header (its
+        #: first pdo bytes), destination view, bytes in, data length], or None
+        self._direct: list | None = None
         self._paused = False
         self._retry = None
         self.max_unsent = 64 << 20
@@ -114,8 +133,17 @@ class PduConnection:
 
     # -- the reactor ---------------------------------------------------------------
     def attach(self, reactor) -> None:
+        """Serve the connection on ``reactor``: its socket's readiness, and its busy-poll
+        (``Reactor.add_poller``: before the loop sleeps, it polls the socket while
+        :meth:`expecting` says an answer is due; see :meth:`poll`)."""
         self.reactor = reactor
-        reactor.call_sync(lambda: reactor.add_reader(self.sock.fileno(), self.on_readable))
+
+        def register() -> None:
+            reactor.add_reader(self.sock.fileno(), self.on_readable)
+            add_poller = getattr(reactor, "add_poller", None)
+            if add_poller is not None:
+                add_poller(self.poll)
+        reactor.call_sync(register)
 
     def _detach(self) -> None:
         reactor, self.reactor = self.reactor, None
@@ -125,6 +153,9 @@ class PduConnection:
 
         def unregister() -> None:
             reactor.remove_reader(fd, self.on_readable)
+            remove_poller = getattr(reactor, "remove_poller", None)
+            if remove_poller is not None:
+                remove_poller(self.poll)
         if reactor.thread is None or reactor.thread is threading.current_thread():
             unregister()
         else:
@@ -138,43 +169,98 @@ class PduConnection:
 
     # -- receiving -----------------------------------------------------------------
     def on_readable(self) -> None:
-        if self.closed or self._paused:
-            return
+        if not self.closed and not self._paused:
+            self._receive()
+
+    def poll(self) -> bool | None:
+        """The reactor's busy-poll (``Reactor.add_poller``): one non-blocking receive when
+        an answer is due (:meth:`expecting`), handled as a wake-up's would be; True if
+        something came, False if not yet, None when nothing is due (no point spinning)."""
+        if self.closed or self._paused or not self.expecting():
+            return None
+        return self._receive()
+
+    def expecting(self) -> bool:
+        """Whether the peer is due to send soon (a side overrides it): while so, the
+        reactor polls the socket for up to its ``spin_us`` before it sleeps."""
+        return False
+
+    def _receive(self) -> bool:
+        """One ``recv_into`` the staging buffer, every complete PDU in it handled, and what
+        they queued written with one ``sendmsg``; False when nothing had arrived."""
         view = self._view
+        room = len(view)
+        filled = self._filled
+        direct = self._direct
         try:
-            n = self.sock.recv_into(view[self._filled:])
+            if direct is None:
+                n = self.sock.recv_into(view[filled:])
+            else:
+                # the rest of the data into its memory, what follows into the staging buffer
+                rest = direct[5] - direct[4]
+                n = self.sock.recvmsg_into([direct[3][direct[4]:], view[filled:]])[0]
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
             self.on_lost(f"connection failed: {exc.strerror or exc}")
-            return
+            return True
         if not n:
             self.on_lost("peer disconnected")
-            return
-        self._filled += n
+            return True
+        if direct is not None:
+            if n < rest:
+                direct[4] += n
+                self.rx_at = _monotonic()
+                return True
+            direct[4] = direct[5]
+            n -= rest
+        filled += n
+        self._filled = filled
+        self.rx_at = _monotonic()
+        self._in_pass = True
         try:
             self._parse()
         except tp.PduError as exc:
+            self._end_pass()
             self.terminate(exc)
+            return True
         except Exception as exc:          # a bug: this connection only
+            self._end_pass()
             log.error("%s: PDU handling failed", self.name, exc_info=True)
             self.on_lost(f"PDU handling failed: {type(exc).__name__}: {exc}")
-            return
-        if self._out and not self._flush_queued and not self.closed:
-            self.flush()
+            return True
+        self._end_pass()
+        if filled == room and room < STAGING_MAX and self._view is view and \
+                self._direct is None and self.initialized and not self.closed:
+            # the receive filled the buffer: more was waiting, so read more at once next
+            self._grow(min(STAGING_MAX, 2 * room), 0, self._filled)
+        return True
+
+    def _end_pass(self) -> None:
+        """The receive's PDUs are handled: write what they queued (one ``sendmsg``)."""
+        with self._send_lock:
+            self._in_pass = False
+            if self._out and not self.closed:
+                self._flush_queued = False
+                self._write()
 
     def _parse(self) -> None:
         view = self._view
         filled = self._filled
         pos = 0
         limits = self.limits
+        start = 0
         try:
+            if self._direct is not None:
+                pos = self._finish_direct(view, filled)
+                if self._direct is not None:
+                    return              # its data digest is not in yet
             while not self.closed:
                 start = pos
                 avail = filled - pos
                 if avail < tp.COMMON_SIZE:
                     break
-                ptype, flags, hlen, pdo, plen = tp.header(view, pos)
+                ptype, flags, hlen, pdo, plen = _unpack_header(view, pos)
                 dlen = tp.check_header(ptype, flags, hlen, pdo, plen,
                                        to_controller=self.to_controller,
                                        initialized=self.initialized, limits=limits)
@@ -189,8 +275,12 @@ class PduConnection:
                 if digested and tp.digest(view[pos:pos + hlen]) != \
                         tp.unpack_digest(view, pos + hlen)[0]:
                     raise tp.PduError("header digest mismatch", tp.Fes.HEADER_DIGEST, hlen)
-                self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
+                dest = self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
                 if avail < plen:
+                    if dest is not None and dlen >= DIRECT_MIN and pdo <= avail < pdo + dlen:
+                        pos = self._start_direct(ptype, flags, view, pos, filled, pdo, dlen,
+                                                 dest)
+                        return
                     if plen > len(view):
                         self._grow(plen, pos, filled)
                         pos = 0
@@ -198,6 +288,8 @@ class PduConnection:
                     break
                 pdu = view[pos:pos + plen]
                 pos += plen
+                if dest is not None:
+                    dest[:] = pdu[pdo:pdo + dlen]
                 if dlen and limits.ddgst and ptype > tp.C2H_TERM and \
                         tp.digest(pdu[pdo:pdo + dlen]) != tp.unpack_digest(pdu, plen - 4)[0]:
                     self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
@@ -216,6 +308,40 @@ class PduConnection:
             elif self.closed:
                 self._filled = 0
 
+    def _start_direct(self, ptype: int, flags: int, view: memoryview, pos: int, filled: int,
+                      pdo: int, dlen: int, dest: memoryview) -> int:
+        """A large data PDU whose header is in and whose data is not all: the data in the
+        staging buffer goes to ``dest`` (the memory of its command, from
+        :meth:`precheck`), and the receives that follow put the rest straight there
+        (``recvmsg_into`` the rest of ``dest`` and the staging buffer: still one receive
+        per wake-up, and no copy).  Returns the new parse position (all consumed)."""
+        have = filled - pos - pdo
+        if have:
+            dest[:have] = view[pos + pdo:filled]
+        self._direct = [ptype, flags, bytes(view[pos:pos + pdo]), dest, have, dlen]
+        return filled
+
+    def _finish_direct(self, view: memoryview, filled: int) -> int:
+        """The data of the PDU received straight into its memory is all in: check its data
+        digest (the 4 bytes now at the staging buffer's start) and hand the PDU on;
+        returns the parse position after it (0 and the PDU kept while its digest is not
+        in yet)."""
+        ptype, flags, header, dest, _got, dlen = self._direct
+        pos = 0
+        bad = False
+        if self.limits.ddgst:
+            if filled < tp.DIGEST_SIZE:
+                return 0
+            bad = tp.digest(dest) != tp.unpack_digest(view, 0)[0]
+            pos = tp.DIGEST_SIZE
+        self._direct = None
+        head = memoryview(header)
+        if bad:
+            self.on_data_digest_error(ptype, flags, head, len(header), dlen)
+        else:
+            self.on_pdu(ptype, flags, head, len(header), dlen)
+        return pos
+
     def _grow(self, size: int, pos: int, filled: int) -> None:
         """A new staging buffer that holds a PDU of ``size`` bytes (its header checked),
         with the bytes of it already received at its start."""
@@ -227,9 +353,14 @@ class PduConnection:
         self._view = memoryview(new)
         self._filled = rest
 
-    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+    def precheck(self, ptype: int, flags: int, header: memoryview,
+                 dlen: int) -> memoryview | None:
         """The PDU's header is in (and its digest right), its data not yet: raise
-        :class:`~blockfabric.protocol.tcp_pdu.PduError` if it must not be read on."""
+        :class:`~blockfabric.protocol.tcp_pdu.PduError` if it must not be read on.  For a
+        data PDU, return the ``dlen`` bytes of memory its data goes to: the connection
+        puts it there (received straight into it when large) before :meth:`on_pdu`,
+        whose ``pdu`` may then hold only the header."""
+        return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         """A whole PDU (valid as far as the common checks go); ``pdu`` is only valid during
@@ -270,9 +401,10 @@ class PduConnection:
         self.on_lost(f"protocol error: {exc} (termination request sent, FES {exc.fes:#x})")
 
     # -- sending -------------------------------------------------------------------
-    def send(self, bufs: list, after: Callable[[], None] | None = None) -> None:
-        """Queue ``bufs`` to go out with the rest of this pass (``after``: called once
-        they are written or copied)."""
+    def send(self, bufs: list, after: Any = None) -> None:
+        """Queue ``bufs`` to go out with the rest of this pass: at the end of the receive
+        whose PDUs are being handled, else in the reactor's next pass (``after``: given
+        to :meth:`released` once they are written or copied)."""
         with self._send_lock:
             out = self._out
             for b in bufs:
@@ -280,13 +412,19 @@ class PduConnection:
                 self._out_bytes += len(b)
             if after is not None:
                 self._after.append(after)
-            if self._flush_queued or self.reactor is None:
+            if self._in_pass or self._flush_queued or self.reactor is None:
                 return
             self._flush_queued = True
-        if self.reactor.thread is threading.current_thread():
-            self.reactor.call_soon(self.flush)
+        reactor = self.reactor
+        if reactor.ident == threading.get_ident():
+            reactor.call_soon(self.flush)
         else:
-            self.reactor.call_soon_threadsafe(self.flush)
+            reactor.call_soon_threadsafe(self.flush)
+
+    def released(self, item: Any) -> None:
+        """What was queued with ``after=item`` is written (or copied): ``item()`` unless a
+        side says otherwise."""
+        item()
 
     def send_now(self, bufs: list) -> None:
         """From a thread that is not the reactor's: write ``bufs`` at once (after what is
@@ -331,23 +469,28 @@ class PduConnection:
                 out[0] = memoryview(out[0])[sent:]
             # The socket is full: copy what is left (it may reference memory that its
             # owner reuses once told, below) and try again shortly.
-            self._out = out = [bytes(b) for b in out]
+            if self.copy_unsent:
+                self._out = out = [bytes(b) for b in out]
             self._schedule_retry()
             break
-        after, self._after = self._after, []
-        for fn in after:
-            try:
-                fn()
-            except Exception:
-                log.exception("%s: release after send failed", self.name)
+        if self._after:
+            self._release_after("after send")
         self._pause_if_full()
+
+    def _release_after(self, when: str) -> None:
+        after, self._after = self._after, []
+        for item in after:
+            try:
+                self.released(item)
+            except Exception:
+                log.exception("%s: release %s failed", self.name, when)
 
     def _schedule_retry(self) -> None:
         if self._retry is None and self.reactor is not None:
             def retry() -> None:
                 self._retry = None
                 self.flush()
-            if self.reactor.thread is threading.current_thread():
+            if self.reactor.ident == threading.get_ident():
                 self._retry = self.reactor.call_later(RETRY_DELAY, retry)
             else:
                 self.reactor.call_soon_threadsafe(
@@ -374,13 +517,9 @@ class PduConnection:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        after, self._after = self._after, []
         self._out = []
-        for fn in after:
-            try:
-                fn()
-            except Exception:
-                log.exception("%s: release at close failed", self.name)
+        self._direct = None                 # a view of the memory a transfer was landing in
+        self._release_after("at close")
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError as exc:

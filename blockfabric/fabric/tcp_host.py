@@ -30,6 +30,7 @@ import logging
 import socket
 import struct
 import time
+from threading import get_ident as _get_ident
 
 from blockfabric.fabric.host_side import HostQueue, Slot
 from blockfabric.fabric.tcp import PduConnection, resolve
@@ -102,6 +103,11 @@ class TcpHostQueue(PduConnection, HostQueue):
 
     term_type = tp.H2C_TERM
     to_controller = False
+    #: what a host queues stays valid until the controller has read it: fresh headers, and
+    #: a command's data, which its owner keeps until the command completes (which takes
+    #: the controller's answer, so after the data was read): no copy of a 1 MiB write's
+    #: H2CData when the socket is full
+    copy_unsent = False
 
     def __init__(self, sock: socket.socket, pd, resp: tp.ICResp, *, qid: int, depth: int,
                  inline_size: int, name: str, hpda: int = 0) -> None:
@@ -122,6 +128,8 @@ class TcpHostQueue(PduConnection, HostQueue):
                           for i in range(depth)])
         #: per slot, the data the transport moves: [view, length, moved, to host, bad]
         self._data: list[list | None] = [None] * depth
+        #: the C2HData precheck passed last: (cccid, its slot's data, the end it reaches)
+        self._checked: tuple = (0, None, 0)
 
     def attach(self, reactor) -> None:
         PduConnection.attach(self, reactor)
@@ -133,8 +141,17 @@ class TcpHostQueue(PduConnection, HostQueue):
         """:meth:`HostQueue.submit_rw` without the RDMA queue's reactor fast path, which
         posts the slot's SEND work request itself: here every command goes out through
         :meth:`_post` (the CapsuleCmd PDU, and the data's transport SGL)."""
+        free = self._free
+        if free and _get_ident() == self._loop_ident and self.dead_reason is None:
+            # the reactor's own submission (the mount's): no lock, no closure
+            return self._post_rw(self._take(free.pop(), owner), opcode, nsid, slba, nlb,
+                                 addr, length, rkey, data, False)
         return self._submit_with(owner, lambda slot, locked: self._post_rw(
             slot, opcode, nsid, slba, nlb, addr, length, rkey, data, locked), None)
+
+    def expecting(self) -> bool:
+        """Commands in flight: their answers are due (the reactor spins for them)."""
+        return len(self._free) < self.depth
 
     def _post(self, slot: Slot, length: int, locked: bool) -> int:
         view = slot.view
@@ -192,9 +209,12 @@ class TcpHostQueue(PduConnection, HostQueue):
             return None
         return slot
 
-    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+    def precheck(self, ptype: int, flags: int, header: memoryview,
+                 dlen: int) -> memoryview | None:
+        """C2HData and R2T against the command they name; a C2HData's data goes straight
+        to the command's memory (returned)."""
         if ptype != tp.C2H_DATA and ptype != tp.R2T:
-            return
+            return None
         cccid, _ttag, offset, length = tp.unpack_data_fields(header)
         slot = self._slot_for(cccid)
         data = self._data[slot.index] if slot is not None else None
@@ -217,6 +237,9 @@ class TcpHostQueue(PduConnection, HostQueue):
             if flags & tp.F_DATA_SUCCESS and offset + length != data[1]:
                 raise tp.PduError("C2HData SUCCESS before all the data (no short reads)",
                                   tp.Fes.DATA_OUT_OF_RANGE, 16)
+            # _c2h (next for this PDU: nothing is parsed between) takes them from here
+            self._checked = (cccid, data, offset + length)
+            return data[0][offset:offset + length]
         else:
             if data[3]:
                 raise tp.PduError(f"R2T for cid {cccid:#x}, a read",
@@ -225,6 +248,7 @@ class TcpHostQueue(PduConnection, HostQueue):
             if not length or offset != data[2] or offset + length > data[1]:
                 raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
                                   "for before", tp.Fes.DATA_OUT_OF_RANGE, 12)
+            return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         if ptype == tp.CAPSULE_RESP:
@@ -255,11 +279,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         self._c2h(flags, pdu, pdo, dlen, True)
 
     def _c2h(self, flags: int, pdu: memoryview, pdo: int, dlen: int, bad: bool) -> None:
-        cccid, _ttag, offset, length = tp.unpack_data_fields(pdu)
-        slot = self._slot_for(cccid)
-        data = self._data[slot.index]
-        data[0][offset:offset + length] = pdu[pdo:pdo + length]
-        data[2] = offset + length
+        cccid, data, end = self._checked    # precheck's, the data in place
+        data[2] = end
         if bad:
             data[4] = True
         if flags & tp.F_DATA_SUCCESS:       # no CapsuleResp follows: success, unless bad

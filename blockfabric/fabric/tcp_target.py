@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from time import monotonic as _monotonic
 from typing import Callable, Sequence
 
 from blockfabric.fabric.target_side import Command, TargetQueue
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 
 #: MAXH2CDATA: the most data one H2CData PDU carries (the staging buffer's bound)
 MAXH2CDATA = 128 << 10
+#: how long after a receive the host's next command counts as due (seconds): the
+#: reactor's busy-poll (its ``spin_us``, much shorter) runs for it only within this
+EXPECT_AFTER_RX = 0.002
 #: the most R2Ts outstanding per command, whatever MAXR2T the host asks for
 R2T_CAP = 16
 #: Transient Transport Error (SCT 0, SC 22h): a data digest that does not match
@@ -53,6 +57,7 @@ _SGL_WORDS = struct.Struct("<QQ")
 _CONNECT_SIZES = struct.Struct("<HH")       # SQE @42 qid, @44 sqsize
 _KEYED_WORD = TYPE_KEYED << 56
 _NOT_RDMA = object()         # a Command's send_wr: never armed with RDMA work requests
+_LAST_SUCCESS = tp.F_DATA_LAST | tp.F_DATA_SUCCESS
 
 
 class PeerInfo:
@@ -124,6 +129,13 @@ class TcpTargetQueue(PduConnection):
     def outstanding(self) -> int:
         return len(self.commands) - len(self._free)
 
+    def expecting(self) -> bool:
+        """Commands in flight, or a receive within EXPECT_AFTER_RX: the host's next command
+        is likely due (at QD1 it follows each answer within tens of microseconds), so the
+        reactor spins for it before it sleeps (bounded by its ``spin_us``)."""
+        return len(self._free) < len(self.commands) or \
+            _monotonic() - self.rx_at < EXPECT_AFTER_RX
+
     @property
     def broken(self) -> bool:
         return self.closed
@@ -167,11 +179,13 @@ class TcpTargetQueue(PduConnection):
         else:
             self._h2c_data(flags, pdu, pdo, dlen, True)
 
-    def precheck(self, ptype: int, flags: int, header: memoryview, dlen: int) -> None:
+    def precheck(self, ptype: int, flags: int, header: memoryview,
+                 dlen: int) -> memoryview | None:
         """An H2CData's fields, before its data is read (nvmet's checks: a transfer the
-        controller asked for, in order, within what it asked)."""
+        controller asked for, in order, within what it asked); its data goes straight to
+        the memory the transfer lands in (returned)."""
         if ptype != tp.H2C_DATA:
-            return
+            return None
         cccid, ttag, offset, length = tp.unpack_data_fields(header)
         xfer = self._xfer[ttag] if ttag < len(self._xfer) else None
         if xfer is None:
@@ -199,6 +213,7 @@ class TcpTargetQueue(PduConnection):
             raise tp.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
                 "set" if flags & tp.F_DATA_LAST else "clear", end, r2t_end),
                 tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
+        return xfer[0][offset:end]
 
     def _capsule(self, pdu: memoryview, pdo: int, dlen: int, bad_digest: bool) -> None:
         free = self._free
@@ -260,8 +275,7 @@ class TcpTargetQueue(PduConnection):
     def _h2c_data(self, flags: int, pdu: memoryview, pdo: int, dlen: int,
                   bad_digest: bool) -> None:
         cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
-        xfer = self._xfer[ttag]        # precheck made sure of it
-        xfer[0][offset:offset + length] = pdu[pdo:pdo + length]
+        xfer = self._xfer[ttag]        # precheck made sure of it, and put the data in place
         end = xfer[1] = offset + length
         if bad_digest:
             xfer[3] = True
@@ -328,31 +342,51 @@ class TcpTargetQueue(PduConnection):
                 want -= n
             if want > 0:
                 views.append(bytes(want))   # a host reads exactly what it asked for
-            self._c2h(cmd, views, cmd.data_length, result == 0)
+            out = self._c2h(cmd, views, cmd.data_length, result == 0)
             if result == 0 and not self.sq_flow:
+                self.send(out, cmd)         # SUCCESS on the last C2HData: no CapsuleResp
                 return
+        else:
+            out = []
         cqe = self._cqes[cmd.index]
         pack_cqe_into(cqe, 0, cid, status, result=result,
                       sq_head=self.sqhd if self.sq_flow else 0xFFFF, sq_id=self.qid, dnr=dnr)
-        self.send([tp.capsule_resp(cqe, self.hdgst)], lambda: self._release(cmd))
+        out.append(tp.capsule_resp(cqe, self.hdgst))
+        self.send(out, cmd)
 
     def respond_ok(self, cmd: Command, addr: int = 0, length: int = 0, lkey: int = 0) -> None:
         if cmd.responded or self.closed:
             return
         if length and cmd.sgl_type == TYPE_KEYED:
             cmd.responded = True
-            self._c2h(cmd, [resolve(self.pd, addr, length, lkey)], length, True)
-            if not self.sq_flow:
+            hd = self.hdgst
+            if length <= MAXH2CDATA and not self.ddgst:
+                # the common read: one C2HData PDU (and the CapsuleResp under SQ flow
+                # control), one send
+                if self.sq_flow:
+                    cqe = self._cqes[cmd.index]
+                    pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
+                    self.send([tp.data_header(tp.C2H_DATA, tp.F_DATA_LAST, cmd.cid, 0, 0,
+                                              length, hd, False, self.tx_align),
+                               resolve(self.pd, addr, length, lkey),
+                               tp.capsule_resp(cqe, hd)], cmd)
+                else:
+                    self.send([tp.data_header(tp.C2H_DATA, _LAST_SUCCESS, cmd.cid, 0, 0,
+                                              length, hd, False, self.tx_align),
+                               resolve(self.pd, addr, length, lkey)], cmd)
                 return
-            cqe = self._cqes[cmd.index]
-            pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
-            self.send([tp.capsule_resp(cqe, self.hdgst)], lambda: self._release(cmd))
+            out = self._c2h(cmd, [resolve(self.pd, addr, length, lkey)], length, True)
+            if self.sq_flow:
+                cqe = self._cqes[cmd.index]
+                pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
+                out.append(tp.capsule_resp(cqe, hd))
+            self.send(out, cmd)
             return
         self.respond(cmd)
 
-    def _c2h(self, cmd: Command, views: list, length: int, may_succeed: bool) -> None:
-        """C2HData PDUs carrying ``views`` (``length`` bytes): one per MAXH2CDATA bytes,
-        LAST on the final one, and SUCCESS there too when no CapsuleResp follows."""
+    def _c2h(self, cmd: Command, views: list, length: int, may_succeed: bool) -> list:
+        """The C2HData PDUs carrying ``views`` (``length`` bytes): one per MAXH2CDATA
+        bytes, LAST on the final one, and SUCCESS there too when no CapsuleResp follows."""
         success = may_succeed and not self.sq_flow
         hd, dd, align = self.hdgst, self.ddgst, self.tx_align
         out: list = []
@@ -383,9 +417,9 @@ class TcpTargetQueue(PduConnection):
                     crc = tp.digest(p, crc)
                 out.append(tp.pack_digest(crc))
             offset += n
-        self.send(out, (lambda: self._release(cmd)) if success else None)
+        return out
 
-    def _release(self, cmd: Command) -> None:
+    def released(self, cmd: Command) -> None:
         """The answer is written (or copied): what it read may be reused, the slot too."""
         released = cmd.on_released
         if released is not None:

@@ -112,6 +112,7 @@ class PduError(Exception):
 
 COMMON = struct.Struct("<BBBBI")
 _unpack_common = COMMON.unpack_from
+_pack_common_into = COMMON.pack_into
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,9 +350,12 @@ def capsule_cmd_header(sqe, data_len: int, hdgst: bool, ddgst: bool,
     """The CapsuleCmd header (and its digest, and the zero padding to ``align``) for a
     64-byte ``sqe`` with ``data_len`` bytes of in-capsule data to follow (whose digest the
     caller appends)."""
-    flags, pdo, plen = pdu_lengths(CAPSULE_CMD, data_len, hdgst, ddgst, align)
+    if hdgst or ddgst or align > 4:
+        flags, pdo, plen = pdu_lengths(CAPSULE_CMD, data_len, hdgst, ddgst, align)
+    else:                               # the common case, without the general sums
+        flags, pdo, plen = 0, 72 if data_len else 0, 72 + data_len
     out = bytearray(pdo or 72 + (DIGEST_SIZE if hdgst else 0))
-    COMMON.pack_into(out, 0, CAPSULE_CMD, flags, 72, pdo, plen)
+    _pack_common_into(out, 0, CAPSULE_CMD, flags, 72, pdo, plen)
     out[8:72] = sqe
     if hdgst:
         out[72:76] = pack_digest(crc32c(memoryview(out)[:72]))
@@ -362,7 +366,12 @@ def data_header(ptype: int, flags: int, cccid: int, ttag: int, offset: int, leng
                 hdgst: bool, ddgst: bool, align: int = 4) -> bytearray:
     """An H2CData, C2HData or R2T header (with its digest, and for data the zero padding
     to ``align``); ``flags``: LAST/SUCCESS."""
-    f, pdo, plen = pdu_lengths(ptype, length if ptype != R2T else 0, hdgst, ddgst, align)
+    if hdgst or ddgst or align > 4:
+        f, pdo, plen = pdu_lengths(ptype, length if ptype != R2T else 0, hdgst, ddgst, align)
+    elif ptype == R2T:                  # the common cases, without the general sums
+        f, pdo, plen = 0, 0, H24
+    else:
+        f, pdo, plen = 0, H24, H24 + length
     out = bytearray(pdo or H24 + (DIGEST_SIZE if hdgst else 0))
     pack_h24_into(out, 0, ptype, f | flags, H24, pdo, plen, cccid, ttag, offset, length)
     if hdgst:

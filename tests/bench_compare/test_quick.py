@@ -45,12 +45,23 @@ def quick(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quick")
     work, out = tmp / "work", tmp / "out"
     work.mkdir()
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compare"), "--quick",
-                           "--no-install", "--out", str(out)],
-                          capture_output=True, text=True, timeout=150,
-                          stdin=subprocess.DEVNULL,
-                          env=dict(os.environ, TMPDIR=str(work), PYTHONUNBUFFERED="1"))
-    return done, work, out
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "compare"), "--quick",
+                             "--no-install", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, TMPDIR=str(work), PYTHONUNBUFFERED="1"))
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        # SIGTERM first: compare then unmounts and stops what it started (a SIGKILL, as
+        # subprocess.run's timeout sends, left its mounts and targets behind)
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), work, out
 
 
 def test_quick_run_reports_every_system_and_job(quick):

@@ -19,10 +19,10 @@ from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.rdma import Listener
 from blockfabric.target import config as cfg
-from blockfabric.target import metrics as mx
-from blockfabric.target import reload as rl
+from blockfabric.target import reload
 from blockfabric.target import resvctl
 from blockfabric.target.gateway import refuse_exclusive_lock
+from blockfabric.target.metrics import MetricsServer
 from blockfabric.target.namespace import Namespace, Subsystem
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Reloader:
     def apply(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
         t = self.target
-        plan = rl.plan(t.config, new)
+        plan = reload.plan(t.config, new)
         opened: list[tuple[cfg.Listener, str, Listener]] = []
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
@@ -81,8 +81,8 @@ class Reloader:
                 if old is not None and old.port == new.metrics.port:
                     old.close()      # the same port: it must be free for the new one
                     t.metrics_server = None
-                metrics = mx.MetricsServer(new.metrics.address, new.metrics.port,
-                                           t.metrics_text)
+                metrics = MetricsServer(new.metrics.address, new.metrics.port,
+                                        t.metrics_text)
         except (OSError, BlockfabricError, ValueError) as exc:
             for _l, _p, listener in opened:
                 listener.close()
@@ -107,7 +107,7 @@ class Reloader:
         controller; register what can be applied with the group (GatewayError)."""
         t = self.target
         old = t.config.gateway
-        refusal = rl.gateway_refusal(old, gw)
+        refusal = reload.gateway_refusal(old, gw)
         if refusal is not None:
             raise ValueError(refusal)
         if (gw.cntlid_min, gw.cntlid_max) != (old.cntlid_min, old.cntlid_max):
@@ -131,18 +131,18 @@ class Reloader:
             raise ValueError(f"subsystem {nqn} namespace {ns_conf.nsid}: a file volume cannot "
                              f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
 
-    def _commit(self, plan: rl.ReloadPlan, new: cfg.TargetConfig,
+    def _commit(self, plan: reload.ReloadPlan, new: cfg.TargetConfig,
                 opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
                 namespaces: dict[tuple[str, int], Namespace],
-                metrics: mx.MetricsServer | None) -> None:
+                metrics: MetricsServer | None) -> None:
         """Apply a prepared plan; nothing here is expected to fail."""
         t = self.target
-        removed = {rl.listener_key(x) for x in plan.removed_listeners}
-        for entry in [e for e in t.listeners if rl.listener_key(e[0]) in removed]:
+        removed = {reload.listener_key(x) for x in plan.removed_listeners}
+        for entry in [e for e in t.listeners if reload.listener_key(e[0]) in removed]:
             t._close_listener(entry)
             log.info("stopped listening on %s", entry[0].endpoint)
-        renamed = {rl.listener_key(x): x for x in new.listeners}
-        t.listeners = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in t.listeners]
+        renamed = {reload.listener_key(x): x for x in new.listeners}
+        t.listeners = [(renamed[reload.listener_key(lc)], p, li) for lc, p, li in t.listeners]
         for entry in opened:
             t._add_listener(entry)
         t.config = new
@@ -163,7 +163,7 @@ class Reloader:
         # authenticate differently), go.
         t.destroy_where(lambda c: not c.is_discovery and not t.may_stay(c),
                             "no longer allowed by the configuration")
-        t.destroy_where(lambda c: rl.listener_key(c.listener) in removed,
+        t.destroy_where(lambda c: reload.listener_key(c.listener) in removed,
                             "listener removed")
         if plan.control_socket_changed:
             if t.control_server is not None:
@@ -190,7 +190,7 @@ class Reloader:
                 if ctrl.is_discovery:
                     ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
 
-    def _commit_subsystem(self, change: rl.SubsystemChange,
+    def _commit_subsystem(self, change: reload.SubsystemChange,
                           namespaces: dict[tuple[str, int], Namespace]) -> None:
         t = self.target
         sub = t.subsystems[change.new.nqn]

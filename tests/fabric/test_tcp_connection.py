@@ -8,7 +8,7 @@ import random
 import socket
 
 from blockfabric.fabric.tcp import STAGING_START, PduConnection, local_pd, resolve
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 
 
 class Recorder(PduConnection):
@@ -35,8 +35,9 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def h2c(payload: bytes, offset: int = 0) -> bytes:
-    return bytes(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, 0, offset, len(payload),
-                                False, True)) + payload + tp.pack_digest(tp.digest(payload))
+    return bytes(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 1, 0, offset,
+                                     len(payload), False, True)) \
+        + payload + tcp_pdu.pack_digest(tcp_pdu.digest(payload))
 
 
 def drain(conn: Recorder, rounds: int = 1000) -> None:
@@ -56,12 +57,12 @@ def test_pdus_cut_anywhere_arrive_whole_and_in_order():
         for i in range(40):
             if i % 3:
                 sqe = bytes([i]) * 64
-                stream += bytes(tp.capsule_cmd_header(sqe, 0, False, True))
-                want.append((tp.CAPSULE_CMD, sqe))
+                stream += bytes(tcp_pdu.capsule_cmd_header(sqe, 0, False, True))
+                want.append((tcp_pdu.CAPSULE_CMD, sqe))
             else:       # some small, some larger than the staging buffer's start
                 data = rng.randbytes(rng.choice((16, 3000, 70000, 200000)))
                 stream += h2c(data)
-                want.append((tp.H2C_DATA, data))
+                want.append((tcp_pdu.H2C_DATA, data))
         pos = 0
         while pos < len(stream):
             n = rng.choice((1, 7, 23, 500, 4096, 65536))
@@ -81,12 +82,14 @@ def test_a_refused_header_never_grows_the_buffer():
     conn = Recorder(b)
     try:
         # 1 GiB announced as in-capsule data: refused from its 8 header bytes
-        a.sendall(tp.COMMON.pack(tp.CAPSULE_CMD, tp.F_DDGST, 72, 72, 1 << 30) + bytes(64))
+        a.sendall(tcp_pdu.COMMON.pack(tcp_pdu.CAPSULE_CMD, tcp_pdu.F_DDGST, 72, 72, 1 << 30)
+                  + bytes(64))
         drain(conn)
         assert conn.closed and "protocol error" in conn.lost
         assert len(conn._staging) == STAGING_START
         term = a.recv(4096)
-        assert term[0] == tp.C2H_TERM and tp.unpack_term(term)[0] == tp.Fes.INVALID_HEADER_FIELD
+        assert term[0] == tcp_pdu.C2H_TERM
+        assert tcp_pdu.unpack_term(term)[0] == tcp_pdu.Fes.INVALID_HEADER_FIELD
     finally:
         a.close()
 

@@ -47,13 +47,7 @@ def load() -> SimpleNamespace:
         if _pv is not None:
             return _pv
         try:
-            import pyverbs.cmid as cmid
-            import pyverbs.cq as cq
-            import pyverbs.device as device
-            import pyverbs.mr as mr
-            import pyverbs.pd as pd
-            import pyverbs.qp as qp
-            import pyverbs.wr as wr
+            from pyverbs import cmid, cq, device, mr, pd, qp, wr   # the verbs' own names
             from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
         except ImportError as exc:
             raise ProviderUnavailable(f"{PYVERBS_HINT} ({exc})") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Mapping
 
 from blockfabric import __version__
 from blockfabric.cliutil import HelpFormatter, not_implemented
@@ -128,8 +129,15 @@ def add_output_format(p: argparse.ArgumentParser) -> None:
                    help="output format")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockfabric", description=DESCRIPTION, epilog=EPILOG,
+class CommandParser(argparse.ArgumentParser):
+    """The top-level parser, which also keeps each command's parser (for its usage
+    errors)."""
+
+    commands: Mapping[str, argparse.ArgumentParser]
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="blockfabric", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -320,7 +328,7 @@ def _handler(command: str):
     return getattr(module, func, None)
 
 
-def resolve_path_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def resolve_path_args(parser: CommandParser, args: argparse.Namespace) -> None:
     """Fill in --path's default ports now that -s is known; refuse repeats (usage errors)."""
     if not getattr(args, "paths", None):
         return

@@ -17,12 +17,15 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.initiator import runtime
 from blockfabric.initiator.fusefs import MountOptions, VolumeFS
 from blockfabric.initiator.host import ConnectOptions, Controller
+
+if TYPE_CHECKING:
+    from blockfabric.initiator.initiator_config import MountSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +54,15 @@ def check_mountpoint(mountpoint: str) -> str:
 
 
 def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
-                on_ready: Callable[[], None] | None = None) -> None:
+                on_ready: Callable[[], object] | None = None) -> None:
     """Connect, mount, serve until unmounted, then disconnect and drop the record.
 
     Termination signals are blocked while the controller's threads start, so that they
     inherit the block and libfuse's handler runs in the main thread, the one it wakes."""
     if options.binding == "libfuse":
         from blockfabric.initiator import fuse_binding as binding
-    else:
-        from blockfabric.initiator import fuse_kernel as binding
+    else:   # the same interface (serve, mount), in another module
+        from blockfabric.initiator import fuse_kernel as binding  # type: ignore[no-redef]
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
     try:
         ctrl = Controller(conn).connect()
@@ -195,7 +198,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return mount_one(connect_options(args, args.nqn), args.mountpoint, mopts, args.foreground)
 
 
-def mount_all(specs: list) -> int:
+def mount_all(specs: Sequence[MountSpec]) -> int:
     """Bring up every listed mount (each daemonised, in turn), skipping live ones; one
     failure does not stop the others."""
     failed = 0

@@ -85,6 +85,7 @@ def _features(ctrl: Controller, set_: bool, fid: int, nsid: int, value: int = 0)
     from blockfabric.protocol.capsule import SQE
     sqe = SQE(opcode=AdminOpcode.SET_FEATURES if set_ else AdminOpcode.GET_FEATURES,
               nsid=nsid, cdw10=fid, cdw11=value)
+    assert ctrl.admin is not None
     cqe, _ = ctrl.wait(ctrl.admin, sqe, f"{'Set' if set_ else 'Get'} Features {fid:#x}")
     return cqe.result & 0xFFFFFFFF
 

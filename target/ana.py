@@ -25,6 +25,7 @@ from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.target import config as cfg
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Timer
     from blockfabric.target.controller import Controller
     from blockfabric.target.server import Target
 
@@ -58,7 +59,7 @@ class Ana:
         #: Controllers told of an ANA change that have not read the ANA log since: no
         #: second event until they do (as the NVMe spec's event masking).
         self._told: weakref.WeakSet[Controller] = weakref.WeakSet()
-        self._timer = None
+        self._timer: Timer | None = None
         self.groups: frozenset[int] = frozenset(gw.ana_groups)
         self.refresh()
 
@@ -147,6 +148,7 @@ class Ana:
         if not retain:
             self._told.discard(ctrl)
         members: dict[int, list[int]] = {}
+        assert ctrl.subsystem is not None   # an ANA log page is read on an I/O controller
         for ns in ctrl.subsystem.namespaces.values():
             members.setdefault(ns.ana_group, []).append(ns.nsid)
         groups = [logpages.AnaGroupDescriptor(g, self.state(g), self.chgcnt, tuple(sorted(n)))

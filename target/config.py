@@ -269,7 +269,7 @@ class Namespace(Model):
         """This namespace with uuid/nguid filled in where unset, derived from the subsystem
         NQN and the nsid so that they are the same on every start."""
         name = f"{subnqn}/{self.nsid}"
-        ids = {}
+        ids: dict[str, Any] = {}
         if self.uuid is None:
             ids["uuid"] = str(uuid.uuid5(_ID_NAMESPACE, name))
         if self.nguid is None:
@@ -294,7 +294,7 @@ class Host(Model):
         if self.dhchap_ctrl_secret is not None and self.dhchap_secret is None:
             where.at("dhchap_secret").fail("a host secret too (the controller authenticates "
                                            "only after the host has)")
-        if (self.dhchap_ctrl_secret is not None
+        if (self.dhchap_ctrl_secret is not None and self.dhchap_secret is not None
                 and self.dhchap_ctrl_secret.key == self.dhchap_secret.key):
             where.at("dhchap_ctrl_secret").fail("a secret other than dhchap_secret (with one "
                                                 "key, a reflected challenge proves nothing)",
@@ -323,7 +323,8 @@ class HostEntry(Nested):
             where.fail(f"{NQN.expected}, or a mapping ({Host.WHAT})", value)
         return Host(nqn=NQN.load(value, where))
 
-    def dump(self, value: Host) -> Any:
+    def dump(self, value: Model) -> Any:
+        assert isinstance(value, Host)
         return value.to_dict() if value.dhchap_secret is not None else value.nqn
 
 

@@ -185,7 +185,8 @@ def register(st: State, hostid: bytes, action: int, iekey: bool, cptpl: int, crk
     """Reservation Register (0x0D)."""
     if cptpl == resv.Cptpl.RESERVED or (cptpl == resv.Cptpl.PERSIST and not ptpl_capable):
         return _fail(st, StatusCode.INVALID_FIELD)
-    ptpl = {resv.Cptpl.CLEAR: False, resv.Cptpl.PERSIST: True}.get(cptpl)
+    choices: dict[int, bool] = {resv.Cptpl.CLEAR: False, resv.Cptpl.PERSIST: True}
+    ptpl = choices.get(cptpl)
     w = _Work(st)
     key = w.regs.get(hostid)
     if action == resv.RegisterAction.REGISTER:

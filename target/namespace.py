@@ -18,6 +18,7 @@ from blockfabric.target.backends import Backend, open_backend
 from blockfabric.target.metrics import IoStats
 
 if TYPE_CHECKING:
+    from blockfabric.target.reservations import State
     from blockfabric.target.resvstore import Store
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ class Namespace:
         self.ana_status = 0
         # Reservations (blockfabric.target.resvctl): the state this daemon knows (None:
         # unreadable) and whether nothing is reserved (the I/O path's one test).
-        self.resv_state = None
+        self.resv_state: State | None = None
         self.resv_store: Store      # set by resvctl.attach, just below
+        self.resv_bound = False     # resvctl.bind: its store's watch is set up
         self.resv_open = True
         try:
             resvctl.attach(self)

@@ -89,7 +89,7 @@ def check_io(ctrl: Controller, nss: list[Namespace], opcode: int) -> None:
             status = io_status(ctrl, ns, True)
             if status:
                 raise ProtocolError(f"namespace {ns.nsid}: reservation conflict",
-                                    status, dnr=status == reservations.CONFLICT)
+                                    StatusCode(status), dnr=status == reservations.CONFLICT)
 
 
 # -- per controller: the notification log ---------------------------------------------------
@@ -142,6 +142,7 @@ def _notify(controllers: dict[int, Controller], ns: Namespace,
 def execute(ctrl: Controller, cmd: Command, ns: Namespace) -> None:
     """Reservation Register, Acquire, Release (data: keys) or Report (data: status)."""
     sqe = cmd.sqe
+    assert sqe is not None              # a command with an SQE (not a fabrics one)
     if sqe.opcode == resv.OP_REPORT:
         _report(ctrl, cmd, ns)
         return
@@ -280,7 +281,8 @@ def _read_again(target: Target, ns: Namespace) -> None:
 
 
 def _watch(target: Target, ns: Namespace) -> None:
-    store: RadosStore = ns.resv_store
+    store = ns.resv_store
+    assert isinstance(store, RadosStore)    # watched only when the state is in RADOS
     wait = NOTIFY_TIMEOUT_MS / 1000 - 1
 
     def apply(out: reservations.Outcome) -> None:
@@ -333,6 +335,7 @@ def _watch(target: Target, ns: Namespace) -> None:
 
 def _report(ctrl: Controller, cmd: Command, ns: Namespace) -> None:
     sqe = cmd.sqe
+    assert sqe is not None
     length = 4 * ((sqe.cdw10 & 0xFFFFFFFF) + 1)
     ctrl._check_length(cmd, length)        # SGL and MDTS, before anything is built
     if not sqe.cdw11 & 1:
@@ -355,6 +358,7 @@ def set_feature(ctrl: Controller, cmd: Command, fid: int, nsid: int, value: int)
         if value & ~resv.MASK_ALL:
             raise ProtocolError(f"reservation notification mask {value:#x}",
                                 StatusCode.INVALID_FIELD)
+        assert ctrl.subsystem is not None   # features of an I/O controller
         nsids = list(ctrl.subsystem.namespaces) if nsid == 0xFFFFFFFF \
             else [_ns(ctrl, nsid).nsid]
         for n in nsids:

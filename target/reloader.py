@@ -26,6 +26,7 @@ from blockfabric.target.metrics import MetricsServer
 from blockfabric.target.namespace import Namespace, Subsystem
 
 if TYPE_CHECKING:
+    from blockfabric.target.controller import Controller
     from blockfabric.target.server import Target
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Reloader:
                 sub.close()
             for ns in namespaces.values():
                 ns.close()
-            if gateway_prepared and t.coordinator is not None:
+            if gateway_prepared and t.coordinator is not None and new.gateway is not None:
                 t.coordinator.rollback(new.gateway)
             t._reload_failed(f"{new.source}: {exc}")
             return False
@@ -110,6 +111,7 @@ class Reloader:
         refusal = reload.gateway_refusal(old, gw)
         if refusal is not None:
             raise ValueError(refusal)
+        assert gw is not None and old is not None   # gateway_refusal refuses the rest
         if (gw.cntlid_min, gw.cntlid_max) != (old.cntlid_min, old.cntlid_max):
             outside = sorted(cntlid for cntlid, c in t.controllers.items()
                              if not c.is_discovery
@@ -127,7 +129,7 @@ class Reloader:
     def _check_resize(self, nqn: str, ns_conf: cfg.Namespace) -> None:
         t = self.target
         ns = t.subsystems[nqn].namespaces[ns_conf.nsid]
-        if ns_conf.backend == "file" and ns_conf.size < ns.size:
+        if ns_conf.backend == "file" and ns_conf.size is not None and ns_conf.size < ns.size:
             raise ValueError(f"subsystem {nqn} namespace {ns_conf.nsid}: a file volume cannot "
                              f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
 
@@ -148,7 +150,9 @@ class Reloader:
         t.config = new
         for nqn in plan.removed_subsystems:
             sub = t.subsystems.pop(nqn)
-            t.destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
+            def in_removed(c: Controller, s: Subsystem = sub) -> bool:
+                return c.subsystem is s
+            t.destroy_where(in_removed, "subsystem removed")
             for ns in sub.namespaces.values():
                 self.retire(sub, ns)
             sub.namespaces.clear()
@@ -163,8 +167,8 @@ class Reloader:
         # authenticate differently), go.
         t.destroy_where(lambda c: not c.is_discovery and not t.may_stay(c),
                             "no longer allowed by the configuration")
-        t.destroy_where(lambda c: reload.listener_key(c.listener) in removed,
-                            "listener removed")
+        t.destroy_where(lambda c: c.listener is not None
+                        and reload.listener_key(c.listener) in removed, "listener removed")
         if plan.control_socket_changed:
             if t.control_server is not None:
                 t.control_server.close()
@@ -177,6 +181,7 @@ class Reloader:
         resvctl.bind(t)          # new namespaces: their shared reservation state
         if t.ana is not None:
             if plan.gateway_changed:
+                assert new.gateway is not None  # a reload never takes a gateway out
                 t.ana.reconfigure(new.gateway)
                 if t.coordinator is not None:
                     t.coordinator.reconfigure(new.gateway)
@@ -228,8 +233,10 @@ class Reloader:
         t = self.target
         sub.retired.add(ns.stats)
         t._closing.append(ns)
-        self.when_idle(ns, lambda: (close_namespace(ns), t._closing.remove(ns)),
-                        f"closing subnqn={sub.nqn} nsid={ns.nsid}")
+        def close() -> None:
+            close_namespace(ns)
+            t._closing.remove(ns)
+        self.when_idle(ns, close, f"closing subnqn={sub.nqn} nsid={ns.nsid}")
 
     def resize(self, sub: Subsystem, ns: Namespace, conf: cfg.Namespace) -> None:
         """Hold new commands, wait for those running, resize, release, tell the hosts."""

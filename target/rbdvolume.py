@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
@@ -38,6 +39,8 @@ from blockfabric.target import config as cfg
 from blockfabric.target.backends import Backend, Unavailable, _bytes_view
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Timer
+    from blockfabric.target.controller import Controller
     from blockfabric.target.namespace import Namespace, Subsystem
     from blockfabric.target.server import Target
 
@@ -101,7 +104,10 @@ class RbdBackend(Backend):
         rados, rbd = _modules()
         self.conf = conf
         self.spec = conf.spec
-        self._cluster = self._ioctx = self._image = None
+        # rados.Rados, rados.Ioctx, rbd.Image once open (python3-rados/-rbd are untyped)
+        self._cluster: Any = None
+        self._ioctx: Any = None
+        self._image: Any = None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
@@ -223,9 +229,10 @@ class RbdBackend(Backend):
                 if last:
                     post(lambda: done(failed[0] if failed else None))
             for offset, length in ranges:
-                self._submit(lambda o=offset, n=length: image.aio_discard(
-                    o, n, self._completion(lambda f: f(), one_done,
-                                           f"discard {n} bytes at {o}")))
+                def discard(o: int = offset, n: int = length) -> Any:
+                    return image.aio_discard(o, n, self._completion(
+                        lambda f: f(), one_done, f"discard {n} bytes at {o}"))
+                self._submit(discard)
         elif op == "flush":
             self._check(0, 0)
             self._submit(lambda: image.aio_flush(self._completion(post, done, "flush")))
@@ -359,7 +366,7 @@ class VolumeWatch:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self._timer = None
+        self._timer: Timer | None = None
         self.unavailable_events = 0
 
     # -- availability -------------------------------------------------------------------
@@ -381,12 +388,14 @@ class VolumeWatch:
                       "reconnect (Controller Busy until it answers) within their ctrl_loss_tmo",
                       ",".join(s.nqn for s in subs) or "-", ns.nsid, exc)
             for sub in subs:
-                target.destroy_where(lambda c, s=sub: c.subsystem is s,
-                                      f"namespace {ns.nsid} unavailable")
-            target.reactor.call_later(PROBE_INTERVAL, lambda n=ns: self._probe(n))
+                def on_sub(c: Controller, s: Subsystem = sub) -> bool:
+                    return c.subsystem is s
+                target.destroy_where(on_sub, f"namespace {ns.nsid} unavailable")
+            target.reactor.call_later(PROBE_INTERVAL, functools.partial(self._probe, ns))
 
     def _probe(self, ns: Namespace) -> None:
         backend = ns.backend
+        assert isinstance(backend, RbdBackend)      # probed: an rbd namespace went unavailable
         if backend.closed or backend.unavailable is None:
             return
 
@@ -458,7 +467,7 @@ class VolumeWatch:
                         log.warning("nsid %d: checking the image size: %s", n.nsid, exc)
                     elif r and r[0] != n.size and not n.backend.closed and not n.paused \
                             and target.subsystems.get(s.nqn) is s:
-                        log.info("rbd image %s: size %s -> %s", n.backend.spec,
+                        log.info("rbd image %s: size %s -> %s", n.conf.rbd_image,
                                  format_size(n.size), format_size(r[0]))
                         target.reloader.resize(s, n, dataclasses.replace(n.conf, size=r[0]))
                 target.run_blocking(work, finish, "(rbd size check)")

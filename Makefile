@@ -32,7 +32,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
-.PHONY: all deps venv lint test demo lab lab-auth lab-resv lab-systemd install install-venv install-units \
+.PHONY: all deps venv lint typecheck test demo lab lab-auth lab-resv lab-systemd install install-venv install-units \
         uninstall bench bench-cost bench-rdma bench-rdma-lab bench-verbs-lab soak fuzz clean help
 
 all: help
@@ -40,7 +40,8 @@ all: help
 help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
 	@echo "make test   set up and run the full test suite (make lint first)"
-	@echo "make lint   pyflakes checks through ruff (rules in pyproject.toml)"
+	@echo "make lint   pyflakes checks through ruff, and make typecheck (rules in pyproject.toml)"
+	@echo "make typecheck   mypy: strict on blockfabric/protocol, default elsewhere"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
 	@echo "make lab-resv   reservations seen by the kernel's host: nvme resv-* of three host NQNs (6.12 guest)"
@@ -86,8 +87,20 @@ venv: deps $(STAMP)
 TEST_JOBS ?= 3
 # lint: pyflakes' checks through ruff (unused and undefined names and imports, syntax; the
 # rules are in pyproject.toml), a second or so; make test runs it first.
-lint: venv
+lint: venv typecheck
 	$(PY) -m ruff check .
+
+# mypy sees the package as it is installed: blockfabric/ with target/ and initiator/ inside it
+# (as blockfabric.target and blockfabric.initiator), through a tree of links in the venv.
+# Paths in its messages are turned back into the repository's.
+TYPECHECK_TREE := $(VENV)/typecheck
+typecheck: venv
+	@rm -rf $(TYPECHECK_TREE)/blockfabric && mkdir -p $(TYPECHECK_TREE)/blockfabric
+	@for f in blockfabric/*.py blockfabric/*/; do ln -s "$$PWD/$${f%/}" $(TYPECHECK_TREE)/blockfabric/; done
+	@ln -s "$$PWD/target" "$$PWD/initiator" $(TYPECHECK_TREE)/blockfabric/
+	set -o pipefail; cd $(TYPECHECK_TREE) && $(CURDIR)/$(PY) -m mypy \
+	  --config-file $(CURDIR)/pyproject.toml -p blockfabric \
+	  | sed -e 's,^blockfabric/target/,target/,' -e 's,^blockfabric/initiator/,initiator/,'
 XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 test: lint
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)

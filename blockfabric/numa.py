@@ -562,7 +562,7 @@ def bound_regions() -> list[tuple[str, int, int]]:
 
 def numa_maps(pid: int | str = "self") -> list[tuple[int, str, dict[int, int]]]:
     """``/proc/PID/numa_maps``: (start, policy, {node: pages present}) per mapping."""
-    out = []
+    out: list[tuple[int, str, dict[int, int]]] = []
     try:
         with open(f"/proc/{pid}/numa_maps") as f:
             lines = f.readlines()

@@ -184,7 +184,7 @@ def block_crc(crc: Callable[..., int], view: memoryview) -> int:
     return crc(view[at + 4:], crc(view[:at]))
 
 
-def fill_block(crc: Callable[..., int], buf: bytearray, offset: int, seed: int,
+def fill_block(crc: Callable[..., int], buf: bytearray | memoryview, offset: int, seed: int,
                numberio: int) -> None:
     """Stamp the header into ``buf`` (already holding the data pattern) and seal it."""
     view = memoryview(buf)
@@ -192,7 +192,7 @@ def fill_block(crc: Callable[..., int], buf: bytearray, offset: int, seed: int,
     struct.pack_into("<I", view, VerifyHeader.CRC_AT, block_crc(crc, view))
 
 
-def check_block(crc: Callable[..., int], data: bytes, offset: int,
+def check_block(crc: Callable[..., int], data: bytes | memoryview, offset: int,
                 expect: tuple[int, int] | None) -> str | None:
     """Why ``data`` read at ``offset`` is not the block that belongs there, or None.
     ``expect`` is (seed, numberio) of the last write this run made there, if any."""
@@ -361,6 +361,7 @@ class Job:
         # The slots' data: registered with the controller, so that reads land there and
         # writes go from there by RDMA (or in the capsule): no arena block, no copy.
         stride = -(-opts.bs // 4096) * 4096
+        assert ctrl.pd is not None
         self.mem = HostMemory(ctrl.pd, stride * opts.iodepth)
         self.rkey = self.mem.rkey
         self.slots = [Slot(self, k, queues[k % len(queues)],
@@ -920,9 +921,9 @@ def _bw_text(bw_bytes: float) -> str:
             break
     else:
         binary = f"{bw_bytes:.0f}B/s"
-    for factor, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if bw_bytes >= factor:
-            return f"{binary} ({bw_bytes / factor:.3g}{unit}/s)"
+    for decimal, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if bw_bytes >= decimal:
+            return f"{binary} ({bw_bytes / decimal:.3g}{unit}/s)"
     return f"{binary} ({bw_bytes:.0f}B/s)"
 
 

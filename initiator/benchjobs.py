@@ -177,7 +177,7 @@ class ProcessBench:
             for conn in wait([self.conns[j] for j in self._pending], timeout=0.25):
                 j = by_conn[id(conn)]
                 try:
-                    msg = conn.recv()
+                    msg: Any = conn.recv()  # type: ignore[union-attr,call-arg]  # a Connection
                 except (EOFError, OSError):
                     self._pending.discard(j)
                     self.procs[j].join(1)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Mapping
 
 from blockfabric import __version__
 from blockfabric.cliutil import HelpFormatter, not_implemented
@@ -68,10 +69,11 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
     ``short`` False leaves -a -n -t -k -c -i to the command (nvme resv-* use them)."""
     def s(flag: str) -> tuple[str, ...]:
         return (flag,) if short else ()
+    from blockfabric.initiator.initiator_config import CONNECT_DEFAULTS as default
 
     p.add_argument(*s("-a"), "--traddr", required=True, metavar="ADDR",
                    help="target transport address (IPv4 or IPv6)")
-    p.add_argument("-s", "--trsvcid", default="4420", type=_port, metavar="PORT",
+    p.add_argument("-s", "--trsvcid", default=default["trsvcid"], type=_port, metavar="PORT",
                    help="target transport service id (port)")
     if multipath:
         p.add_argument("--path", dest="paths", action="append", type=_path,
@@ -88,25 +90,31 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                        help="NVMe qualified name of the subsystem")
     p.add_argument("-q", "--hostnqn", metavar="HOSTNQN", help="this host's NQN")
     p.add_argument("-I", "--hostid", metavar="UUID", help="this host's identifier")
-    p.add_argument(*s("-t"), "--transport", choices=("rdma", "tcp"), default="rdma",
+    p.add_argument(*s("-t"), "--transport", choices=("rdma", "tcp"),
+                   default=default["transport"],
                    help="rdma (NVMe-oF over RDMA: --provider) or tcp (NVMe/TCP: any NVMe/TCP "
                         "target, no RDMA device needed)")
     p.add_argument("-g", "--hdr-digest", action="store_true",
                    help="NVMe/TCP: CRC32C header digest on every PDU")
     p.add_argument("-G", "--data-digest", action="store_true",
                    help="NVMe/TCP: CRC32C data digest on every PDU with data")
-    p.add_argument("--provider", choices=("auto", "soft", "verbs"), default="auto",
+    p.add_argument("--provider", choices=("auto", "soft", "verbs"),
+                   default=default["provider"],
                    help="RDMA provider: verbs needs an RDMA device owning a local address on "
                         "the route to the target; soft is software RDMA over TCP")
-    p.add_argument(*s("-i"), "--nr-io-queues", type=int, default=2, metavar="N",
+    p.add_argument(*s("-i"), "--nr-io-queues", type=int, default=default["nr_io_queues"],
+                   metavar="N",
                    help="number of I/O queues")
-    p.add_argument("-Q", "--queue-size", type=int, default=128, metavar="N",
+    p.add_argument("-Q", "--queue-size", type=int, default=default["queue_size"], metavar="N",
                    help="I/O queue depth (16..1024)")
-    p.add_argument(*s("-k"), "--keep-alive-tmo", type=int, default=5, metavar="SEC",
+    p.add_argument(*s("-k"), "--keep-alive-tmo", type=int, default=default["keep_alive_tmo"],
+                   metavar="SEC",
                    help="keep-alive timeout in seconds")
-    p.add_argument(*s("-c"), "--reconnect-delay", type=int, default=10, metavar="SEC",
+    p.add_argument(*s("-c"), "--reconnect-delay", type=int, default=default["reconnect_delay"],
+                   metavar="SEC",
                    help="seconds between reconnect attempts")
-    p.add_argument("-l", "--ctrl-loss-tmo", type=int, default=600, metavar="SEC",
+    p.add_argument("-l", "--ctrl-loss-tmo", type=int, default=default["ctrl_loss_tmo"],
+                   metavar="SEC",
                    help="seconds to keep reconnecting before failing I/O (-1: forever)")
     p.add_argument("-S", "--dhchap-secret", metavar="DHHC-1:XX:KEY:",
                    help="this host's DH-HMAC-CHAP secret, used when the subsystem asks the "
@@ -155,8 +163,15 @@ def add_output_format(p: argparse.ArgumentParser) -> None:
                    help="output format")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockfabric", description=DESCRIPTION, epilog=EPILOG,
+class CommandParser(argparse.ArgumentParser):
+    """The top-level parser, which also keeps each command's parser (for its usage
+    errors)."""
+
+    commands: Mapping[str, argparse.ArgumentParser]
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="blockfabric", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -354,7 +369,7 @@ def _handler(command: str):
     return getattr(module, func, None)
 
 
-def resolve_path_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def resolve_path_args(parser: CommandParser, args: argparse.Namespace) -> None:
     """Fill in --path's default ports now that -s is known; refuse repeats (usage errors)."""
     if not getattr(args, "paths", None):
         return

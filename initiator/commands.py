@@ -9,7 +9,7 @@ from typing import Any
 
 from blockfabric.initiator.host import (ConnectOptions, Controller, NvmeError, discover)
 from blockfabric.initiator.multipath import format_path
-from blockfabric.protocol import DiscoveryLogEntry, IdentifyController
+from blockfabric.protocol import DiscoveryLogEntry
 from blockfabric.sizes import human_size
 
 
@@ -70,7 +70,8 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
 
 def controller_dict(ctrl: Controller) -> dict[str, Any]:
-    ident: IdentifyController = ctrl.identify
+    ident = ctrl.identify
+    assert ident is not None            # read when the controller connected
     return {
         "subnqn": ident.subnqn, "cntlid": ctrl.cntlid, "serial": ident.sn, "model": ident.mn,
         "firmware": ident.fr,
@@ -122,12 +123,14 @@ def cmd_connect(args: argparse.Namespace) -> int:
 def cmd_identify(args: argparse.Namespace) -> int:
     with Controller(options(args, args.nqn)).connect() as ctrl:
         ident = ctrl.identify
+        assert ident is not None
         fields = {f: getattr(ident, f) for f in ident.__dataclass_fields__}
         namespaces = {}
         for nsid, ns in ctrl.namespaces.items():
             if args.namespace_id is not None and nsid != args.namespace_id:
                 continue
             nsf = ns.identify
+            assert nsf is not None
             namespaces[nsid] = {f: getattr(nsf, f) for f in nsf.__dataclass_fields__}
         if args.namespace_id is not None and args.namespace_id not in namespaces:
             raise NvmeError(f"namespace {args.namespace_id}", 0x00B, True)
@@ -139,9 +142,9 @@ def cmd_identify(args: argparse.Namespace) -> int:
     print("NVME Identify Controller:")
     for key, value in fields.items():
         print(f"{key:9}: {_show(value)}")
-    for nsid, nsf in namespaces.items():
+    for nsid, ns_fields in namespaces.items():
         print(f"\nNVME Identify Namespace {nsid}:")
-        for key, value in nsf.items():
+        for key, value in ns_fields.items():
             print(f"{key:9}: {_show(value)}")
     return 0
 

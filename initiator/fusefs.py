@@ -39,7 +39,7 @@ FALLOC_FL_ZERO_RANGE = 0x10
 _LOCK_STRIPES = 256
 
 # NVMe statuses that have a natural errno; the rest are EIO (what a disk error is).
-_ERRNO_OF_STATUS = {
+_ERRNO_OF_STATUS: dict[int, int] = {
     StatusCode.LBA_OUT_OF_RANGE: errno.ENOSPC,
     StatusCode.CAPACITY_EXCEEDED: errno.ENOSPC,
     StatusCode.NS_WRITE_PROTECTED: errno.EROFS,

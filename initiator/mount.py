@@ -17,13 +17,16 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from blockfabric import numa
 from blockfabric.errors import BlockfabricError
 from blockfabric.initiator import runtime
 from blockfabric.initiator.fusefs import MountOptions, VolumeFS
 from blockfabric.initiator.host import ConnectOptions, Controller
+
+if TYPE_CHECKING:
+    from blockfabric.initiator.initiator_config import MountSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ def check_mountpoint(mountpoint: str) -> str:
 
 
 def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
-                on_ready: Callable[[], None] | None = None,
+                on_ready: Callable[[], object] | None = None,
                 cpus: frozenset[int] | None = None) -> None:
     """Connect, mount, serve until unmounted, then disconnect and drop the record.
 
@@ -60,8 +63,8 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
     inherit the block and libfuse's handler runs in the main thread, the one it wakes."""
     if options.binding == "libfuse":
         from blockfabric.initiator import fuse_binding as binding
-    else:
-        from blockfabric.initiator import fuse_kernel as binding
+    else:   # the same interface (serve, mount), in another module
+        from blockfabric.initiator import fuse_kernel as binding  # type: ignore[no-redef]
     # --cpus, or the route's NIC's node; before the threads and buffers exist (best effort)
     numa.place_host(conn.traddr, cpus, rdma=conn.transport == "rdma")
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
@@ -200,7 +203,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                      args.cpus)
 
 
-def mount_all(specs: list) -> int:
+def mount_all(specs: Sequence[MountSpec]) -> int:
     """Bring up every listed mount (each daemonised, in turn), skipping live ones; one
     failure does not stop the others."""
     failed = 0

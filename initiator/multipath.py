@@ -97,12 +97,13 @@ def resolve_paths(primary: tuple[str, int], extra: list[tuple],
     for item in extra:
         address, port = item[0], item[1]
         own = item[2] if len(item) > 2 and item[2] else None
-        path = (address, primary[1] if port is None else port) + ((own,) if own else ())
-        key = _key(*path[:2], own or transport)
+        port = primary[1] if port is None else port
+        key = _key(address, port, own or transport)
         if key in seen:
-            raise ValueError(f"path {format_path(*path)} is the same as {seen[key]}")
-        seen[key] = f"path {format_path(*path)} given before"
-        out.append(path)
+            raise ValueError(f"path {format_path(address, port, own)} is the same as "
+                             f"{seen[key]}")
+        seen[key] = f"path {format_path(address, port, own)} given before"
+        out.append((address, port) + ((own,) if own else ()))
     return out
 
 

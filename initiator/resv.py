@@ -28,7 +28,7 @@ import json
 import sys
 
 from blockfabric.initiator.host import Controller, Namespace, NvmeError
-from blockfabric.protocol import resv as pr
+from blockfabric.protocol import resv
 from blockfabric.protocol.opcodes import AdminOpcode
 from blockfabric.protocol.status import StatusCode
 
@@ -48,7 +48,7 @@ def register(ns: Namespace, nrkey: int = 0, crkey: int = 0, rrega: int = 0, *,
     """Reservation Register: RREGA 0 register NRKEY, 1 unregister, 2 replace CRKEY by NRKEY;
     CPTPL 0 no change, 2 clear, 3 persist through power loss (a target restart)."""
     _send(ns, "Reservation Register",
-          pr.register_sqe(ns.nsid, rrega, crkey, nrkey, iekey=iekey, cptpl=cptpl))
+          resv.register_sqe(ns.nsid, rrega, crkey, nrkey, iekey=iekey, cptpl=cptpl))
 
 
 def acquire(ns: Namespace, crkey: int, rtype: int, racqa: int = 0, prkey: int = 0, *,
@@ -56,7 +56,7 @@ def acquire(ns: Namespace, crkey: int, rtype: int, racqa: int = 0, prkey: int = 
     """Reservation Acquire: RACQA 0 acquire, 1 preempt PRKEY's holders/registrants, 2 preempt
     and abort (returns once none of their commands is in flight at the target)."""
     _send(ns, "Reservation Acquire",
-          pr.acquire_sqe(ns.nsid, racqa, rtype, crkey, prkey, iekey=iekey))
+          resv.acquire_sqe(ns.nsid, racqa, rtype, crkey, prkey, iekey=iekey))
 
 
 def release(ns: Namespace, crkey: int, rtype: int = 0, rrela: int = 0, *,
@@ -64,39 +64,40 @@ def release(ns: Namespace, crkey: int, rtype: int = 0, rrela: int = 0, *,
     """Reservation Release: RRELA 0 release (RTYPE must be the reservation's), 1 clear
     (every registration goes)."""
     _send(ns, "Reservation Release",
-          pr.release_sqe(ns.nsid, rrela, rtype, crkey, iekey=iekey))
+          resv.release_sqe(ns.nsid, rrela, rtype, crkey, iekey=iekey))
 
 
 def report(ns: Namespace, eds: bool = True, length: int = REPORT_BYTES
-           ) -> pr.ReservationStatus:
+           ) -> resv.ReservationStatus:
     """Reservation Report (the extended data structure: 128-bit host IDs)."""
     ctrl = ns.ctrl
-    _, data = ctrl.wait(ctrl.io_queue(), pr.report_sqe(ns.nsid, length, eds),
+    _, data = ctrl.wait(ctrl.io_queue(), resv.report_sqe(ns.nsid, length, eds),
                         "Reservation Report", data_in=length)
-    return pr.ReservationStatus.unpack(data or b"", eds)
+    return resv.ReservationStatus.unpack(data or b"", eds)
 
 
-def notification_log(ctrl: Controller) -> pr.NotificationLog:
+def notification_log(ctrl: Controller) -> resv.NotificationLog:
     """One entry of the reservation notification log (LID 0x80; each read takes one)."""
-    return pr.NotificationLog.unpack(ctrl.get_log_page(pr.LID_RESV_NOTIFY, pr.LOG_ENTRY))
+    return resv.NotificationLog.unpack(ctrl.get_log_page(resv.LID_RESV_NOTIFY, resv.LOG_ENTRY))
 
 
 def _features(ctrl: Controller, set_: bool, fid: int, nsid: int, value: int = 0) -> int:
     from blockfabric.protocol.capsule import SQE
     sqe = SQE(opcode=AdminOpcode.SET_FEATURES if set_ else AdminOpcode.GET_FEATURES,
               nsid=nsid, cdw10=fid, cdw11=value)
+    assert ctrl.admin is not None
     cqe, _ = ctrl.wait(ctrl.admin, sqe, f"{'Set' if set_ else 'Get'} Features {fid:#x}")
     return cqe.result & 0xFFFFFFFF
 
 
 def set_notification_mask(ctrl: Controller, mask: int, nsid: int = 0xFFFFFFFF) -> None:
     """Set Features 0x82: bit 1 masks registration preempted, 2 released, 3 preempted."""
-    _features(ctrl, True, pr.FID_RESV_MASK, nsid, mask)
+    _features(ctrl, True, resv.FID_RESV_MASK, nsid, mask)
 
 
 def get_persistence(ctrl: Controller, nsid: int) -> bool:
     """Get Features 0x83: whether the namespace's reservations persist through power loss."""
-    return bool(_features(ctrl, False, pr.FID_RESV_PERSIST, nsid) & 1)
+    return bool(_features(ctrl, False, resv.FID_RESV_PERSIST, nsid) & 1)
 
 
 # -- command line --------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def cmd_resv(args: argparse.Namespace) -> int:
         print()
         return 0
     print(f"\nNVME Reservation status:\n\ngen       : {status.gen}\n"
-          f"rtype     : {status.rtype} ({pr.RTYPE_NAMES.get(status.rtype, '?')})\n"
+          f"rtype     : {status.rtype} ({resv.RTYPE_NAMES.get(status.rtype, '?')})\n"
           f"regctl    : {status.regctl}\nptpls     : {int(status.ptpls)}")
     for i, r in enumerate(status.registrants):
         print(f"regctlext[{i}] :\n  cntlid     : {r.cntlid:x}\n  rcsts      : {int(r.holder)}"

@@ -18,13 +18,14 @@ import weakref
 from typing import TYPE_CHECKING
 
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import identify as idn
-from blockfabric.protocol import logpages as lp
+from blockfabric.protocol.identify import CMIC_ANA, CMIC_MULTI_CTRL, CMIC_MULTI_PORT
+from blockfabric.protocol import logpages
 from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.target import config as cfg
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Timer
     from blockfabric.target.controller import Controller
     from blockfabric.fabric.reactor import Reactor
     from blockfabric.target.namespace import Subsystem
@@ -37,9 +38,9 @@ log = logging.getLogger(__name__)
 #: does when its ana_grpid changes).
 ANACAP = 0x1F
 
-_STATUS = {lp.AnaState.INACCESSIBLE: StatusCode.ANA_INACCESSIBLE,
-           lp.AnaState.PERSISTENT_LOSS: StatusCode.ANA_PERSISTENT_LOSS,
-           lp.AnaState.CHANGE: StatusCode.ANA_TRANSITION}
+_STATUS = {logpages.AnaState.INACCESSIBLE: StatusCode.ANA_INACCESSIBLE,
+           logpages.AnaState.PERSISTENT_LOSS: StatusCode.ANA_PERSISTENT_LOSS,
+           logpages.AnaState.CHANGE: StatusCode.ANA_TRANSITION}
 
 
 class Ana:
@@ -53,8 +54,8 @@ class Ana:
         self.subsystems = subsystems
         self.controllers = controllers
         self.gw = gw
-        self.others = (lp.AnaState.INACCESSIBLE if gw.others == "inaccessible"
-                       else lp.AnaState.NON_OPTIMIZED)
+        self.others = (logpages.AnaState.INACCESSIBLE if gw.others == "inaccessible"
+                       else logpages.AnaState.NON_OPTIMIZED)
         self.chgcnt = 1
         #: group -> monotonic deadline of this gateway's lease (the groups it owns)
         self.owned: dict[int, float] = {}
@@ -64,13 +65,13 @@ class Ana:
         #: Controllers told of an ANA change that have not read the ANA log since: no
         #: second event until they do (as the NVMe spec's event masking).
         self._told: weakref.WeakSet[Controller] = weakref.WeakSet()
-        self._timer = None
+        self._timer: Timer | None = None
         self.groups: frozenset[int] = frozenset(gw.ana_groups)
         self.refresh()
 
     # -- state ------------------------------------------------------------------------
-    def state(self, group: int) -> lp.AnaState:
-        return lp.AnaState.OPTIMIZED if group in self.owned else self.others
+    def state(self, group: int) -> logpages.AnaState:
+        return logpages.AnaState.OPTIMIZED if group in self.owned else self.others
 
     def refresh(self) -> None:
         """Recompute every namespace's group and path flag (at start, after a change of
@@ -111,8 +112,8 @@ class Ana:
     def reconfigure(self, gw: cfg.Gateway) -> None:
         """A reload's new ``gateway`` section (what gateway.Coordinator.reconfigure does
         not: what this gateway reports for the groups it does not own)."""
-        others = (lp.AnaState.INACCESSIBLE if gw.others == "inaccessible"
-                  else lp.AnaState.NON_OPTIMIZED)
+        others = (logpages.AnaState.INACCESSIBLE if gw.others == "inaccessible"
+                  else logpages.AnaState.NON_OPTIMIZED)
         self.gw = gw
         if others != self.others:
             self.others = others
@@ -153,15 +154,16 @@ class Ana:
         if not retain:
             self._told.discard(ctrl)
         members: dict[int, list[int]] = {}
+        assert ctrl.subsystem is not None   # an ANA log page is read on an I/O controller
         for ns in ctrl.subsystem.namespaces.values():
             members.setdefault(ns.ana_group, []).append(ns.nsid)
-        groups = [lp.AnaGroupDescriptor(g, self.state(g), self.chgcnt, tuple(sorted(n)))
+        groups = [logpages.AnaGroupDescriptor(g, self.state(g), self.chgcnt, tuple(sorted(n)))
                   for g, n in sorted(members.items())]
-        return lp.pack_ana_log(self.chgcnt, groups, rgo)
+        return logpages.pack_ana_log(self.chgcnt, groups, rgo)
 
     def identify(self) -> dict[str, int]:
         """Identify Controller fields for a member of a gateway group."""
-        return {"cmic": idn.CMIC_MULTI_PORT | idn.CMIC_MULTI_CTRL | idn.CMIC_ANA,
+        return {"cmic": CMIC_MULTI_PORT | CMIC_MULTI_CTRL | CMIC_ANA,
                 "anatt": self.gw.anatt, "anacap": ANACAP,
                 "anagrpmax": cfg.ANA_GROUP_MAX, "nanagrpid": cfg.ANA_GROUP_MAX,
                 # the Linux host's ANA set-up requires 0 < MNAN <= NN

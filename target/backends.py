@@ -25,7 +25,7 @@ import logging
 import mmap
 import os
 import stat
-from typing import Callable
+from typing import Any, Callable
 
 from blockfabric import numa
 from blockfabric.sizes import MiB, format_size
@@ -43,7 +43,7 @@ def _fill_zero(buf: memoryview) -> None:
         buf[start:start + chunk] = _ZEROS[:chunk]
 
 
-def _bytes_view(buf: object) -> memoryview:
+def _bytes_view(buf: Any) -> memoryview:
     """A flat unsigned-byte view of any contiguous buffer (lengths then count bytes)."""
     view = memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
@@ -305,7 +305,7 @@ class FileBackend(Backend):
             raise OSError(errno.EINVAL, "a block device takes its size from the device",
                           self.path)
         os.ftruncate(self._fd, size)
-        if self._map is not None:
+        if self._map is not None and self._view is not None:
             self._view.release()
             self._map.resize(size)
             self._view = memoryview(self._map)
@@ -357,7 +357,8 @@ class FileBackend(Backend):
     def _close(self) -> None:
         try:
             if self._map is not None:
-                self._view.release()
+                if self._view is not None:
+                    self._view.release()
                 self._map.close()
         finally:
             os.close(self._fd)
@@ -376,10 +377,20 @@ class NullBackend(Backend):
         pass
 
 
+def _sized(ns: Namespace) -> int:
+    assert ns.size is not None      # the config requires a size of every backend but rbd
+    return ns.size
+
+
+def _path(ns: Namespace) -> str:
+    assert ns.path is not None      # the config requires a path of backend file
+    return ns.path
+
+
 _OPENERS: dict[str, Callable[[Namespace], Backend]] = {
-    "ramdisk": lambda ns: RamdiskBackend(ns.size, ns.block_size, ns.read_only),
-    "file": lambda ns: FileBackend(ns.path, ns.size, ns.block_size, ns.read_only),
-    "null": lambda ns: NullBackend(ns.size, ns.block_size, ns.read_only),
+    "ramdisk": lambda ns: RamdiskBackend(_sized(ns), ns.block_size, ns.read_only),
+    "file": lambda ns: FileBackend(_path(ns), _sized(ns), ns.block_size, ns.read_only),
+    "null": lambda ns: NullBackend(_sized(ns), ns.block_size, ns.read_only),
     "rbd": lambda ns: _open_rbd(ns),
 }
 

@@ -22,9 +22,9 @@ from blockfabric.fabric.reactor import Timer
 from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.logutil import printable
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import identify as idn
-from blockfabric.protocol import logpages as lp
-from blockfabric.protocol import auth as au
+from blockfabric.protocol import identify
+from blockfabric.protocol import logpages
+from blockfabric.protocol import auth
 from blockfabric.protocol.admin import (OAES_ANA_CHANGE, OAES_DISCOVERY_CHANGE, OAES_NS_ATTR,
                                         AsyncEvent,
                                         AsyncEventType, AsyncNotice, GetFeatures, GetLogPage,
@@ -34,7 +34,7 @@ from blockfabric.protocol.controller import ControllerState, Phase
 from blockfabric.protocol.fabrics import CAP, VS, PropertyGet, PropertySet
 from blockfabric.protocol.opcodes import (FABRICS_OPCODE, AdminOpcode, FabricsType,
                                           FeatureId, IdentifyCNS, LogPageId)
-from blockfabric.protocol import resv as pr
+from blockfabric.protocol import resv
 from blockfabric.target import resvctl
 from blockfabric.target.ctrl_auth import AuthGate, no_auth
 from blockfabric.target.ctrl_io import IoCommands
@@ -89,12 +89,12 @@ class Controller(AuthGate, IoCommands):
         self.listener = None                # the cfg.Listener it came in on (set by connect)
         #: Set when the host's allow-list entry has a DH-HMAC-CHAP secret: then every queue
         #: authenticates (Connect answers ATR) before it runs anything but Fabrics commands.
-        self.auth_policy: au.AuthPolicy | None = None
-        self.auth: dict[int, au.TargetAuth] = {}
+        self.auth_policy: auth.AuthPolicy | None = None
+        self.auth: dict[int, auth.TargetAuth] = {}
         #: Per queue: ends the queue (the admin queue: the controller) if it is not
         #: authenticated in time (limits.auth_timeout).
         self.auth_timers: dict[int, Timer] = {}
-        self._auth_reported: set[au.TargetAuth] = set()
+        self._auth_reported: set[auth.TargetAuth] = set()
         self.auth_failures = 0
         self.peer = ""
         # The log context of every line about this controller (key=value, greppable); the
@@ -275,26 +275,26 @@ class Controller(AuthGate, IoCommands):
                 raise ProtocolError("active namespace list from NSID >= 0xFFFFFFFE",
                                     StatusCode.INVALID_NS)
             nsids = tuple(n for n in sorted(self.subsystem.namespaces) if n > ident.nsid)
-            data = idn.ActiveNamespaceList(nsids=nsids[:1024]).pack()
+            data = identify.ActiveNamespaceList(nsids=nsids[:1024]).pack()
         elif ident.cns == IdentifyCNS.NS_ID_DESCRIPTORS:
             ns = self._namespace(ident.nsid)
-            data = idn.NamespaceIdDescriptorList.of(
-                [(idn.NidType.NGUID, ns.nguid), (idn.NidType.UUID, ns.uuid),
-                 (idn.NidType.CSI, b"\0")]).pack()
+            data = identify.NamespaceIdDescriptorList.of(
+                [(identify.NidType.NGUID, ns.nguid), (identify.NidType.UUID, ns.uuid),
+                 (identify.NidType.CSI, b"\0")]).pack()
         else:  # pragma: no cover - Identify.from_sqe refuses other CNS values
             raise ProtocolError(f"Identify CNS {ident.cns:#x}", StatusCode.INVALID_FIELD)
         self.send_data(cmd, data)
 
-    def identify_controller(self) -> idn.IdentifyController:
+    def identify_controller(self) -> identify.IdentifyController:
         limits = self.res.limits
         sub = self.subsystem
         inline = limits.inline_data_size
         # CMIC: a subsystem takes any number of controllers (hosts, and a host's paths),
         # through every listener; the Linux host refuses a second controller of a subsystem
         # whose CMIC lacks bit 1.  A gateway group adds the ANA bit.
-        cmic = idn.CMIC_MULTI_PORT | idn.CMIC_MULTI_CTRL if sub else 0
+        cmic = identify.CMIC_MULTI_PORT | identify.CMIC_MULTI_CTRL if sub else 0
         ana = self.owner.ana.identify() if self.owner.ana and sub else {"cmic": cmic}
-        return idn.IdentifyController(
+        return identify.IdentifyController(
             vid=0, ssvid=0,
             sn=sub.serial if sub else self.owner.discovery_serial,
             mn=sub.model if sub else "blockfabric discovery",
@@ -303,16 +303,16 @@ class Controller(AuthGate, IoCommands):
             mdts=(self.mdts_bytes // 4096).bit_length() - 1,
             cntlid=self.cntlid, ver=NVME_VERSION,
             oaes=self._oaes(),
-            ctratt=pr.CTRATT_HOSTID_128,
-            cntrltype=idn.CNTRLTYPE_DISCOVERY if self.is_discovery else idn.CNTRLTYPE_IO,
+            ctratt=resv.CTRATT_HOSTID_128,
+            cntrltype=identify.CNTRLTYPE_DISCOVERY if self.is_discovery else identify.CNTRLTYPE_IO,
             acl=3, aerl=AERL, frmw=3, lpa=0, elpe=0,
             kas=self.res.keep_alive.kas_ms // 100,
             sqes=0x66, cqes=0x44, maxcmd=self.queue_size,
             nn=0 if self.is_discovery else 1024,
             oncs=(0 if self.is_discovery else
-                  idn.ONCS_DSM | idn.ONCS_WRITE_ZEROES | pr.ONCS_RESERVATIONS),
+                  identify.ONCS_DSM | identify.ONCS_WRITE_ZEROES | resv.ONCS_RESERVATIONS),
             vwc=0 if self.is_discovery else 1,
-            sgls=idn.SGLS_SUPPORTED | idn.SGLS_KEYED | idn.SGLS_OFFSET,
+            sgls=identify.SGLS_SUPPORTED | identify.SGLS_KEYED | identify.SGLS_OFFSET,
             subnqn=sub.nqn if sub else self.owner.discovery_nqn,
             ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0, fcatt=0, msdbd=1,
             **ana)
@@ -334,12 +334,13 @@ class Controller(AuthGate, IoCommands):
             raise ProtocolError(f"Identify Namespace NSID {nsid:#x}", StatusCode.INVALID_NS)
         ns = self.subsystem.namespaces.get(nsid)
         if ns is None:
-            return bytes(idn.IDENTIFY_SIZE)  # an inactive NSID: the all-zero page
-        return idn.IdentifyNamespace(
+            return bytes(identify.IDENTIFY_SIZE)  # an inactive NSID: the all-zero page
+        return identify.IdentifyNamespace(
             nsze=ns.nblocks, ncap=ns.nblocks, nuse=ns.nblocks, nlbaf=0, flbas=0,
-            nmic=1, rescap=resvctl.rescap(ns), anagrpid=ns.ana_group, dlfeat=1, nsattr=idn.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
+            nmic=1, rescap=resvctl.rescap(ns), anagrpid=ns.ana_group, dlfeat=1,
+            nsattr=identify.NSATTR_WRITE_PROTECTED if ns.read_only else 0,
             nguid=ns.nguid, eui64=bytes(8),
-            lbaf=(idn.LBAFormat(ms=0, ds=ns.block_size.bit_length() - 1, rp=0),),
+            lbaf=(identify.LBAFormat(ms=0, ds=ns.block_size.bit_length() - 1, rp=0),),
         ).pack()
 
     # Log pages ----------------------------------------------------------------------------
@@ -360,18 +361,18 @@ class Controller(AuthGate, IoCommands):
             page = bytes(64)
         elif lid == LogPageId.SMART:
             io = self.io
-            page = lp.SmartLog(data_units_read=-(-io.bytes[READ] // 512000),
-                               data_units_written=-(-io.bytes[WRITE] // 512000),
+            page = logpages.SmartLog(data_units_read=-(-io.bytes[READ] // 512000),
+                                     data_units_written=-(-io.bytes[WRITE] // 512000),
                                host_reads=io.ops[READ], host_writes=io.ops[WRITE],
                                temperature=300).pack()
         elif lid == LogPageId.CHANGED_NS:
             nsids = sorted(self.changed_nsids)
             self.changed_nsids.clear()
-            page = lp.ChangedNamespaceList(nsids=tuple(nsids[:1024])).pack()
+            page = logpages.ChangedNamespaceList(nsids=tuple(nsids[:1024])).pack()
         elif lid == LogPageId.FW_SLOT:
             page = bytes(512)
         elif lid == LogPageId.ANA and self.owner.ana is not None:
-            page = self.owner.ana.log_page(self, rgo=bool(glp.lsp & lp.ANA_LSP_RGO),
+            page = self.owner.ana.log_page(self, rgo=bool(glp.lsp & logpages.ANA_LSP_RGO),
                                             retain=glp.rae)
         elif lid == LogPageId.RESV_NOTIFY:
             page = self.resv.next_page()
@@ -452,8 +453,8 @@ class Controller(AuthGate, IoCommands):
     def notify_resv(self) -> None:
         """A reservation notification log entry was queued: AEN type 6 (not subject to
         Set Features 0x0B, as nvmet's NVME_AER_CSS events)."""
-        if pr.AEN_RESV not in self.pending_events:
-            self.pending_events.append(pr.AEN_RESV)
+        if resv.AEN_RESV not in self.pending_events:
+            self.pending_events.append(resv.AEN_RESV)
         self._deliver_events()
 
     def _deliver_events(self) -> None:

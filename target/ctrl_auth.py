@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from blockfabric.fabric.reactor import Timer
 from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import auth as au
+from blockfabric.protocol import auth as dhchap
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.opcodes import FABRICS_OPCODE, FabricsType
 
@@ -42,10 +42,10 @@ class AuthGate:
     res: Resources
     owner: Owner
     queues: dict[int, TargetQueue]
-    auth_policy: au.AuthPolicy | None
-    auth: dict[int, au.TargetAuth]
+    auth_policy: dhchap.AuthPolicy | None
+    auth: dict[int, dhchap.TargetAuth]
     auth_timers: dict[int, Timer]
-    _auth_reported: set[au.TargetAuth]
+    _auth_reported: set[dhchap.TargetAuth]
     auth_failures: int
     dead: bool
     last_activity: float
@@ -55,12 +55,12 @@ class AuthGate:
         not authenticate (so that path costs nothing more), else a gate in front of it."""
         if self.auth_policy is None:
             return self.handle
-        state = au.TargetAuth(self.auth_policy, self.hostnqn, self.subnqn)
+        state = dhchap.TargetAuth(self.auth_policy, self.hostnqn, self.subnqn)
         self.auth[qid] = state
         self._arm_auth_timer(self.queues[qid], state)
         return lambda cmd: self._gate(cmd, state)
 
-    def _arm_auth_timer(self, queue: TargetQueue, auth: au.TargetAuth) -> None:
+    def _arm_auth_timer(self, queue: TargetQueue, auth: dhchap.TargetAuth) -> None:
         """Within limits.auth_timeout the queue is authenticated (its Connect just now), or
         its failed exchange answered (a failure): else the queue ends (the admin queue: the
         controller).  nvmet resets an abandoned transaction after KATO (120 s without);
@@ -73,7 +73,7 @@ class AuthGate:
         self.auth_timers[queue.qid] = self.res.reactor.call_later(
             timeout, lambda: self._auth_expired(queue, auth, timeout))
 
-    def _auth_expired(self, queue: TargetQueue, auth: au.TargetAuth, timeout: int) -> None:
+    def _auth_expired(self, queue: TargetQueue, auth: dhchap.TargetAuth, timeout: int) -> None:
         qid = queue.qid
         if self.auth.get(qid) is not auth:      # the queue is gone, or connected again
             return
@@ -83,11 +83,11 @@ class AuthGate:
         if not auth.failed:
             auth.reason = (f"not authenticated within {timeout} s of the Connect "
                            "(limits.auth_timeout)")
-            auth.explanation = au.Explanation.FAILED
+            auth.explanation = dhchap.Explanation.FAILED
         self._auth_failed(queue, auth)
         self._end_auth(queue, f"authentication timed out on qid {qid}")
 
-    def _auth_failed(self, queue: TargetQueue, auth: au.TargetAuth) -> None:
+    def _auth_failed(self, queue: TargetQueue, auth: dhchap.TargetAuth) -> None:
         """A queue's exchange failed: logged (its peer, the host NQN) and counted once per
         exchange, the moment it is known; the queue ends once the host has had the answer
         (Failure1), or after limits.auth_timeout if it never asks for it."""
@@ -108,7 +108,7 @@ class AuthGate:
         else:
             self.owner.end_queue(queue, reason)
 
-    def _gate(self, cmd: Command, auth: au.TargetAuth) -> None:
+    def _gate(self, cmd: Command, auth: dhchap.TargetAuth) -> None:
         """Authentication Send/Receive go to the queue's transaction; before it succeeded,
         everything else but Fabrics commands is AUTH_REQUIRED | DNR (nvmet_parse_admin_cmd,
         nvmet_parse_io_cmd)."""
@@ -134,17 +134,17 @@ class AuthGate:
 
     @staticmethod
     def _auth_fields(secp: int, spsp0: int, spsp1: int, length: int, what: str) -> None:
-        if secp != au.SECP_DHCHAP or spsp0 != au.SPSP_DHCHAP or spsp1 != au.SPSP_DHCHAP:
+        if secp != dhchap.SECP_DHCHAP or spsp0 != dhchap.SPSP_DHCHAP or spsp1 != dhchap.SPSP_DHCHAP:
             raise ProtocolError(f"authentication SECP {secp:#x} SPSP {spsp0:#x}/{spsp1:#x}: "
                                 "only DH-HMAC-CHAP (0xe9, 1, 1)", StatusCode.INVALID_FIELD)
         if not 0 < length <= AUTH_MAX_TRANSFER:
             raise ProtocolError(f"authentication {what} {length}, not 1..{AUTH_MAX_TRANSFER}",
                                 StatusCode.INVALID_FIELD)
 
-    def _auth_command(self, cmd: Command, auth: au.TargetAuth) -> None:
+    def _auth_command(self, cmd: Command, auth: dhchap.TargetAuth) -> None:
         self.state.admit(cmd.sqe, cmd.queue.qid)
         if cmd.sqe.fctype == FabricsType.AUTH_SEND:
-            send = au.AuthSend.from_sqe(cmd.sqe)
+            send = dhchap.AuthSend.from_sqe(cmd.sqe)
             self._auth_fields(send.secp, send.spsp0, send.spsp1, send.tl, "TL")
             if cmd.data_length != send.tl:
                 raise ProtocolError(f"SGL length {cmd.data_length}, TL {send.tl}",
@@ -153,14 +153,14 @@ class AuthGate:
             cmd.on_released = release
             cmd.fetch(view, sge, lambda c: self._auth_sent(c, auth, bytes(view[:send.tl])))
             return
-        receive = au.AuthReceive.from_sqe(cmd.sqe)
+        receive = dhchap.AuthReceive.from_sqe(cmd.sqe)
         self._auth_fields(receive.secp, receive.spsp0, receive.spsp1, receive.al, "AL")
         if cmd.data_length != receive.al:
             raise ProtocolError(f"SGL length {cmd.data_length}, AL {receive.al}",
                                 StatusCode.SGL_DATA_LENGTH_INVALID)
         try:
             message = auth.receive(receive.al)
-        except au.AuthError as exc:
+        except dhchap.AuthError as exc:
             raise ProtocolError(str(exc), StatusCode.INVALID_FIELD) from exc
         if auth.failed:
             self._auth_failed(cmd.queue, auth)
@@ -169,7 +169,7 @@ class AuthGate:
         cmd.on_released = self._auth_release(cmd, auth, release)
         cmd.respond(data=(sge,))
 
-    def _auth_sent(self, cmd: Command, auth: au.TargetAuth, message: bytes) -> None:
+    def _auth_sent(self, cmd: Command, auth: dhchap.TargetAuth, message: bytes) -> None:
         was = auth.authenticated
         auth.send(message)
         if auth.failed:
@@ -178,15 +178,15 @@ class AuthGate:
             timer = self.auth_timers.pop(cmd.queue.qid, None)
             if timer is not None:
                 timer.cancel()
-            both = message[1:2] == bytes([au.AuthMsg.SUCCESS2])
+            both = message[1:2] == bytes([dhchap.AuthMsg.SUCCESS2])
             log.info("%s qid=%d: host authenticated (hash %s, DH group %s)%s", self.name,
-                     cmd.queue.qid, au.HASH_NAMES.get(auth.hash_id, auth.hash_id),
-                     au.DHGROUP_NAMES.get(auth.dhgroup, auth.dhgroup),
+                     cmd.queue.qid, dhchap.HASH_NAMES.get(auth.hash_id, auth.hash_id),
+                     dhchap.DHGROUP_NAMES.get(auth.dhgroup, auth.dhgroup),
                      "; it authenticated the controller too" if both else "")
         cmd.on_released = self._auth_release(cmd, auth, cmd.on_released)
         cmd.respond()
 
-    def _auth_release(self, cmd: Command, auth: au.TargetAuth,
+    def _auth_release(self, cmd: Command, auth: dhchap.TargetAuth,
                       release: Callable[[Command], None] | None
                       ) -> Callable[[Command], None] | None:
         """What runs once the answer has been sent: after a failure, the end of the queue

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Callable
 
 from blockfabric.fabric.target_side import Command
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import io as nio
+from blockfabric.protocol import io as nvm_io
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.opcodes import FABRICS_OPCODE, IOOpcode
 from blockfabric.protocol.sgl import TYPE_OFFSET
 from blockfabric.rdma import SGE
-from blockfabric.protocol import resv as pr
+from blockfabric.protocol import resv
 from blockfabric.target import resvctl
 from blockfabric.target.backends import Unavailable
 from blockfabric.target.ctrl_auth import no_auth
@@ -75,7 +75,7 @@ class IoCommands:
             # A namespace is being resized: run the command once it is done.
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
             return
-        if op in pr.OPCODES:
+        if op in resv.OPCODES:
             resvctl.execute(self, cmd, nss[0])
             return
         resvctl.check_io(self, nss, op)
@@ -88,7 +88,7 @@ class IoCommands:
             self._backend_call(cmd, nss, lambda: [n.backend.flush() for n in nss], True,
                                blocking=True, aio=self._aio(nss, "flush"))
         elif op == IOOpcode.WRITE_ZEROES:
-            wz = nio.WriteZeroes.from_sqe(sqe)
+            wz = nvm_io.WriteZeroes.from_sqe(sqe)
             ns = nss[0]
             self._check_range(ns, wz.slba, wz.blocks, write=True)
             off, length = wz.slba * ns.block_size, wz.blocks * ns.block_size
@@ -96,7 +96,7 @@ class IoCommands:
                                blocking=ns.memory is None,
                                aio=self._aio(nss, "write_zeroes", off, length))
         elif op == IOOpcode.DATASET_MANAGEMENT:
-            self._dsm(cmd, nss[0], nio.DatasetManagement.from_sqe(sqe))
+            self._dsm(cmd, nss[0], nvm_io.DatasetManagement.from_sqe(sqe))
         elif op == FABRICS_OPCODE:
             raise no_auth(cmd)
         else:
@@ -275,7 +275,7 @@ class IoCommands:
                                nbytes=length, lease=lease,
                                aio=self._aio([ns], "readinto", offset, part))
 
-    def _dsm(self, cmd: Command, ns: Namespace, dsm: nio.DatasetManagement) -> None:
+    def _dsm(self, cmd: Command, ns: Namespace, dsm: nvm_io.DatasetManagement) -> None:
         nranges = dsm.ranges
         # At least the ranges, as nvmet checks (data length <= transfer length): the Linux
         # host sends one range in a whole 4 KiB page.
@@ -297,7 +297,7 @@ class IoCommands:
 
         def fetched(c: Command) -> None:
             try:
-                ranges = [(r.slba, r.nlb) for r in nio.DSMRange.iter_from(view, nranges)]
+                ranges = [(r.slba, r.nlb) for r in nvm_io.DSMRange.iter_from(view, nranges)]
                 for slba, nlb in ranges:
                     self._check_range(ns, slba, nlb, write=True)
             except ProtocolError as exc:

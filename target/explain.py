@@ -41,7 +41,8 @@ def verdicts(config: cfg.TargetConfig, hostnqn: str, subnqn: str | None) -> list
             allowed, reason = True, "allow_any_host is true"
         elif hostnqn in sub.host_nqns:
             allowed, reason = True, f"listed in subsystems[{i}].hosts"
-            if sub.host(hostnqn).dhchap_secret is not None:
+            entry = sub.host(hostnqn)
+            if entry is not None and entry.dhchap_secret is not None:
                 reason += ("; it must authenticate with its DH-HMAC-CHAP secret "
                            "(nvme connect --dhchap-secret)")
         else:

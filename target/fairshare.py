@@ -247,6 +247,7 @@ class BouncePool(FairShare):
         cmd, length, use = item
         buffers = self.buffers
         index = buffers.get()
+        assert index is not None        # granted only while a buffer is free
         lease = self.leases[index]
         lease.cmd = cmd
         lease.owner = h

@@ -59,6 +59,13 @@ class GatewayError(BlockfabricError):
     """The gateway cannot join its group (Ceph unreachable, overlapping cntlid range)."""
 
 
+def _ceph(gw: cfg.Gateway) -> cfg.GatewayCeph:
+    """The group's pool: always set once the configuration loaded (given, or taken from
+    the first rbd namespace)."""
+    assert gw.ceph is not None
+    return gw.ceph
+
+
 def refuse_exclusive_lock(namespaces: Iterable[Namespace]) -> None:
     """A gateway group writes each image through several gateways at once: an image with
     the exclusive-lock feature would pass its lock back and forth on every write, and a
@@ -66,7 +73,7 @@ def refuse_exclusive_lock(namespaces: Iterable[Namespace]) -> None:
     (30 s), longer than any failover.  Refuse such an image, saying how to fix it."""
     for ns in namespaces:
         if getattr(ns.backend, "exclusive_lock", False):
-            name = ns.conf.rbd.spec
+            name = ns.conf.rbd_image
             raise GatewayError(
                 f"nsid {ns.nsid}: rbd image {name} has the exclusive-lock feature, which a "
                 "gateway group cannot share (its gateways write the image concurrently; "
@@ -107,7 +114,7 @@ class Coordinator:
         GatewayError within ``ceph.connect_timeout``."""
         import rados
         self._rados = rados
-        c = self.gw.ceph
+        c = _ceph(self.gw)
         options = {"client_mount_timeout": str(c.connect_timeout),
                    "rados_mon_op_timeout": str(c.op_timeout),
                    "rados_osd_op_timeout": str(c.op_timeout)}
@@ -153,7 +160,7 @@ class Coordinator:
                     f"gateway {gw.name}: cntlid range {gw.cntlid_min}-{gw.cntlid_max} overlaps "
                     f"gateway {name}'s {span} in group {gw.group} (controller ids must be "
                     f"unique in the group; a retired gateway is removed with: rados -p "
-                    f"{gw.ceph.pool} rmomapkey {obj} {name})")
+                    f"{_ceph(gw).pool} rmomapkey {obj} {name})")
         with rados.WriteOpCtx() as op:
             io.set_omap(op, (gw.name,), (f"{gw.cntlid_min}-{gw.cntlid_max}".encode(),))
             io.operate_write_op(op, obj)
@@ -179,7 +186,7 @@ class Coordinator:
                 except (rados.ObjectNotFound, rados.NoData):
                     pass
         except rados.Error as exc:
-            raise GatewayError(f"gateway {new.name}: Ceph pool {new.ceph.pool}: {exc}") from exc
+            raise GatewayError(f"gateway {new.name}: Ceph pool {_ceph(new).pool}: {exc}") from exc
 
     def rollback(self, new: cfg.Gateway) -> None:
         """A reload prepared for ``new`` was rejected after all: the range and the home

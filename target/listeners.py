@@ -23,7 +23,7 @@ from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMReje
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.rdma import CONNECTION_ENDED, CMEventType, CMId, Listener, get_provider
 from blockfabric.target import config as cfg
-from blockfabric.target import reload as rl
+from blockfabric.target import reload
 from blockfabric.target.broker import BufferBroker
 from blockfabric.target.registry import ControllerRegistry
 from blockfabric.target.sessions import ADMIN_MAX_DEPTH, QueueSession, peer_of
@@ -155,14 +155,14 @@ class Listeners:
     def rename(self, listeners: list[cfg.Listener]) -> None:
         """A reload's listener configurations replace those of the same identity (a renamed
         listener keeps its socket and its connections)."""
-        renamed = {rl.listener_key(x): x for x in listeners}
-        self.entries = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in self.entries]
+        renamed = {reload.listener_key(x): x for x in listeners}
+        self.entries = [(renamed[reload.listener_key(lc)], p, li) for lc, p, li in self.entries]
 
     def now(self, lconf: cfg.Listener) -> cfg.Listener:
         """The listener's configuration as it is now (a reload may have changed its keys
         since a connection, or the listener's reader, took hold of ``lconf``)."""
-        key = rl.listener_key(lconf)
-        return next((lc for lc, _p, _l in self.entries if rl.listener_key(lc) == key), lconf)
+        key = reload.listener_key(lconf)
+        return next((lc for lc, _p, _l in self.entries if reload.listener_key(lc) == key), lconf)
 
     # -- rdma_cm -----------------------------------------------------------------------------
     def _on_requests(self, lconf: cfg.Listener, provider: str, listener: Listener) -> None:

@@ -183,6 +183,10 @@ class IoFamilies:
 
 # --- the HTTP listener -------------------------------------------------------------------
 
+class _HTTPServer6(http.server.HTTPServer):
+    address_family = socket.AF_INET6
+
+
 class MetricsServer:
     """``GET /metrics`` on a small thread; ``collect()`` returns the exposition text."""
 
@@ -209,10 +213,7 @@ class MetricsServer:
             def log_message(self, fmt: str, *args: object) -> None:
                 log.debug("metrics: " + fmt, *args)
 
-        server_class = http.server.HTTPServer
-        if ":" in address:
-            server_class = type("HTTPServer6", (http.server.HTTPServer,),
-                                {"address_family": socket.AF_INET6})
+        server_class = _HTTPServer6 if ":" in address else http.server.HTTPServer
         self.httpd = server_class((address, port), Handler)
         self.address = address
         self.port = self.httpd.server_address[1]

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from blockfabric.rdma import MR, PD, Access
 from blockfabric.target import config as cfg
 from blockfabric.target import resvctl
 from blockfabric.target.backends import Backend, open_backend
 from blockfabric.target.metrics import IoStats
+
+if TYPE_CHECKING:
+    from blockfabric.target.reservations import State
+    from blockfabric.target.resvstore import Store
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,9 @@ class Namespace:
         self.ana_status = 0
         # Reservations (blockfabric.target.resvctl): the state this daemon knows (None:
         # unreadable) and whether nothing is reserved (the I/O path's one test).
-        self.resv_state = None
+        self.resv_state: State | None = None
+        self.resv_store: Store      # set by resvctl.attach, just below
+        self.resv_bound = False     # resvctl.bind: its store's watch is set up
         self.resv_open = True
         try:
             resvctl.attach(self)
@@ -76,7 +82,7 @@ class Namespace:
         self._deregister()
         self.memory = None
         try:
-            self.backend.resize(conf.size)
+            self.backend.resize(conf.size)  # type: ignore[arg-type]  # None only for rbd, whose caller sets the image's
         finally:
             self.memory = self.backend.memory
         self.conf = conf

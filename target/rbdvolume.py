@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
@@ -38,7 +39,7 @@ from blockfabric.target import config as cfg
 from blockfabric.target.backends import Backend, Unavailable, _bytes_view
 
 if TYPE_CHECKING:
-    from blockfabric.fabric.reactor import Reactor
+    from blockfabric.fabric.reactor import Reactor, Timer
     from blockfabric.target.controller import Controller
     from blockfabric.target.namespace import Namespace, Subsystem
 
@@ -102,7 +103,10 @@ class RbdBackend(Backend):
         rados, rbd = _modules()
         self.conf = conf
         self.spec = conf.spec
-        self._cluster = self._ioctx = self._image = None
+        # rados.Rados, rados.Ioctx, rbd.Image once open (python3-rados/-rbd are untyped)
+        self._cluster: Any = None
+        self._ioctx: Any = None
+        self._image: Any = None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._inflight = 0
@@ -224,9 +228,10 @@ class RbdBackend(Backend):
                 if last:
                     post(lambda: done(failed[0] if failed else None))
             for offset, length in ranges:
-                self._submit(lambda o=offset, n=length: image.aio_discard(
-                    o, n, self._completion(lambda f: f(), one_done,
-                                           f"discard {n} bytes at {o}")))
+                def discard(o: int = offset, n: int = length) -> Any:
+                    return image.aio_discard(o, n, self._completion(
+                        lambda f: f(), one_done, f"discard {n} bytes at {o}"))
+                self._submit(discard)
         elif op == "flush":
             self._check(0, 0)
             self._submit(lambda: image.aio_flush(self._completion(post, done, "flush")))
@@ -373,7 +378,7 @@ class VolumeWatch:
         self.destroy_where = destroy_where
         self.run_blocking = run_blocking
         self.resize = resize
-        self._timer = None
+        self._timer: Timer | None = None
         self.unavailable_events = 0
 
     # -- availability -------------------------------------------------------------------
@@ -394,12 +399,14 @@ class VolumeWatch:
                       "reconnect (Controller Busy until it answers) within their ctrl_loss_tmo",
                       ",".join(s.nqn for s in subs) or "-", ns.nsid, exc)
             for sub in subs:
-                self.destroy_where(lambda c, s=sub: c.subsystem is s,
-                                   f"namespace {ns.nsid} unavailable")
-            self.reactor.call_later(PROBE_INTERVAL, lambda n=ns: self._probe(n))
+                def on_sub(c: Controller, s: Subsystem = sub) -> bool:
+                    return c.subsystem is s
+                self.destroy_where(on_sub, f"namespace {ns.nsid} unavailable")
+            self.reactor.call_later(PROBE_INTERVAL, functools.partial(self._probe, ns))
 
     def _probe(self, ns: Namespace) -> None:
         backend = ns.backend
+        assert isinstance(backend, RbdBackend)      # probed: an rbd namespace went unavailable
         if backend.closed or backend.unavailable is None:
             return
 
@@ -470,7 +477,7 @@ class VolumeWatch:
                         log.warning("nsid %d: checking the image size: %s", n.nsid, exc)
                     elif r and r[0] != n.size and not n.backend.closed and not n.paused \
                             and self.subsystems.get(s.nqn) is s:
-                        log.info("rbd image %s: size %s -> %s", n.backend.spec,
+                        log.info("rbd image %s: size %s -> %s", n.conf.rbd_image,
                                  format_size(n.size), format_size(r[0]))
                         self.resize(s, n, dataclasses.replace(n.conf, size=r[0]))
                 self.run_blocking(work, finish, "(rbd size check)")

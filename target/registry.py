@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import logpages as lp
+from blockfabric.protocol import logpages
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.rdma import Listener
 from blockfabric.target import config as cfg
@@ -189,15 +189,15 @@ def discovery_log(ctrl: Controller, config: cfg.TargetConfig,
             if lconf not in config.listeners_for(sub.conf) or not (
                     tcp or ctrl.provider in (provider, "tcp")):
                 continue
-            entries.append(lp.DiscoveryLogEntry(
-                trtype=lp.TransportType.TCP if tcp else lp.TransportType.RDMA,
-                adrfam=lp.AddressFamily.IPV6 if ":" in lconf.address
-                else lp.AddressFamily.IPV4,
+            entries.append(logpages.DiscoveryLogEntry(
+                trtype=logpages.TransportType.TCP if tcp else logpages.TransportType.RDMA,
+                adrfam=logpages.AddressFamily.IPV6 if ":" in lconf.address
+                else logpages.AddressFamily.IPV4,
                 # TCP: no secure channel (TREQ 1:0 = 0, so no host asks for TLS), SQ flow
                 # control may be disabled (bit 2, as nvmet: reads then skip CapsuleResp)
-                subtype=lp.SubsystemType.NVM, treq=lp.TREQ_SQFLOW_DISABLE if tcp else 0,
+                subtype=logpages.SubsystemType.NVM, treq=logpages.TREQ_SQFLOW_DISABLE if tcp else 0,
                 portid=config.listeners.index(lconf) + 1,
                 cntlid=0xFFFF, asqsz=ADMIN_MAX_DEPTH,
                 trsvcid=str(lconf.port), subnqn=sub.nqn, traddr=lconf.address,
-                tsas=lp.TCP_TSAS if tcp else lp.RdmaTsas()))
-    return bytes(lp.pack_discovery_log(genctr, entries))
+                tsas=logpages.TCP_TSAS if tcp else logpages.RdmaTsas()))
+    return bytes(logpages.pack_discovery_log(genctr, entries))

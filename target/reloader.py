@@ -22,7 +22,7 @@ from blockfabric.rdma import Listener
 from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics
-from blockfabric.target import reload as rl
+from blockfabric.target import reload
 from blockfabric.target.gateway import refuse_exclusive_lock
 from blockfabric.target.namespace import Namespace, Subsystem
 from blockfabric.target.registry import may_stay
@@ -98,7 +98,7 @@ class Reloader:
     def apply(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
         t = self.target
-        plan = rl.plan(t.config, new)
+        plan = reload.plan(t.config, new)
         opened: list[tuple[cfg.Listener, str, Listener]] = []
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
@@ -135,7 +135,7 @@ class Reloader:
                 sub.close()
             for ns in namespaces.values():
                 ns.close()
-            if gateway_prepared and t.coordinator is not None:
+            if gateway_prepared and t.coordinator is not None and new.gateway is not None:
                 t.coordinator.rollback(new.gateway)
             self._failed(f"{new.source}: {exc}")
             return False
@@ -152,9 +152,10 @@ class Reloader:
         controller; register what can be applied with the group (GatewayError)."""
         t = self.target
         old = t.config.gateway
-        refusal = rl.gateway_refusal(old, gw)
+        refusal = reload.gateway_refusal(old, gw)
         if refusal is not None:
             raise ValueError(refusal)
+        assert gw is not None and old is not None   # gateway_refusal refuses the rest
         if (gw.cntlid_min, gw.cntlid_max) != (old.cntlid_min, old.cntlid_max):
             outside = sorted(cntlid for cntlid, c in t.registry.controllers.items()
                              if not c.is_discovery
@@ -172,18 +173,18 @@ class Reloader:
     def _check_resize(self, nqn: str, ns_conf: cfg.Namespace) -> None:
         t = self.target
         ns = t.subsystems[nqn].namespaces[ns_conf.nsid]
-        if ns_conf.backend == "file" and ns_conf.size < ns.size:
+        if ns_conf.backend == "file" and ns_conf.size is not None and ns_conf.size < ns.size:
             raise ValueError(f"subsystem {nqn} namespace {ns_conf.nsid}: a file volume cannot "
                              f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
 
-    def _commit(self, plan: rl.ReloadPlan, new: cfg.TargetConfig,
+    def _commit(self, plan: reload.ReloadPlan, new: cfg.TargetConfig,
                 opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
                 namespaces: dict[tuple[str, int], Namespace],
                 metrics_server: metrics.MetricsServer | None) -> None:
         """Apply a prepared plan; nothing here is expected to fail."""
         t = self.target
-        removed = {rl.listener_key(x) for x in plan.removed_listeners}
-        for entry in [e for e in t.listening.entries if rl.listener_key(e[0]) in removed]:
+        removed = {reload.listener_key(x) for x in plan.removed_listeners}
+        for entry in [e for e in t.listening.entries if reload.listener_key(e[0]) in removed]:
             t.listening.close_one(entry)
             log.info("stopped listening on %s", entry[0].endpoint)
         t.listening.rename(new.listeners)
@@ -211,7 +212,7 @@ class Reloader:
         t.registry.destroy_where(
             lambda c: not c.is_discovery and not may_stay(c, t.config, t.subsystems),
             "no longer allowed by the configuration")
-        t.registry.destroy_where(lambda c: rl.listener_key(c.listener) in removed,
+        t.registry.destroy_where(lambda c: reload.listener_key(c.listener) in removed,
                                  "listener removed")
         if plan.control_socket_changed:
             if t.control_server is not None:
@@ -225,6 +226,7 @@ class Reloader:
         t.bind_reservations()    # new namespaces: their shared reservation state
         if t.ana is not None:
             if plan.gateway_changed:
+                assert new.gateway is not None  # a reload never takes a gateway out
                 t.ana.reconfigure(new.gateway)
                 if t.coordinator is not None:
                     t.coordinator.reconfigure(new.gateway)
@@ -238,7 +240,7 @@ class Reloader:
                 if ctrl.is_discovery:
                     ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
 
-    def _commit_subsystem(self, change: rl.SubsystemChange,
+    def _commit_subsystem(self, change: reload.SubsystemChange,
                           namespaces: dict[tuple[str, int], Namespace]) -> None:
         t = self.target
         sub = t.subsystems[change.new.nqn]

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from blockfabric.protocol import resv as pr
+from blockfabric.protocol import resv
 from blockfabric.protocol.resv import LogType, RType
 from blockfabric.protocol.status import StatusCode
 
@@ -183,24 +183,25 @@ def _fail(st: State, status: StatusCode) -> Outcome:
 def register(st: State, hostid: bytes, action: int, iekey: bool, cptpl: int, crkey: int,
              nrkey: int, *, ptpl_capable: bool) -> Outcome:
     """Reservation Register (0x0D)."""
-    if cptpl == pr.Cptpl.RESERVED or (cptpl == pr.Cptpl.PERSIST and not ptpl_capable):
+    if cptpl == resv.Cptpl.RESERVED or (cptpl == resv.Cptpl.PERSIST and not ptpl_capable):
         return _fail(st, StatusCode.INVALID_FIELD)
-    ptpl = {pr.Cptpl.CLEAR: False, pr.Cptpl.PERSIST: True}.get(cptpl)
+    choices: dict[int, bool] = {resv.Cptpl.CLEAR: False, resv.Cptpl.PERSIST: True}
+    ptpl = choices.get(cptpl)
     w = _Work(st)
     key = w.regs.get(hostid)
-    if action == pr.RegisterAction.REGISTER:
+    if action == resv.RegisterAction.REGISTER:
         if key is not None:
             return w.outcome(OK if key == nrkey else CONFLICT, gen=True, ptpl=ptpl)
         if len(w.regs) >= MAX_REGISTRANTS:
             return _fail(st, StatusCode.CAPACITY_EXCEEDED)
         w.regs[hostid] = nrkey
         return w.outcome(gen=True, ptpl=ptpl)
-    if action == pr.RegisterAction.UNREGISTER:
+    if action == resv.RegisterAction.UNREGISTER:
         if key is None or not (iekey or key == crkey):
             return _fail(st, CONFLICT)
         w.unregister(hostid)
         return w.outcome(gen=True, ptpl=ptpl)
-    if action == pr.RegisterAction.REPLACE:
+    if action == resv.RegisterAction.REPLACE:
         if key is None:
             if not iekey:
                 return _fail(st, CONFLICT)
@@ -223,14 +224,14 @@ def acquire(st: State, hostid: bytes, action: int, iekey: bool, rtype: int, crke
     if st.key_of(hostid) != crkey:
         return _fail(st, CONFLICT)
     w = _Work(st)
-    if action == pr.AcquireAction.ACQUIRE:
+    if action == resv.AcquireAction.ACQUIRE:
         if not st.rtype:
             w.holder, w.rtype = hostid, rtype
             return w.outcome()
         return w.outcome(OK if st.holds(hostid) and st.rtype == rtype else CONFLICT)
-    if action not in (pr.AcquireAction.PREEMPT, pr.AcquireAction.PREEMPT_AND_ABORT):
+    if action not in (resv.AcquireAction.PREEMPT, resv.AcquireAction.PREEMPT_AND_ABORT):
         return _fail(st, StatusCode.INVALID_OPCODE)
-    abort = action == pr.AcquireAction.PREEMPT_AND_ABORT
+    abort = action == resv.AcquireAction.PREEMPT_AND_ABORT
 
     def by_key(others_only: bool) -> bool:
         hit = False
@@ -274,7 +275,7 @@ def release(st: State, hostid: bytes, action: int, iekey: bool, rtype: int,
     if st.key_of(hostid) != crkey:
         return _fail(st, CONFLICT)
     w = _Work(st)
-    if action == pr.ReleaseAction.RELEASE:
+    if action == resv.ReleaseAction.RELEASE:
         if not st.holds(hostid):
             return w.outcome()                  # nothing held: success, no effect
         if st.rtype != rtype:
@@ -283,7 +284,7 @@ def release(st: State, hostid: bytes, action: int, iekey: bool, rtype: int,
         if rtype not in (RType.WRITE_EXCLUSIVE, RType.EXCLUSIVE_ACCESS):
             w.released(hostid)
         return w.outcome()
-    if action == pr.ReleaseAction.CLEAR:
+    if action == resv.ReleaseAction.CLEAR:
         w.notices = [Notice(h, LogType.RESERVATION_PREEMPTED) for h in w.regs if h != hostid]
         w.regs.clear()
         w.holder, w.rtype = None, 0
@@ -295,14 +296,14 @@ def set_ptpl(st: State, ptpl: bool) -> State:
     return replace(st, ptpl=ptpl)
 
 
-def report(st: State) -> pr.ReservationStatus:
+def report(st: State) -> resv.ReservationStatus:
     """The Reservation Status data structure (cntlid 0xFFFF: dynamic controllers, as nvmet)."""
-    regs = tuple(pr.Registrant(0xFFFF, st.holds(h), h, k) for h, k in st.regs)
-    return pr.ReservationStatus(st.gen, st.rtype, len(regs), st.ptpl, regs)
+    regs = tuple(resv.Registrant(0xFFFF, st.holds(h), h, k) for h, k in st.regs)
+    return resv.ReservationStatus(st.gen, st.rtype, len(regs), st.ptpl, regs)
 
 
 def describe(st: State) -> dict[str, Any]:
     """For the status snapshot and logs."""
-    return {"gen": st.gen, "rtype": pr.RTYPE_NAMES.get(st.rtype, str(st.rtype)),
+    return {"gen": st.gen, "rtype": resv.RTYPE_NAMES.get(st.rtype, str(st.rtype)),
             "holder": st.holder.hex() if st.holder else None, "ptpl": st.ptpl,
             "registrants": {h.hex(): k for h, k in st.regs}}

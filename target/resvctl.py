@@ -17,11 +17,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from blockfabric.protocol import resv as pr
+from blockfabric.protocol import resv
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.opcodes import IOOpcode
 from blockfabric.protocol.status import StatusCode
-from blockfabric.target import reservations as rs
+from blockfabric.target import reservations
 from blockfabric.target.resvstore import NOTIFY_TIMEOUT_MS, RadosStore, StoreError, store_for
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 LOG_QUEUE = 64                  # per controller, as nvmet's NVMET_PR_LOG_QUEUE_SIZE
 FENCE_POLL = 0.002              # s between looks at a fenced host's in-flight count
 RETRY_INTERVAL = 1.0            # s between reads of a state that could not be read
-CONFLICT = rs.CONFLICT
+CONFLICT = reservations.CONFLICT
 #: The write command group of nvmet_pr_check_cmd_access but Write (reads: Read only, here),
 #: whose check is the Read/Write path's own.
 WRITE_GROUP = frozenset({IOOpcode.FLUSH, IOOpcode.WRITE_ZEROES, IOOpcode.DATASET_MANAGEMENT})
@@ -57,7 +57,7 @@ def attach(ns: Namespace) -> None:
         ns.resv_open = False
 
 
-def set_state(ns: Namespace, st: rs.State) -> None:
+def set_state(ns: Namespace, st: reservations.State) -> None:
     """Take ``st`` unless this daemon already knows a later one."""
     cur = ns.resv_state
     if cur is not None and cur.version > st.version:
@@ -67,8 +67,8 @@ def set_state(ns: Namespace, st: rs.State) -> None:
 
 
 def rescap(ns: Namespace) -> int:
-    return pr.RESCAP_TYPES | pr.RESCAP_IEKEY13 | \
-        (pr.RESCAP_PTPL if ns.resv_store.ptpl_capable else 0)
+    return resv.RESCAP_TYPES | resv.RESCAP_IEKEY13 | \
+        (resv.RESCAP_PTPL if ns.resv_store.ptpl_capable else 0)
 
 
 def io_status(ctrl: Controller, ns: Namespace, write: bool) -> int:
@@ -77,7 +77,7 @@ def io_status(ctrl: Controller, ns: Namespace, write: bool) -> int:
     st = ns.resv_state
     if st is None:
         return StatusCode.NS_NOT_READY
-    return rs.CONFLICT if st.conflicts(ctrl.hostid, write) else 0
+    return reservations.CONFLICT if st.conflicts(ctrl.hostid, write) else 0
 
 
 def check_io(ctrl: Controller, nss: list[Namespace], opcode: int) -> None:
@@ -89,7 +89,7 @@ def check_io(ctrl: Controller, nss: list[Namespace], opcode: int) -> None:
             status = io_status(ctrl, ns, True)
             if status:
                 raise ProtocolError(f"namespace {ns.nsid}: reservation conflict",
-                                    status, dnr=status == rs.CONFLICT)
+                                    StatusCode(status), dnr=status == reservations.CONFLICT)
 
 
 # -- per controller: the notification log ---------------------------------------------------
@@ -112,7 +112,7 @@ class CtrlResv:
     def next_page(self) -> bytes:
         """One entry per read (nvmet_execute_get_log_page_resv); count folds in the lost."""
         if not self.queue:
-            return pr.NotificationLog(0, 0, 0, 0).pack()
+            return resv.NotificationLog(0, 0, 0, 0).pack()
         count, log_type, nsid = self.queue.popleft()
         if self.queue:
             nxt = self.queue[0][0]
@@ -121,14 +121,14 @@ class CtrlResv:
             lost = self.lost
         self.lost -= min(lost, self.lost)
         count = (count + lost) & 0xFFFFFFFFFFFFFFFF or 1
-        return pr.NotificationLog(count, log_type, len(self.queue), nsid).pack()
+        return resv.NotificationLog(count, log_type, len(self.queue), nsid).pack()
 
 
 def _notify(controllers: dict[int, Controller], ns: Namespace,
-            notices: list[rs.Notice]) -> None:
+            notices: list[reservations.Notice]) -> None:
     """Log entries and AENs for every controller of each notice's host on this daemon."""
     for notice in notices:
-        bit = pr.LOG_MASK_BIT[notice.log_type]
+        bit = resv.LOG_MASK_BIT[notice.log_type]
         for other in list(controllers.values()):
             if other.hostid != notice.hostid or other.dead or other.subsystem is None \
                     or other.subsystem.namespaces.get(ns.nsid) is not ns \
@@ -142,45 +142,46 @@ def _notify(controllers: dict[int, Controller], ns: Namespace,
 def execute(ctrl: Controller, cmd: Command, ns: Namespace) -> None:
     """Reservation Register, Acquire, Release (data: keys) or Report (data: status)."""
     sqe = cmd.sqe
-    if sqe.opcode == pr.OP_REPORT:
+    assert sqe is not None              # a command with an SQE (not a fabrics one)
+    if sqe.opcode == resv.OP_REPORT:
         _report(ctrl, cmd, ns)
         return
     if ns.resv_state is None:
         raise ProtocolError(f"namespace {ns.nsid}: reservation state unavailable",
                             StatusCode.INTERNAL_ERROR)
-    fields = pr.ResvCommand.from_cdw10(sqe.cdw10)
-    need = 8 if sqe.opcode == pr.OP_RELEASE else 16
+    fields = resv.ResvCommand.from_cdw10(sqe.cdw10)
+    need = 8 if sqe.opcode == resv.OP_RELEASE else 16
     if cmd.data_length < need:
         raise ProtocolError(f"reservation command with {cmd.data_length} bytes of data, "
                             f"needs {need}", StatusCode.SGL_DATA_LENGTH_INVALID)
     hostid = ctrl.hostid
-    if sqe.opcode == pr.OP_REGISTER:
+    if sqe.opcode == resv.OP_REGISTER:
         capable = ns.resv_store.ptpl_capable
 
-        def change(st: rs.State, k: tuple[int, int]) -> rs.Outcome:
-            return rs.register(st, hostid, fields.action, fields.iekey, fields.cptpl, *k,
-                               ptpl_capable=capable)
-    elif sqe.opcode == pr.OP_ACQUIRE:
-        def change(st: rs.State, k: tuple[int, int]) -> rs.Outcome:
-            return rs.acquire(st, hostid, fields.action, fields.iekey, fields.rtype, *k)
+        def change(st: reservations.State, k: tuple[int, int]) -> reservations.Outcome:
+            return reservations.register(st, hostid, fields.action, fields.iekey, fields.cptpl, *k,
+                                         ptpl_capable=capable)
+    elif sqe.opcode == resv.OP_ACQUIRE:
+        def change(st: reservations.State, k: tuple[int, int]) -> reservations.Outcome:
+            return reservations.acquire(st, hostid, fields.action, fields.iekey, fields.rtype, *k)
     else:
-        def change(st: rs.State, k: tuple[int, int]) -> rs.Outcome:
-            return rs.release(st, hostid, fields.action, fields.iekey, fields.rtype, k[0])
+        def change(st: reservations.State, k: tuple[int, int]) -> reservations.Outcome:
+            return reservations.release(st, hostid, fields.action, fields.iekey, fields.rtype, k[0])
     # nvmet reads only the first 16 (8) bytes, however long the host's buffer is.
     view, sge, release = ctrl.res.control_buffer(cmd.queue, need)
     cmd.on_released = release
 
     def fetched(c: Command) -> None:
-        k = pr.keys(bytes(view[:need]).ljust(16, b"\0"))
+        k = resv.keys(bytes(view[:need]).ljust(16, b"\0"))
         run_update(ctrl, c, ns, lambda st: change(st, k))
 
     cmd.fetch(view, sge, fetched)
 
 
 def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
-               change: Callable[[rs.State], rs.Outcome]) -> None:
+               change: Callable[[reservations.State], reservations.Outcome]) -> None:
     """Read-modify-write the state on the backend threads; answer back on the reactor."""
-    box: list[rs.Outcome] = []
+    box: list[reservations.Outcome] = []
 
     def work() -> None:
         box.append(ns.resv_store.update(change))
@@ -198,7 +199,8 @@ def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
             return
         set_state(ns, out.state)
         if out.notices:
-            log.info("%s: ns %d: reservation %s", ctrl.name, ns.nsid, rs.describe(out.state))
+            log.info("%s: ns %d: reservation %s", ctrl.name, ns.nsid,
+                     reservations.describe(out.state))
         _notify(ctrl.owner.controllers, ns, out.notices)
         if out.fenced:
             _fence(ctrl, ns, set(out.fenced), cmd)
@@ -261,7 +263,7 @@ def _read_again(res: Resources, owner: Owner, ns: Namespace) -> None:
     again every RETRY_INTERVAL seconds until it can be (the operator repairs or removes it;
     docs/reservations.md), I/O refused meanwhile."""
     store = ns.resv_store
-    box: list[rs.State] = []
+    box: list[reservations.State] = []
 
     def finish(exc: BaseException | None) -> None:
         if ns.resv_store is not store or owner.draining:
@@ -279,10 +281,11 @@ def _read_again(res: Resources, owner: Owner, ns: Namespace) -> None:
 
 
 def _watch(res: Resources, owner: Owner, ns: Namespace) -> None:
-    store: RadosStore = ns.resv_store
+    store = ns.resv_store
+    assert isinstance(store, RadosStore)    # watched only when the state is in RADOS
     wait = NOTIFY_TIMEOUT_MS / 1000 - 1
 
-    def apply(out: rs.Outcome) -> None:
+    def apply(out: reservations.Outcome) -> None:
         """On a librados thread, for a notify: answered once applied here (and the fenced
         hosts' commands on this gateway drained)."""
         done = threading.Event()
@@ -332,28 +335,30 @@ def _watch(res: Resources, owner: Owner, ns: Namespace) -> None:
 
 def _report(ctrl: Controller, cmd: Command, ns: Namespace) -> None:
     sqe = cmd.sqe
+    assert sqe is not None
     length = 4 * ((sqe.cdw10 & 0xFFFFFFFF) + 1)
     ctrl._check_length(cmd, length)        # SGL and MDTS, before anything is built
     if not sqe.cdw11 & 1:
         raise ProtocolError("Reservation Report without EDS: host IDs here are 128-bit",
-                            rs.HOST_ID_INCONSISTENT)
-    if length < pr.STATUS_EXT_HEADER:
+                            reservations.HOST_ID_INCONSISTENT)
+    if length < resv.STATUS_EXT_HEADER:
         raise ProtocolError(f"Reservation Report of {length} bytes", StatusCode.INVALID_FIELD)
     st = ns.resv_state
     if st is None:
         raise ProtocolError(f"namespace {ns.nsid}: reservation state unavailable",
                             StatusCode.INTERNAL_ERROR)
-    status = rs.report(st)
-    used = min(length, pr.STATUS_EXT_HEADER + pr.STATUS_EXT_ENTRY * len(status.registrants))
+    status = reservations.report(st)
+    used = min(length, resv.STATUS_EXT_HEADER + resv.STATUS_EXT_ENTRY * len(status.registrants))
     ctrl.send_data(cmd, status.pack(used), length)
 
 
 # -- features and the log page ----------------------------------------------------------
 def set_feature(ctrl: Controller, cmd: Command, fid: int, nsid: int, value: int) -> None:
-    if fid == pr.FID_RESV_MASK:
-        if value & ~pr.MASK_ALL:
+    if fid == resv.FID_RESV_MASK:
+        if value & ~resv.MASK_ALL:
             raise ProtocolError(f"reservation notification mask {value:#x}",
                                 StatusCode.INVALID_FIELD)
+        assert ctrl.subsystem is not None   # features of an I/O controller
         nsids = list(ctrl.subsystem.namespaces) if nsid == 0xFFFFFFFF \
             else [_ns(ctrl, nsid).nsid]
         for n in nsids:
@@ -368,12 +373,13 @@ def set_feature(ctrl: Controller, cmd: Command, fid: int, nsid: int, value: int)
     if ns.resv_state is None:
         raise ProtocolError(f"namespace {nsid}: reservation state unavailable",
                             StatusCode.INTERNAL_ERROR)
-    run_update(ctrl, cmd, ns, lambda st: rs.Outcome(rs.OK, rs.set_ptpl(st, ptpl)))
+    run_update(ctrl, cmd, ns, lambda st: reservations.Outcome(reservations.OK,
+                                                              reservations.set_ptpl(st, ptpl)))
 
 
 def get_feature(ctrl: Controller, cmd: Command, fid: int, nsid: int) -> None:
     ns = _ns(ctrl, nsid)
-    if fid == pr.FID_RESV_MASK:
+    if fid == resv.FID_RESV_MASK:
         cmd.respond(result=ctrl.resv.masks.get(ns.nsid, 0))
         return
     st = ns.resv_state

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from blockfabric.fileutil import atomic_write
 from blockfabric.protocol.resv import LogType
@@ -185,7 +185,7 @@ class RadosStore(Store):
         if conf.keyring:
             options["keyring"] = conf.keyring
         self._cluster = rados.Rados(conffile=conf.ceph_conf, name=conf.client, conf=options)
-        self._io = None
+        self._io: Any = None    # a rados.Ioctx once connected (python3-rados is untyped)
         self._watch = None
         self._lock = threading.Lock()
         try:

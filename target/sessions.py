@@ -28,7 +28,7 @@ from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATT
                                           ConnectData,
                                           connect_invalid_param, nqn_problem)
 from blockfabric.target import config as cfg
-from blockfabric.target import reload as rl
+from blockfabric.target import reload
 from blockfabric.target.backoff import PeerBackoff
 from blockfabric.target.controller import AERL, Controller
 from blockfabric.target.namespace import Subsystem
@@ -131,8 +131,8 @@ def auth_policy(subsystem: cfg.Subsystem, hostnqn: str) -> AuthPolicy | None:
 
 def exposed(config: cfg.TargetConfig, subsystem: Subsystem, listener: cfg.Listener) -> bool:
     """Whether ``config`` exposes ``subsystem`` on ``listener``."""
-    key = rl.listener_key(listener)
-    return any(rl.listener_key(x) == key for x in config.listeners_for(subsystem.conf))
+    key = reload.listener_key(listener)
+    return any(reload.listener_key(x) == key for x in config.listeners_for(subsystem.conf))
 
 
 def peer_of(queue: TargetQueue | None) -> str:
@@ -252,11 +252,11 @@ class Connector:
         included): refused with Controller Busy once that many queues are connected
         through it.  Returns that listener's configuration."""
         lconf = self.listener_now(session.listener)
-        key = rl.listener_key(lconf)
+        key = reload.listener_key(lconf)
         most = lconf.max_connections
         if most is not None:
             held = sum(1 for s in self.registry.sessions if s.controller is not None
-                       and rl.listener_key(s.listener) == key)
+                       and reload.listener_key(s.listener) == key)
             if held >= most:
                 raise ProtocolError(f"listener {lconf.endpoint}: {held} queues connected, its "
                                     f"max_connections is {most}", StatusCode.CONNECT_CTRL_BUSY)

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from blockfabric import __version__, numa
-from blockfabric.target import reload as rl
+from blockfabric.target import reload
 
 if TYPE_CHECKING:
     from blockfabric.target.server import Target
@@ -21,7 +21,7 @@ def snapshot(target: Target) -> dict[str, Any]:
     config = target.config
     per_listener: dict[tuple, int] = {}
     for ctrl in registry.controllers.values():
-        key = rl.listener_key(ctrl.listener)
+        key = reload.listener_key(ctrl.listener)
         per_listener[key] = per_listener.get(key, 0) + 1
     subsystems = []
     for sub in target.subsystems.values():
@@ -62,7 +62,7 @@ def snapshot(target: Target) -> dict[str, Any]:
         "buffer_hold_disconnects": registry.hold_disconnects,
         "listeners": [{"endpoint": lc.endpoint, "name": lc.name, "address": lc.address,
                        "port": lc.port, "provider": p,
-                       "controllers": per_listener.get(rl.listener_key(lc), 0)}
+                       "controllers": per_listener.get(reload.listener_key(lc), 0)}
                       for lc, p, _li in target.listeners],
         "subsystems": subsystems, "controllers": controllers,
         "gateway": target.ana.snapshot() if target.ana is not None else None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
-from typing import Any, Callable, ClassVar, TypeVar, Union
+from typing import Any, Callable, ClassVar, TypeVar, Union, dataclass_transform
 
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.status import StatusCode
@@ -105,7 +105,7 @@ def text(at: int, size: int, *, pad: bytes = b"\0") -> Any:
                  "")
 
 
-def array(at: int, fmt: str, count: int, *, elem: type | None = None) -> Any:
+def array(at: int, fmt: str, count: int, *, elem: type[Bits] | None = None) -> Any:
     """``count`` items of ``fmt`` as a tuple, trailing zero items trimmed (the spec's lists
     end at the first unused, zero entry); ``elem`` converts items (``from_int``/``int``)."""
     def decode(*items: int) -> tuple[Any, ...]:
@@ -195,6 +195,7 @@ def need_bytes(buf: Buffer, offset: int, size: int, what: str,
                             status, True, cm_reject, cid=cid)
 
 
+@dataclass_transform(frozen_default=True)
 def packed(size: int, *, short: StatusCode = StatusCode.INVALID_FIELD,
            cm_reject: Any = None) -> Callable[[type[T]], type[T]]:
     """Make a frozen, slotted dataclass of the fields and compile its byte layout.
@@ -288,6 +289,7 @@ class Bits:
         return self.to_int()
 
 
+@dataclass_transform(frozen_default=True)
 def bitfields(cls: type[T]) -> type[T]:
     """Make a frozen, slotted dataclass of ``bits`` fields with ``from_int``/``to_int``."""
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)

@@ -189,7 +189,7 @@ class Command:
             args.append(v)
         obj = cls(*args)
         try:
-            obj._check()  # type: ignore[attr-defined]
+            obj._check()
         except ProtocolError as exc:
             exc.cid = sqe.cid
             raise

@@ -226,7 +226,7 @@ class ControllerState:
         if name is None:
             raise ProtocolError(f"no {cmd.size}-byte property at {cmd.offset:#x}",
                                 StatusCode.INVALID_FIELD)
-        return getattr(self, name).to_int()
+        return int(getattr(self, name).to_int())
 
     def property_set(self, cmd: PropertySet) -> ControllerState:
         """Only CC is writable, with a 4-byte access (as nvmet)."""

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from blockfabric.protocol._wire import Buffer, Encodable, need_bytes
-from blockfabric.protocol.capsule import NULL_SGL, PSDT_SGL, SGL, SQE, Command, cmd, command
+from blockfabric.protocol.capsule import PSDT_SGL, SQE, Command, cmd, command
 from blockfabric.protocol.errors import ProtocolError
+from blockfabric.protocol.sgl import NULL_SGL, SGL
 from blockfabric.protocol.opcodes import IOOpcode
 from blockfabric.protocol.status import StatusCode
 

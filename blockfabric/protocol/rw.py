@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 
+from blockfabric.protocol._wire import Buffer
 from blockfabric.protocol.capsule import PSDT_SGL
 from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_KEYED_INVALIDATE, TYPE_OFFSET
 
@@ -36,7 +37,7 @@ def offset_word(length: int) -> int:
     return length | TYPE_OFFSET << 56
 
 
-def pack_rw_into(buf, opcode: int, cid: int, nsid: int, slba: int, nlb: int,
+def pack_rw_into(buf: bytearray | memoryview, opcode: int, cid: int, nsid: int, slba: int, nlb: int,
                  sgl_addr: int, sgl_word: int, control: int = 0) -> None:
     """Write a whole Read/Write SQE into ``buf`` @0.  ``nlb`` is 0-based; the caller keeps
     every field in range (it built them from its own namespace and buffers)."""
@@ -44,7 +45,7 @@ def pack_rw_into(buf, opcode: int, cid: int, nsid: int, slba: int, nlb: int,
                nlb | control << 16, 0, 0, 0)
 
 
-def unpack_rw(buf) -> tuple[int, int, int, int, int, int, int, int]:
+def unpack_rw(buf: Buffer) -> tuple[int, int, int, int, int, int, int, int]:
     """(opcode, flags, cid, nsid, sgl_addr, sgl_word, slba, cdw12) of a 64-byte SQE: raw
     words, nothing checked; ``cdw12 & 0xFFFF`` is NLB (0-based), ``cdw12 >> 16`` control.
     The caller checks flags and the SGL word as :meth:`SQE.unpack_from` does."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 
 class StatusCode(enum.IntEnum):
@@ -77,7 +78,7 @@ class StatusCode(enum.IntEnum):
         member = int.__new__(cls, value)
         member._name_ = f"STATUS_{value:#05x}"
         member._value_ = value
-        return cls._value2member_map_.setdefault(value, member)
+        return cast("StatusCode", cls._value2member_map_.setdefault(value, member))
 
     @property
     def sct(self) -> int:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from crc32c import crc32c
 
+from blockfabric.protocol._wire import Buffer
+
 # -- types, flags, sizes ---------------------------------------------------------------------
 
 # PDU types
@@ -131,7 +133,7 @@ class Limits:
     align: int = 4
 
 
-def header(buf, offset: int = 0) -> tuple[int, int, int, int, int]:
+def header(buf: Buffer, offset: int = 0) -> tuple[int, int, int, int, int]:
     """(type, flags, hlen, pdo, plen) of the PDU at ``offset`` (8 bytes must be there)."""
     return _unpack_common(buf, offset)
 
@@ -228,7 +230,7 @@ def check_header(ptype: int, flags: int, hlen: int, pdo: int, plen: int, *,
     return length
 
 
-def digest(data, value: int = 0) -> int:
+def digest(data: Buffer, value: int = 0) -> int:
     """CRC32C as NVMe/TCP stores it (seed and final XOR ~0: what ``crc32c`` returns);
     ``value``: the digest of the bytes before ``data`` (0: none)."""
     return crc32c(data, value)
@@ -260,7 +262,7 @@ class ICReq:
         return bytes(buf)
 
     @classmethod
-    def unpack(cls, buf) -> ICReq:
+    def unpack(cls, buf: Buffer) -> ICReq:
         """Decode (the header already passed :func:`check_header`) and check what a
         controller supports: PFV 1.0, HPDA up to 31, known digest bits."""
         _t, _f, _h, _p, _l, pfv, hpda, dig, maxr2t = _IC.unpack_from(buf)
@@ -290,7 +292,7 @@ class ICResp:
         return bytes(buf)
 
     @classmethod
-    def unpack(cls, buf, request: ICReq) -> ICResp:
+    def unpack(cls, buf: Buffer, request: ICReq) -> ICResp:
         """Decode and check against the ``request`` sent, as the Linux host does: PFV 1.0,
         the digests exactly as asked, CPDA up to 31, MAXH2CDATA a multiple of 4 of at least
         4096."""
@@ -318,7 +320,7 @@ _unpack_h24 = _H24.unpack_from
 H24 = _H24.size
 
 
-def unpack_data_fields(buf, offset: int = 0) -> tuple[int, int, int, int]:
+def unpack_data_fields(buf: Buffer, offset: int = 0) -> tuple[int, int, int, int]:
     """(cccid, ttag, data offset, data length) of an H2CData, C2HData or R2T header."""
     return _unpack_h24(buf, offset)[5:]
 
@@ -345,7 +347,7 @@ def pdu_lengths(ptype: int, data_len: int, hdgst: bool, ddgst: bool,
     return flags, head, head + data_len
 
 
-def capsule_cmd_header(sqe, data_len: int, hdgst: bool, ddgst: bool,
+def capsule_cmd_header(sqe: Buffer, data_len: int, hdgst: bool, ddgst: bool,
                        align: int = 4) -> bytearray:
     """The CapsuleCmd header (and its digest, and the zero padding to ``align``) for a
     64-byte ``sqe`` with ``data_len`` bytes of in-capsule data to follow (whose digest the
@@ -379,7 +381,7 @@ def data_header(ptype: int, flags: int, cccid: int, ttag: int, offset: int, leng
     return out
 
 
-def capsule_resp(cqe, hdgst: bool) -> bytearray:
+def capsule_resp(cqe: Buffer, hdgst: bool) -> bytearray:
     """A CapsuleResp carrying the 16-byte ``cqe``."""
     out = bytearray(24 + (DIGEST_SIZE if hdgst else 0))
     COMMON.pack_into(out, 0, CAPSULE_RESP, F_HDGST if hdgst else 0, 24, 0, len(out))
@@ -389,7 +391,7 @@ def capsule_resp(cqe, hdgst: bool) -> bytearray:
     return out
 
 
-def term_req(ptype: int, fes: int, fei: int, offending=b"") -> bytes:
+def term_req(ptype: int, fes: int, fei: int, offending: Buffer = b"") -> bytes:
     """An H2C or C2H termination request: FES, FEI and up to 128 bytes of the offending
     PDU's header; never digests."""
     extra = bytes(offending[:TERM_MAX_PLEN - TERM_HLEN])
@@ -399,6 +401,6 @@ def term_req(ptype: int, fes: int, fei: int, offending=b"") -> bytes:
     return bytes(out) + extra
 
 
-def unpack_term(buf) -> tuple[int, int]:
+def unpack_term(buf: Buffer) -> tuple[int, int]:
     """(FES, FEI) of a termination request."""
     return struct.unpack_from("<HI", buf, 8)

@@ -22,7 +22,7 @@ import pytest
 from e2e.conftest import BIN, HOSTNQN, TargetProc, free_port
 from initiator.host import NvmeError, connect
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import identify as idn
+from blockfabric.protocol import identify
 from blockfabric.protocol.logpages import AnaState
 
 NQN = "nqn.2026-12.io.blockfabric:gateway-group"
@@ -106,7 +106,7 @@ def test_two_gateways_identify_ana_failover_and_failback(two_gateways):
             assert ident.anagrpmax == ident.nanagrpid == 128
             assert 0 < ident.mnan <= ident.nn
         for nsid in (1, 2):
-            na, nb = (idn.IdentifyNamespace.unpack_from(c._identify(0, nsid)) for c in (a, b))
+            na, nb = (identify.IdentifyNamespace.unpack_from(c._identify(0, nsid)) for c in (a, b))
             assert na.nguid == nb.nguid and na.nguid != bytes(16)
             assert na.eui64 == nb.eui64 and na.nmic == nb.nmic == 1
             assert na.anagrpid == nb.anagrpid == nsid

@@ -18,7 +18,7 @@ from e2e.conftest import BIN, HOSTNQN, TargetProc, free_port
 from initiator.host import NvmeError, connect
 from service.conftest import Service
 from blockfabric.protocol import StatusCode
-from blockfabric.protocol import identify as idn
+from blockfabric.protocol import identify
 from blockfabric.protocol.logpages import AnaState
 from blockfabric.target.control import request
 
@@ -93,7 +93,7 @@ def test_reload_moves_an_ana_group_to_another_gateway_under_io(pair):
                  "ANA change event: namespace 2 in group 1")
         assert {g.grpid: (g.state, g.nsids) for g in b.read_ana_log()[1]} == \
             {1: (OPT, (1, 2))}
-        assert idn.IdentifyNamespace.unpack_from(a._identify(0, 2)).anagrpid == 1
+        assert identify.IdentifyNamespace.unpack_from(a._identify(0, 2)).anagrpid == 1
         out, _ = bench.communicate(timeout=60)
         assert bench.returncode == 0, out
         assert "err= 0" in out and "verified" in out, out

@@ -17,17 +17,17 @@ import logging
 import os
 import sys
 
-from blockfabric.protocol import auth as au
+from blockfabric.protocol import auth as dhchap
 from blockfabric.protocol.opcodes import FabricsType
-from blockfabric.target import controller as tc
+from blockfabric.target import controller as target_controller
 
 log = logging.getLogger("nvmet-like")
 MODE = os.environ.get("NVMET_LIKE", "end")
-_auth_command = tc.Controller._auth_command
+_auth_command = target_controller.Controller._auth_command
 
 
 def _nvmet_like(self, cmd, auth):
-    if cmd.sqe.fctype == FabricsType.AUTH_RECEIVE and auth.step == au.AuthMsg.FAILURE1:
+    if cmd.sqe.fctype == FabricsType.AUTH_RECEIVE and auth.step == dhchap.AuthMsg.FAILURE1:
         if MODE == "end":
             log.info("nvmet-like: controller ended before Failure1 was sent")
             self.owner.destroy_controller(self, "authentication failed")
@@ -37,7 +37,7 @@ def _nvmet_like(self, cmd, auth):
     _auth_command(self, cmd, auth)
 
 
-tc.Controller._auth_command = _nvmet_like
+target_controller.Controller._auth_command = _nvmet_like
 
 if __name__ == "__main__":
     from blockfabric.target.cli import main

@@ -16,13 +16,13 @@ from blockfabric.initiator.host import (ADMIN_DEPTH, AuthenticationFailed, Conne
                                         Controller, NvmeError, connect)
 from blockfabric.protocol import (FeatureId, Identify, IdentifyCNS, IOOpcode, KeyedSGL,
                                   ReadWrite, SetFeatures, StatusCode)
-from blockfabric.protocol import auth as au
+from blockfabric.protocol import auth
 
 from .conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config,
                        via)
 
-SECRET = au.generate_secret(32, 1)
-CTRL_SECRET = au.generate_secret(48, 2)
+SECRET = auth.generate_secret(32, 1)
+CTRL_SECRET = auth.generate_secret(48, 2)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def _io(ctrl: Controller, fill: int) -> None:
 def test_right_secret_connects_every_queue_and_does_io(auth_target, bidirectional, transport):
     kw = {"dhchap_ctrl_secret": str(CTRL_SECRET)} if bidirectional else {}
     with _connect(auth_target, transport, dhchap_secret=str(SECRET), **kw) as ctrl:
-        assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
+        assert ctrl.connect_result & auth.CONNECT_AUTHREQ_ATR
         assert sorted(ctrl.authenticated) == [0, 1, 2]      # the admin and both I/O queues
         assert all("ffdhe2048" in how for how in ctrl.authenticated.values())
         assert ("controller authenticated" in ctrl.authenticated[0]) == bidirectional
@@ -104,7 +104,7 @@ def test_wrong_secret_is_refused_and_others_carry_on(auth_target, transport):
     with _connect(auth_target, transport, hostnqn=OTHER_HOSTNQN) as bystander:
         _io(bystander, 0x33)
         with pytest.raises(AuthenticationFailed, match="refused authentication"):
-            _connect(auth_target, transport, dhchap_secret=str(au.generate_secret(32, 1)))
+            _connect(auth_target, transport, dhchap_secret=str(auth.generate_secret(32, 1)))
         assert _wait_more(auth_target, warning, before)
         _io(bystander, 0x44)                 # the other host never noticed
         with _connect(auth_target, transport, dhchap_secret=str(SECRET)) as good:
@@ -135,10 +135,10 @@ def test_host_without_a_secret_may_not_start_an_exchange(auth_target):
     is an unknown command there (as nvmet without authentication), on either queue, and
     costs it nothing else."""
     with _connect(auth_target, hostnqn=OTHER_HOSTNQN) as ctrl:
-        assert not ctrl.connect_result & au.CONNECT_AUTHREQ_ATR and not ctrl.authenticated
+        assert not ctrl.connect_result & auth.CONNECT_AUTHREQ_ATR and not ctrl.authenticated
         for queue in (ctrl.admin, ctrl.io_queues[0]):
             with pytest.raises(NvmeError) as err:
-                ctrl.auth_send(queue, au.Negotiate.offer(1, (1,), (0,)).pack())
+                ctrl.auth_send(queue, auth.Negotiate.offer(1, (1,), (0,)).pack())
             assert (err.value.status, err.value.dnr) == (StatusCode.INVALID_OPCODE, True)
             with pytest.raises(NvmeError) as err:
                 ctrl.auth_receive(queue, 4096)
@@ -152,7 +152,7 @@ def test_controller_impostor_is_refused_by_the_host(auth_target):
     before = auth_target.log.count(warning)
     with pytest.raises(AuthenticationFailed, match="controller's response does not match"):
         _connect(auth_target, dhchap_secret=str(SECRET),
-                 dhchap_ctrl_secret=str(au.generate_secret(48, 2)))
+                 dhchap_ctrl_secret=str(auth.generate_secret(48, 2)))
     assert _wait_more(auth_target, warning, before)
 
 
@@ -176,15 +176,15 @@ def _admin_queue(target, transport: str = "rdma") -> tuple[Controller, object]:
 def test_commands_before_authentication_are_auth_required(auth_target):
     ctrl, queue = _admin_queue(auth_target)
     try:
-        assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
+        assert ctrl.connect_result & auth.CONNECT_AUTHREQ_ATR
         assert ctrl.property_get(0x00, 8)            # Fabrics commands pass (nvmet does too)
         with pytest.raises(NvmeError) as err:
             ctrl.wait(queue, Identify(cns=IdentifyCNS.CONTROLLER).to_sqe(), "Identify",
                       data_in=4096)
         assert (err.value.status, err.value.dnr) == (StatusCode.AUTH_REQUIRED, True)
         with pytest.raises(NvmeError) as err:        # not our protocol: refused, DNR
-            ctrl.wait(queue, au.AuthSend(secp=0xEA, tl=72).to_sqe(), "Authentication Send",
-                      data_out=au.Negotiate.offer(1, (1,), (0, 1)).pack())
+            ctrl.wait(queue, auth.AuthSend(secp=0xEA, tl=72).to_sqe(), "Authentication Send",
+                      data_out=auth.Negotiate.offer(1, (1,), (0, 1)).pack())
         assert (err.value.status, err.value.dnr) == (StatusCode.INVALID_FIELD, True)
         ctrl._authenticate(queue, 0, ctrl.connect_result)  # now it may
         ctrl._enable()
@@ -198,8 +198,8 @@ def test_replayed_reply_is_refused(auth_target):
     first, queue = _admin_queue(auth_target)
     captured: list[bytes] = []
     try:
-        au.host_authenticate(lambda m: (captured.append(m), first.auth_send(queue, m)),
-                             lambda al: first.auth_receive(queue, al), t_id=7,
+        auth.host_authenticate(lambda m: (captured.append(m), first.auth_send(queue, m)),
+                               lambda al: first.auth_receive(queue, al), t_id=7,
                              hostnqn=HOSTNQN, subnqn=NQN, secret=SECRET)
     finally:
         first.close()
@@ -207,10 +207,10 @@ def test_replayed_reply_is_refused(auth_target):
     replay, queue = _admin_queue(auth_target)
     try:
         replay.auth_send(queue, captured[0])           # the same Negotiate
-        fresh = au.Challenge.unpack(replay.auth_receive(queue, 4096))
+        fresh = auth.Challenge.unpack(replay.auth_receive(queue, 4096))
         replay.auth_send(queue, captured[1])           # the old Reply
         answer = replay.auth_receive(queue, 4096)
-        assert au.failure_of(answer).rescode_exp == au.Explanation.FAILED, fresh
+        assert auth.failure_of(answer).rescode_exp == auth.Explanation.FAILED, fresh
         assert _wait_more(auth_target, DESTROYED, destroyed_before)
         with pytest.raises((NvmeError, ConnectionError)):    # and the host sees it gone
             deadline = time.monotonic() + 5
@@ -226,9 +226,9 @@ def test_forged_reply_is_refused(auth_target):
     get another controller to sign) fails."""
     forger, queue = _admin_queue(auth_target)
     try:
-        with pytest.raises(au.AuthError, match="refused authentication"):
-            au.host_authenticate(lambda m: forger.auth_send(queue, m),
-                                 lambda al: forger.auth_receive(queue, al), t_id=1,
+        with pytest.raises(auth.AuthError, match="refused authentication"):
+            auth.host_authenticate(lambda m: forger.auth_send(queue, m),
+                                   lambda al: forger.auth_receive(queue, al), t_id=1,
                                  hostnqn=HOSTNQN, subnqn=NQN + "-other", secret=SECRET)
     finally:
         forger.close()
@@ -247,15 +247,15 @@ def test_unauthenticated_io_queue_is_refused(auth_target, transport):
         queue = ctrl.open_queue(1, 16)
         ctrl.io_queues.append(queue)
         ctrl.fabrics_connect(queue, 1, 15, 0, authenticate=False)
-        assert ctrl.connect_result & au.CONNECT_AUTHREQ_ATR
+        assert ctrl.connect_result & auth.CONNECT_AUTHREQ_ATR
         arena = ctrl.arena
         read = ReadWrite(IOOpcode.READ, 1, 0, 0).to_sqe(
             sgl=KeyedSGL(arena.mr.addr, 4096, arena.mr.rkey))
         cqe = ctrl.raw(queue, read.pack())
         assert (cqe.status, cqe.dnr) == (StatusCode.AUTH_REQUIRED, True)
         # the kernel host's Auth Send on an I/O queue may come as in-capsule data
-        au.host_authenticate(
-            lambda m: ctrl.wait(queue, au.AuthSend(tl=len(m)).to_sqe(), "Authentication Send",
+        auth.host_authenticate(
+            lambda m: ctrl.wait(queue, auth.AuthSend(tl=len(m)).to_sqe(), "Authentication Send",
                                 data_out=m, inline=True),
             lambda al: ctrl.auth_receive(queue, al), t_id=9, hostnqn=HOSTNQN, subnqn=NQN,
             secret=SECRET, ctrl_secret=CTRL_SECRET)
@@ -272,7 +272,7 @@ def test_cli_connect_with_and_without_the_secret(auth_target):
     assert ok.returncode == 0, ok.stderr
     shown = json.loads(ok.stdout)
     assert shown["authentication"] == ("hmac(sha256), ffdhe2048, controller authenticated")
-    bad = cli(*base, "--dhchap-secret", str(au.generate_secret(32, 1)))
+    bad = cli(*base, "--dhchap-secret", str(auth.generate_secret(32, 1)))
     assert bad.returncode == 1
     assert "DH-HMAC-CHAP authentication with" in bad.stderr
     assert "refused authentication (failed)" in bad.stderr and "Traceback" not in bad.stderr
@@ -323,7 +323,7 @@ def test_controller_that_ends_instead_of_sending_failure1(tmp_path, mode):
                else "no answer from the target within 2 s")
         with pytest.raises(AuthenticationFailed, match=f"ended the exchange without an answer "
                            f"\\(Authentication Receive: ({why})\\); .* check the secret"):
-            _connect(target, dhchap_secret=str(au.generate_secret(32, 1)), connect_timeout=2)
+            _connect(target, dhchap_secret=str(auth.generate_secret(32, 1)), connect_timeout=2)
         elapsed = time.monotonic() - t0
         assert elapsed < (1.5 if mode == "end" else 4), elapsed
         assert target.wait_log("nvmet-like: " + ("controller ended" if mode == "end"

@@ -16,7 +16,7 @@ import pytest
 
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.tcp import STAGING_MAX, STAGING_START, PduConnection, local_pd, resolve
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 
 
 class Recorder(PduConnection):
@@ -43,8 +43,9 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def h2c(payload: bytes, offset: int = 0) -> bytes:
-    return bytes(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, 0, offset, len(payload),
-                                False, True)) + payload + tp.pack_digest(tp.digest(payload))
+    return bytes(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 1, 0, offset,
+                                     len(payload), False, True)) \
+        + payload + tcp_pdu.pack_digest(tcp_pdu.digest(payload))
 
 
 def drain(conn: Recorder, rounds: int = 1000) -> None:
@@ -79,12 +80,12 @@ def test_pdus_cut_anywhere_arrive_whole_and_in_order():
         for i in range(40):
             if i % 3:
                 sqe = bytes([i]) * 64
-                stream += bytes(tp.capsule_cmd_header(sqe, 0, False, True))
-                want.append((tp.CAPSULE_CMD, sqe))
+                stream += bytes(tcp_pdu.capsule_cmd_header(sqe, 0, False, True))
+                want.append((tcp_pdu.CAPSULE_CMD, sqe))
             else:       # some small, some larger than the staging buffer's start
                 data = rng.randbytes(rng.choice((16, 3000, 70000, 200000)))
                 stream += h2c(data)
-                want.append((tp.H2C_DATA, data))
+                want.append((tcp_pdu.H2C_DATA, data))
         feed(a, conn, stream, rng, (1, 7, 23, 500, 4096, 65536))
         assert conn.lost is None
         assert conn.got == want
@@ -99,12 +100,14 @@ def test_a_refused_header_never_grows_the_buffer():
     conn = Recorder(b)
     try:
         # 1 GiB announced as in-capsule data: refused from its 8 header bytes
-        a.sendall(tp.COMMON.pack(tp.CAPSULE_CMD, tp.F_DDGST, 72, 72, 1 << 30) + bytes(64))
+        a.sendall(tcp_pdu.COMMON.pack(tcp_pdu.CAPSULE_CMD, tcp_pdu.F_DDGST, 72, 72, 1 << 30)
+                  + bytes(64))
         drain(conn)
         assert conn.closed and "protocol error" in conn.lost
         assert len(conn._staging) == STAGING_START
         term = a.recv(4096)
-        assert term[0] == tp.C2H_TERM and tp.unpack_term(term)[0] == tp.Fes.INVALID_HEADER_FIELD
+        assert term[0] == tcp_pdu.C2H_TERM
+        assert tcp_pdu.unpack_term(term)[0] == tcp_pdu.Fes.INVALID_HEADER_FIELD
     finally:
         a.close()
 
@@ -152,7 +155,7 @@ class Echo(Recorder):
 
 
 def capsules(count: int) -> bytes:
-    return b"".join(bytes(tp.capsule_cmd_header(bytes([i % 256]) * 64, 0, False, True))
+    return b"".join(bytes(tcp_pdu.capsule_cmd_header(bytes([i % 256]) * 64, 0, False, True))
                     for i in range(count))
 
 
@@ -266,17 +269,17 @@ class Placing(Recorder):
         self.bad: list[int] = []
 
     def precheck(self, ptype, flags, header, dlen):
-        if ptype != tp.H2C_DATA:
+        if ptype != tcp_pdu.H2C_DATA:
             return None
-        offset = tp.unpack_data_fields(header)[2]
+        offset = tcp_pdu.unpack_data_fields(header)[2]
         return memoryview(self.memory)[offset:offset + dlen]
 
     def on_pdu(self, ptype, flags, pdu, pdo, dlen) -> None:
-        self.got.append((ptype, tp.unpack_data_fields(pdu)[2] if ptype == tp.H2C_DATA
+        self.got.append((ptype, tcp_pdu.unpack_data_fields(pdu)[2] if ptype == tcp_pdu.H2C_DATA
                          else bytes(pdu[8:72])))
 
     def on_data_digest_error(self, ptype, flags, pdu, pdo, dlen) -> None:
-        self.bad.append(tp.unpack_data_fields(pdu)[2])
+        self.bad.append(tcp_pdu.unpack_data_fields(pdu)[2])
 
 
 def test_large_data_goes_straight_into_its_memory_with_small_pdus_around_it():
@@ -295,8 +298,8 @@ def test_large_data_goes_straight_into_its_memory_with_small_pdus_around_it():
             if i == 2:
                 pdu[-1] ^= 0xFF             # its data digest
             stream += bytes(pdu) + capsules(1)
-            want += [(tp.H2C_DATA, i * size)] if i != 2 else []
-            want.append((tp.CAPSULE_CMD, bytes(64)))
+            want += [(tcp_pdu.H2C_DATA, i * size)] if i != 2 else []
+            want.append((tcp_pdu.CAPSULE_CMD, bytes(64)))
         feed(a, conn, stream, rng, (1, 3, 100, 4096, 30000, 150000))
         assert conn.lost is None
         assert conn.got == want and conn.bad == [2 * size]

@@ -17,7 +17,7 @@ from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.fabric.tcp_host import TcpHostQueue, open_connection
 from blockfabric.protocol import IOOpcode, KeyedSGL, ReadWrite, StatusCode
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 
 CQE = struct.Struct("<QHHHH")
 
@@ -30,7 +30,7 @@ class FakeController:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.script, self.ddgst, self.rounds = script, ddgst, rounds
-        self.icresp = icresp or tp.ICResp(ddgst=ddgst, maxh2cdata=65536).pack()
+        self.icresp = icresp or tcp_pdu.ICResp(ddgst=ddgst, maxh2cdata=65536).pack()
         self.pdus: list[bytes] = []     # every PDU after the ICReq, as received
         self.rest = b""
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -51,7 +51,7 @@ class FakeController:
         conn, _ = self.server.accept()
         with conn:
             conn.settimeout(10)
-            assert self.recv_pdu(conn)[0] == tp.ICREQ
+            assert self.recv_pdu(conn)[0] == tcp_pdu.ICREQ
             conn.sendall(self.icresp)
             try:
                 for _ in range(self.rounds):    # the PDUs this test answers by the script
@@ -66,15 +66,16 @@ class FakeController:
 
 
 def resp(cid: int, status: int = 0) -> bytes:
-    return bytes(tp.capsule_resp(CQE.pack(0, 1, 1, cid, status << 1), False))
+    return bytes(tcp_pdu.capsule_resp(CQE.pack(0, 1, 1, cid, status << 1), False))
 
 
-def c2h(cid: int, data: bytes, flags: int = tp.F_DATA_LAST, offset: int = 0,
+def c2h(cid: int, data: bytes, flags: int = tcp_pdu.F_DATA_LAST, offset: int = 0,
         ddgst: bool = False, bad: bool = False) -> bytes:
-    out = bytes(tp.data_header(tp.C2H_DATA, flags, cid, 0, offset, len(data), False, ddgst))
+    out = bytes(tcp_pdu.data_header(tcp_pdu.C2H_DATA, flags, cid, 0, offset, len(data), False,
+                                    ddgst))
     out += data
     if ddgst:
-        out += struct.pack("<I", tp.digest(data) ^ (1 if bad else 0))
+        out += struct.pack("<I", tcp_pdu.digest(data) ^ (1 if bad else 0))
     return out
 
 
@@ -123,7 +124,7 @@ def test_read_data_lands_where_the_command_said(reactor):
 
 def test_success_flag_completes_without_a_response_capsule(reactor):
     fake = FakeController(lambda c, cid: c.sendall(
-        c2h(cid, b"\x5a" * 4096, tp.F_DATA_LAST | tp.F_DATA_SUCCESS)))
+        c2h(cid, b"\x5a" * 4096, tcp_pdu.F_DATA_LAST | tcp_pdu.F_DATA_SUCCESS)))
     (result,), data, _ = read_through(fake, reactor)
     assert result[0].status == StatusCode.SUCCESS and data == b"\x5a" * 4096
 
@@ -144,15 +145,15 @@ def test_a_data_digest_mismatch_fails_only_its_command(reactor):
     ("data for another cid", lambda cid: c2h(cid ^ 1, bytes(4096)), "moves no data"),
     ("data past the command's length", lambda cid: c2h(cid, bytes(8192)), "expected offset"),
     ("data out of order", lambda cid: c2h(cid, bytes(1024), offset=1024), "expected offset"),
-    ("SUCCESS without LAST", lambda cid: c2h(cid, bytes(4096), tp.F_DATA_SUCCESS),
+    ("SUCCESS without LAST", lambda cid: c2h(cid, bytes(4096), tcp_pdu.F_DATA_SUCCESS),
      "SUCCESS without LAST"),
-    ("SUCCESS on a short read", lambda cid: c2h(cid, bytes(1024), tp.F_DATA_LAST |
-                                                tp.F_DATA_SUCCESS), "no short reads"),
-    ("an R2T for a read", lambda cid: bytes(tp.data_header(tp.R2T, 0, cid, 0, 0, 4096, False,
-                                                          False)), "a read"),
-    ("a CapsuleCmd from the controller", lambda cid: bytes(tp.capsule_cmd_header(
+    ("SUCCESS on a short read", lambda cid: c2h(cid, bytes(1024), tcp_pdu.F_DATA_LAST |
+                                                tcp_pdu.F_DATA_SUCCESS), "no short reads"),
+    ("an R2T for a read", lambda cid: bytes(tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, 0, 0, 4096,
+                                                               False, False)), "a read"),
+    ("a CapsuleCmd from the controller", lambda cid: bytes(tcp_pdu.capsule_cmd_header(
         bytes(64), 0, False, False)), "is not one a host receives"),
-    ("a termination request", lambda cid: tp.term_req(tp.C2H_TERM, 2, 0),
+    ("a termination request", lambda cid: tcp_pdu.term_req(tcp_pdu.C2H_TERM, 2, 0),
      "terminated the connection (FES 0x2"),
 ])
 def test_what_no_controller_may_send_fails_the_queue(reactor, name, answer, reason):
@@ -164,7 +165,7 @@ def test_what_no_controller_may_send_fails_the_queue(reactor, name, answer, reas
 
 def test_an_icresp_that_differs_from_the_request_is_refused():
     fake = FakeController(lambda c, cid: None,
-                          icresp=tp.ICResp(hdgst=True, maxh2cdata=65536).pack())
+                          icresp=tcp_pdu.ICResp(hdgst=True, maxh2cdata=65536).pack())
     with pytest.raises(ConnectionError, match="bad ICResp"):
         open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=False, timeout=5)
 
@@ -180,18 +181,18 @@ def nvmet_like(fake_pdus: list, inline: int = NVMET_INLINE, hdgst: bool = False)
     in-capsule data and drops the R2T otherwise), a larger one gets one R2T for all of it
     (ttag 0xFFFF, as for a Connect) and its answer once the H2CData came."""
     def answer(conn, cid: int) -> None:
-        conn.sendall(tp.capsule_resp(CQE.pack(0, 1, 1, cid, 0), hdgst))
+        conn.sendall(tcp_pdu.capsule_resp(CQE.pack(0, 1, 1, cid, 0), hdgst))
 
     def script(conn, cid: int) -> None:
         pdu = fake_pdus[-1]
-        if pdu[0] == tp.H2C_DATA:
+        if pdu[0] == tcp_pdu.H2C_DATA:
             answer(conn, struct.unpack_from("<H", pdu, 8)[0])
             return
         length = struct.unpack_from("<I", pdu, 8 + 32)[0]
-        if pdu[8 + 39] == tp.SGL_INCAPSULE or not length:
+        if pdu[8 + 39] == tcp_pdu.SGL_INCAPSULE or not length:
             answer(conn, cid)
         elif length > inline:
-            conn.sendall(tp.data_header(tp.R2T, 0, cid, 0xFFFF, 0, length, hdgst, False))
+            conn.sendall(tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, 0xFFFF, 0, length, hdgst, False))
     return script
 
 
@@ -199,8 +200,8 @@ def send_through(reactor, sqe_for, data: bytes, *, qid: int, inline_size: int,
                  digests: bool = False, inline: int = NVMET_INLINE):
     """One command with ``data`` (registered memory, named by a keyed SGL) through a host
     queue against :func:`nvmet_like`; (result, the PDUs the controller received)."""
-    fake = FakeController(None, icresp=tp.ICResp(hdgst=digests, ddgst=digests,
-                                                 maxh2cdata=65536).pack())
+    fake = FakeController(None, icresp=tcp_pdu.ICResp(hdgst=digests, ddgst=digests,
+                                                      maxh2cdata=65536).pack())
     fake.script = nvmet_like(fake.pdus, inline, digests)
     pd = local_pd()
     mem = bytearray(data)
@@ -226,16 +227,16 @@ def check_incapsule(pdu: bytes, data: bytes, digests: bool) -> None:
     its digest), plen covering the data (and its digest), the digest flags set, and an
     SGL of type 0x01 (data block, offset) at offset 0 whose length is the data's."""
     hd = 4 if digests else 0
-    ptype, flags, hlen, pdo, plen = tp.header(pdu)
-    assert (ptype, hlen, pdo) == (tp.CAPSULE_CMD, 72, 72 + hd)
+    ptype, flags, hlen, pdo, plen = tcp_pdu.header(pdu)
+    assert (ptype, hlen, pdo) == (tcp_pdu.CAPSULE_CMD, 72, 72 + hd)
     assert plen == 72 + hd + len(data) + hd == len(pdu)
-    assert flags == (tp.F_HDGST | tp.F_DDGST if digests else 0)
+    assert flags == (tcp_pdu.F_HDGST | tcp_pdu.F_DDGST if digests else 0)
     addr, length, _rsvd, sgl_type = struct.unpack_from("<QI3sB", pdu, 8 + 24)
-    assert (sgl_type, addr, length) == (tp.SGL_INCAPSULE, 0, len(data))
+    assert (sgl_type, addr, length) == (tcp_pdu.SGL_INCAPSULE, 0, len(data))
     assert pdu[pdo:pdo + len(data)] == data
     if digests:
-        assert tp.unpack_digest(pdu, 72)[0] == tp.digest(pdu[:72])
-        assert tp.unpack_digest(pdu, plen - 4)[0] == tp.digest(data)
+        assert tcp_pdu.unpack_digest(pdu, 72)[0] == tcp_pdu.digest(pdu[:72])
+        assert tcp_pdu.unpack_digest(pdu, plen - 4)[0] == tcp_pdu.digest(data)
 
 
 @pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
@@ -271,17 +272,18 @@ def test_a_write_larger_than_the_capsule_waits_for_the_r2t(reactor):
     (cqe, err), pdus = send_through(reactor, write_sqe, data, qid=1, inline_size=4032)
     assert err is None and cqe.status == StatusCode.SUCCESS
     cmd, h2c = pdus
-    assert tp.header(cmd) == (tp.CAPSULE_CMD, 0, 72, 0, 72)
-    assert struct.unpack_from("<QI3sB", cmd, 8 + 24)[::3] == (0, tp.SGL_TRANSPORT)
+    assert tcp_pdu.header(cmd) == (tcp_pdu.CAPSULE_CMD, 0, 72, 0, 72)
+    assert struct.unpack_from("<QI3sB", cmd, 8 + 24)[::3] == (0, tcp_pdu.SGL_TRANSPORT)
     assert struct.unpack_from("<I", cmd, 8 + 32)[0] == len(data)
-    assert h2c[0] == tp.H2C_DATA and tp.unpack_data_fields(h2c)[1:] == (0xFFFF, 0, len(data))
+    assert h2c[0] == tcp_pdu.H2C_DATA
+    assert tcp_pdu.unpack_data_fields(h2c)[1:] == (0xFFFF, 0, len(data))
     assert h2c[24:] == data
 
 
 def padded_c2h(cid: int, data: bytes, pdo: int) -> bytes:
     """C2HData with its data at ``pdo`` (zero padding before it)."""
-    hdr = bytearray(tp.data_header(tp.C2H_DATA, tp.F_DATA_LAST, cid, 0, 0, len(data), False,
-                                   False))
+    hdr = bytearray(tcp_pdu.data_header(tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_LAST, cid, 0, 0,
+                                        len(data), False, False))
     hdr[3] = pdo
     struct.pack_into("<I", hdr, 4, pdo + len(data))
     return bytes(hdr).ljust(pdo, b"\0")[:pdo] + data
@@ -304,7 +306,7 @@ def test_c2h_data_must_be_padded_as_the_host_asked(reactor, pdo):
 
 
 def r2t(cid: int, offset: int, length: int) -> bytes:
-    return bytes(tp.data_header(tp.R2T, 0, cid, 7, offset, length, False, False))
+    return bytes(tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, 7, offset, length, False, False))
 
 
 def write_with_r2ts(reactor, r2ts, cpda: int = 0):
@@ -319,7 +321,7 @@ def write_with_r2ts(reactor, r2ts, cpda: int = 0):
             conn.sendall(r2ts(cid))
         elif len(fake.pdus) == 3:
             conn.sendall(resp(holder["cid"]))
-    fake = FakeController(script, icresp=tp.ICResp(cpda=cpda, maxh2cdata=65536).pack(),
+    fake = FakeController(script, icresp=tcp_pdu.ICResp(cpda=cpda, maxh2cdata=65536).pack(),
                           rounds=3)
     pd = local_pd()
     mem = bytearray(data)
@@ -346,8 +348,8 @@ def test_several_r2ts_answered_in_order_with_padding(reactor):
         reactor, lambda cid: r2t(cid, 0, 12288) + r2t(cid, 12288, 12288), cpda=7)
     assert err is None and cqe.status == StatusCode.SUCCESS
     for pdu, offset in zip(pdus[1:], (0, 12288)):
-        assert tp.header(pdu) == (tp.H2C_DATA, tp.F_DATA_LAST, 24, 32, 32 + 12288)
-        assert tp.unpack_data_fields(pdu)[1:] == (7, offset, 12288)
+        assert tcp_pdu.header(pdu) == (tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 24, 32, 32 + 12288)
+        assert tcp_pdu.unpack_data_fields(pdu)[1:] == (7, offset, 12288)
         assert pdu[24:32] == bytes(8) and pdu[32:] == data[offset:offset + 12288]
 
 

@@ -120,10 +120,10 @@ def test_shipped_initiator_yaml_loads():
 
 
 @pytest.mark.parametrize("text,key,expected", [
-    ("mounts: [{traddr: a, nqn: b}]", "mounts[0].mountpoint", "non-empty string"),
+    ("mounts: [{traddr: a, nqn: b}]", "mounts[0].mountpoint", "absolute path"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: rel}]", "mounts[0].mountpoint", "absolute"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, trsvcid: 0}]", "mounts[0].trsvcid",
-     "integer 1..65535"),
+     "integer from 1 to 65535"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, provider: tcp}]", "mounts[0].provider",
      "one of auto"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, colour: red}]", "mounts[0].colour",
@@ -131,8 +131,8 @@ def test_shipped_initiator_yaml_loads():
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, options: 'threads=x'}]",
      "mounts[0].options", "valid mount options"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m}, {traddr: a, nqn: c, mountpoint: /m}]",
-     "mounts[1].mountpoint", "not used by mounts[0]"),
-    ("mount: []", "mount", "only 'mounts'"),
+     "mounts[1].mountpoint", "not already used by mounts[0]"),
+    ("mount: []", "mount", "did you mean 'mounts'"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_secret: 'DHHC-1:01:Zm9v:'}]",
      "mounts[0].dhchap_secret", "DH-HMAC-CHAP secret"),
     ("mounts: [{traddr: a, nqn: b, mountpoint: /m, dhchap_ctrl_secret: 'DHHC-1:00:"

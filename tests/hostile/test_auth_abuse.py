@@ -21,14 +21,14 @@ import pytest
 from blockfabric.initiator.host import AuthenticationFailed, NvmeError, connect
 from blockfabric.protocol import (ConnectData, FeatureId, GetFeatures, Property, SetFeatures,
                                   StatusCode)
-from blockfabric.protocol import auth as au
+from blockfabric.protocol import auth
 
 from e2e.conftest import BIN
 from .attacker import ATTACKER, admin_queue, attacker, raw_connect
 from .conftest import (HOSTNQN, MAX_CONN, NQN, OTHER_HOSTNQN, TargetProbe,
                        assert_accepts_new_host, assert_undisturbed, free_port, ram_config)
 
-SECRET = au.generate_secret(32, 1)
+SECRET = auth.generate_secret(32, 1)
 #: a host allowed without a secret (the bystander is another one)
 KEEPER = "nqn.2026-12.io.blockfabric:keeper"
 AUTH_TIMEOUT = 2
@@ -112,13 +112,13 @@ def test_repeated_wrong_answers_on_one_connection_end_it(target, bystander):
     try:
         with bystander.attack("wrong DH-HMAC-CHAP answers on one connection"):
             queue, result = admin_connect(ctrl)
-            assert result & au.CONNECT_AUTHREQ_ATR
+            assert result & auth.CONNECT_AUTHREQ_ATR
             # (the Receive may still get the Failure1 before the controller is gone)
-            with pytest.raises((NvmeError, ConnectionError, TimeoutError, au.AuthError)):
+            with pytest.raises((NvmeError, ConnectionError, TimeoutError, auth.AuthError)):
                 for t_id in range(1, 21):
-                    ctrl.auth_send(queue, au.Negotiate.offer(t_id, (1,), (0,)).pack())
-                    au.Challenge.unpack(ctrl.auth_receive(queue, 4096))
-                    ctrl.auth_send(queue, au.Reply(t_id, bytes(32)).pack())     # wrong
+                    ctrl.auth_send(queue, auth.Negotiate.offer(t_id, (1,), (0,)).pack())
+                    auth.Challenge.unpack(ctrl.auth_receive(queue, 4096))
+                    ctrl.auth_send(queue, auth.Reply(t_id, bytes(32)).pack())     # wrong
                     answered += 1
             assert answered == 1
     finally:
@@ -151,11 +151,11 @@ def test_a_failed_io_queue_costs_only_that_queue(target, bystander):
             ctrl.inline_size = 0
             bad = ctrl.open_queue(1, 16)
             ctrl.fabrics_connect(bad, 1, 15, 0, authenticate=False)
-            ctrl.auth_send(bad, au.Negotiate.offer(5, (1,), (0,)).pack())
+            ctrl.auth_send(bad, auth.Negotiate.offer(5, (1,), (0,)).pack())
             ctrl.auth_receive(bad, 4096)
-            ctrl.auth_send(bad, au.Reply(5, bytes(32)).pack())        # wrong
-            with pytest.raises((NvmeError, ConnectionError, TimeoutError, au.AuthError)):
-                ctrl.auth_send(bad, au.Negotiate.offer(6, (1,), (0,)).pack())
+            ctrl.auth_send(bad, auth.Reply(5, bytes(32)).pack())        # wrong
+            with pytest.raises((NvmeError, ConnectionError, TimeoutError, auth.AuthError)):
+                ctrl.auth_send(bad, auth.Negotiate.offer(6, (1,), (0,)).pack())
                 ctrl.auth_receive(bad, 4096)
                 ctrl.auth_receive(bad, 4096)
             assert ctrl.property_get(Property.CSTS, 4) & 1          # the controller lives
@@ -193,9 +193,9 @@ def test_failed_authentications_from_one_address_are_backed_off(target, bystande
     with bystander.attack("guessing secrets from one address"):
         for _ in range(MAX_FAILURES):
             with pytest.raises(AuthenticationFailed):
-                guess(au.generate_secret(32, 1))
+                guess(auth.generate_secret(32, 1))
         blocked_at = time.monotonic()
-        for secret in (au.generate_secret(32, 1), SECRET):
+        for secret in (auth.generate_secret(32, 1), SECRET):
             with pytest.raises(NvmeError) as err:
                 guess(secret)
             assert (err.value.status, err.value.dnr) == (StatusCode.CONNECT_CTRL_BUSY, False)
@@ -232,9 +232,9 @@ def test_unauthenticated_controllers_end_after_auth_timeout(target, bystander):
             assert took is not None and AUTH_TIMEOUT * 0.8 <= took < AUTH_TIMEOUT + 2, took
             queue, _ = admin_connect(wrong)
             ctrl = wrong
-            ctrl.auth_send(queue, au.Negotiate.offer(1, (1,), (0,)).pack())
+            ctrl.auth_send(queue, auth.Negotiate.offer(1, (1,), (0,)).pack())
             ctrl.auth_receive(queue, 4096)
-            ctrl.auth_send(queue, au.Reply(1, bytes(32)).pack())
+            ctrl.auth_send(queue, auth.Reply(1, bytes(32)).pack())
             took = ended_within(wrong, AUTH_TIMEOUT + 8)
             assert took is not None and took < AUTH_TIMEOUT + 2, took
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 from blockfabric.initiator import resv
 from blockfabric.protocol import KeyedSGL, StatusCode
-from blockfabric.protocol import resv as pr
+from blockfabric.protocol import resv as resv_protocol
 from blockfabric.protocol.capsule import SQE
 
 from .conftest import TargetProbe, assert_answers, assert_undisturbed, attacker_of
@@ -24,7 +24,7 @@ def capsule(ctrl, opcode: int, length: int, *, nsid: int = 1, cdw10: int = 0,
 
 
 def report(numd: int, length: int, eds: bool = True):
-    return lambda c: capsule(c, pr.OP_REPORT, length, cdw10=numd, cdw11=int(eds))
+    return lambda c: capsule(c, resv_protocol.OP_REPORT, length, cdw10=numd, cdw11=int(eds))
 
 
 ATTACKS = [
@@ -33,21 +33,24 @@ ATTACKS = [
     ("report: SGL shorter than NUMD", report(1023, 64), StatusCode.SGL_DATA_LENGTH_INVALID),
     ("report: without EDS", report(1023, 4096, eds=False), StatusCode.HOST_ID_INCONSISTENT),
     ("report: 32 bytes", report(7, 32), StatusCode.INVALID_FIELD),
-    ("register: 4 bytes of keys", lambda c: capsule(c, pr.OP_REGISTER, 4),
+    ("register: 4 bytes of keys", lambda c: capsule(c, resv_protocol.OP_REGISTER, 4),
      StatusCode.SGL_DATA_LENGTH_INVALID),
-    ("register: action 7", lambda c: capsule(c, pr.OP_REGISTER, 16, cdw10=7),
+    ("register: action 7", lambda c: capsule(c, resv_protocol.OP_REGISTER, 16, cdw10=7),
      StatusCode.INVALID_OPCODE),
-    ("register: CPTPL 1 (reserved)", lambda c: capsule(c, pr.OP_REGISTER, 16, cdw10=1 << 30),
+    ("register: CPTPL 1 (reserved)",
+     lambda c: capsule(c, resv_protocol.OP_REGISTER, 16, cdw10=1 << 30),
      StatusCode.INVALID_FIELD),
-    ("register: PTPL on a ramdisk", lambda c: capsule(c, pr.OP_REGISTER, 16, cdw10=3 << 30),
+    ("register: PTPL on a ramdisk",
+     lambda c: capsule(c, resv_protocol.OP_REGISTER, 16, cdw10=3 << 30),
      StatusCode.INVALID_FIELD),
-    ("acquire: rtype 0xff", lambda c: capsule(c, pr.OP_ACQUIRE, 16, cdw10=0xFF << 8),
+    ("acquire: rtype 0xff", lambda c: capsule(c, resv_protocol.OP_ACQUIRE, 16, cdw10=0xFF << 8),
      StatusCode.INVALID_FIELD),
-    ("acquire: not registered", lambda c: capsule(c, pr.OP_ACQUIRE, 16, cdw10=1 << 8),
+    ("acquire: not registered", lambda c: capsule(c, resv_protocol.OP_ACQUIRE, 16, cdw10=1 << 8),
      StatusCode.RESERVATION_CONFLICT),
-    ("release: IEKEY", lambda c: capsule(c, pr.OP_RELEASE, 16, cdw10=1 << 3),
+    ("release: IEKEY", lambda c: capsule(c, resv_protocol.OP_RELEASE, 16, cdw10=1 << 3),
      StatusCode.INVALID_FIELD),
-    ("release: every namespace", lambda c: capsule(c, pr.OP_RELEASE, 16, nsid=0xFFFFFFFF),
+    ("release: every namespace",
+     lambda c: capsule(c, resv_protocol.OP_RELEASE, 16, nsid=0xFFFFFFFF),
      StatusCode.INVALID_NS),
 ]
 

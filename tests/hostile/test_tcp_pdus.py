@@ -17,7 +17,7 @@ from blockfabric.protocol import ConnectCommand, ConnectData, OffsetSGL
 from blockfabric.protocol.fabrics import (CC_IOCQES, CC_IOSQES, Property, PropertyGet,
                                           PropertySet)
 from blockfabric.protocol.rw import pack_rw_into
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 from blockfabric.protocol.tcp_pdu import Fes
 
 from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed
@@ -36,11 +36,11 @@ class RawTcp:
         self.buf = b""
         self.align = 4
         if icreq == b"":
-            request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=maxr2t)
+            request = tcp_pdu.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=maxr2t)
             self.sock.sendall(request.pack())
-            resp = tp.ICResp.unpack(self.read_pdu(), request)
+            resp = tcp_pdu.ICResp.unpack(self.read_pdu(), request)
             assert resp.maxh2cdata == MAXH2CDATA
-            self.align = tp.align_of(resp.cpda)
+            self.align = tcp_pdu.align_of(resp.cpda)
         elif icreq is not None:
             self.sock.sendall(icreq)
 
@@ -69,20 +69,20 @@ class RawTcp:
             if not pdu:
                 break
             last = pdu
-        assert last and last[0] == tp.C2H_TERM, f"no C2HTermReq before EOF: {last[:8]!r}"
-        assert tp.TERM_HLEN <= len(last) <= tp.TERM_MAX_PLEN
-        return tp.unpack_term(last)
+        assert last and last[0] == tcp_pdu.C2H_TERM, f"no C2HTermReq before EOF: {last[:8]!r}"
+        assert tcp_pdu.TERM_HLEN <= len(last) <= tcp_pdu.TERM_MAX_PLEN
+        return tcp_pdu.unpack_term(last)
 
     def capsule(self, sqe: bytes, data: bytes = b"", *, bad_ddgst: bool = False,
                 bad_hdgst: bool = False, align: int | None = None) -> None:
         """A CapsuleCmd, its data padded as the ICResp asked (or to ``align``)."""
-        hdr = tp.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst,
-                                    self.align if align is None else align)
+        hdr = tcp_pdu.capsule_cmd_header(sqe, len(data), self.hdgst, self.ddgst,
+                                         self.align if align is None else align)
         if bad_hdgst:
             hdr[72] ^= 0xFF
         tail = b""
         if data and self.ddgst:
-            tail = struct.pack("<I", tp.digest(data) ^ (1 if bad_ddgst else 0))
+            tail = struct.pack("<I", tcp_pdu.digest(data) ^ (1 if bad_ddgst else 0))
         self.send(hdr, data, tail)
 
     def close(self) -> None:
@@ -94,7 +94,7 @@ def connect_sqe(transport_sgl: bool) -> bytes:
     sqe = bytearray(ConnectCommand(recfmt=0, qid=0, sqsize=31, cattr=0, kato=0).to_sqe(
         cid=1, sgl=OffsetSGL(0, 1024)).pack())
     if transport_sgl:
-        struct.pack_into("<QQ", sqe, 24, 0, 1024 | tp.SGL_TRANSPORT << 56)
+        struct.pack_into("<QQ", sqe, 24, 0, 1024 | tcp_pdu.SGL_TRANSPORT << 56)
     return bytes(sqe)
 
 
@@ -103,7 +103,7 @@ CONNECT_DATA = ConnectData(hostid=bytes(16), cntlid=0xFFFF, subnqn=NQN, hostnqn=
 
 def status_of(resp: bytes) -> int:
     """The status code (SCT and SC) of a CapsuleResp."""
-    assert resp[0] == tp.CAPSULE_RESP, resp[:8]
+    assert resp[0] == tcp_pdu.CAPSULE_RESP, resp[:8]
     return (struct.unpack_from("<H", resp, 22)[0] >> 1) & 0x7FF
 
 
@@ -121,14 +121,14 @@ class RawSession:
         cc = 1 | CC_IOSQES << 16 | CC_IOCQES << 20       # EN, the NVM command set
         sqe = bytearray(PropertySet(attrib=0, offset=Property.CC, value=cc).to_sqe(
             cid=2).pack())
-        struct.pack_into("<QQ", sqe, 24, 0, tp.SGL_TRANSPORT << 56)     # no data
+        struct.pack_into("<QQ", sqe, 24, 0, tcp_pdu.SGL_TRANSPORT << 56)     # no data
         self.admin.capsule(bytes(sqe))
         assert status_of(self.admin.read_pdu()) == 0
         deadline = time.monotonic() + 5
         while True:                         # until CSTS.RDY, as a host waits
             sqe = bytearray(PropertyGet(attrib=0, offset=Property.CSTS).to_sqe(
                 cid=3).pack())
-            struct.pack_into("<QQ", sqe, 24, 0, tp.SGL_TRANSPORT << 56)
+            struct.pack_into("<QQ", sqe, 24, 0, tcp_pdu.SGL_TRANSPORT << 56)
             self.admin.capsule(bytes(sqe))
             resp = self.admin.read_pdu()
             assert status_of(resp) == 0
@@ -154,14 +154,14 @@ def write_sqe(cid: int, slba: int, length: int) -> bytes:
     for."""
     sqe = bytearray(64)
     pack_rw_into(sqe, 0x01, cid, 1, slba, length // 4096 - 1, 0,
-                 length | tp.SGL_TRANSPORT << 56)
+                 length | tcp_pdu.SGL_TRANSPORT << 56)
     return bytes(sqe)
 
 
 def read_sqe(cid: int, slba: int, length: int) -> bytes:
     sqe = bytearray(64)
     pack_rw_into(sqe, 0x02, cid, 1, slba, length // 4096 - 1, 0,
-                 length | tp.SGL_TRANSPORT << 56)
+                 length | tcp_pdu.SGL_TRANSPORT << 56)
     return bytes(sqe)
 
 
@@ -170,20 +170,20 @@ def with_r2t(port: int, **kw) -> tuple[RawTcp, int]:
     peer = RawTcp(port, **kw)
     peer.capsule(connect_sqe(True))
     r2t = peer.read_pdu()
-    assert r2t[0] == tp.R2T, r2t[:8]
-    cccid, ttag, offset, length = tp.unpack_data_fields(r2t)
+    assert r2t[0] == tcp_pdu.R2T, r2t[:8]
+    cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(r2t)
     assert (cccid, offset, length) == (1, 0, 1024)
     return peer, ttag
 
 
-def h2c(cccid: int, ttag: int, offset: int, data: bytes, *, flags: int = tp.F_DATA_LAST,
+def h2c(cccid: int, ttag: int, offset: int, data: bytes, *, flags: int = tcp_pdu.F_DATA_LAST,
         length: int | None = None) -> bytes:
-    return bytes(tp.data_header(tp.H2C_DATA, flags, cccid, ttag, offset,
-                                len(data) if length is None else length, False, False)) + data
+    return bytes(tcp_pdu.data_header(tcp_pdu.H2C_DATA, flags, cccid, ttag, offset,
+                                     len(data) if length is None else length, False, False)) + data
 
 
 def common(ptype, flags, hlen, pdo, plen) -> bytes:
-    return tp.COMMON.pack(ptype, flags, hlen, pdo, plen)
+    return tcp_pdu.COMMON.pack(ptype, flags, hlen, pdo, plen)
 
 
 def _raw_header(ptype, flags, hlen, pdo, plen, size) -> bytes:
@@ -192,21 +192,21 @@ def _raw_header(ptype, flags, hlen, pdo, plen, size) -> bytes:
 
 #: (name, what the attacker does on a fresh connection, the FES of the answer)
 FATAL = [
-    ("capsule before ICReq", lambda p: RawTcp(p, icreq=tp.capsule_cmd_header(
+    ("capsule before ICReq", lambda p: RawTcp(p, icreq=tcp_pdu.capsule_cmd_header(
         connect_sqe(False), 0, False, False)), Fes.SEQUENCE_ERROR),
-    ("ICReq with PFV 1", lambda p: RawTcp(p, icreq=tp.ICReq(pfv=1).pack()),
+    ("ICReq with PFV 1", lambda p: RawTcp(p, icreq=tcp_pdu.ICReq(pfv=1).pack()),
      Fes.INVALID_HEADER_FIELD),
-    ("ICReq HPDA 32", lambda p: RawTcp(p, icreq=tp.ICReq(hpda=32).pack()),
+    ("ICReq HPDA 32", lambda p: RawTcp(p, icreq=tcp_pdu.ICReq(hpda=32).pack()),
      Fes.INVALID_HEADER_FIELD),
     ("ICReq with plen 64", lambda p: RawTcp(p, icreq=common(0, 0, 128, 0, 64) + bytes(56)),
      Fes.INVALID_HEADER_FIELD),
-    ("a second ICReq", lambda p: _then(RawTcp(p), tp.ICReq().pack()), Fes.SEQUENCE_ERROR),
+    ("a second ICReq", lambda p: _then(RawTcp(p), tcp_pdu.ICReq().pack()), Fes.SEQUENCE_ERROR),
     ("unknown PDU type 0x0f", lambda p: _then(RawTcp(p), _raw_header(0xF, 0, 24, 0, 24, 24)),
      Fes.INVALID_HEADER_FIELD),
-    ("an R2T from the host", lambda p: _then(RawTcp(p), tp.data_header(
-        tp.R2T, 0, 1, 0, 0, 4096, False, False)), Fes.INVALID_HEADER_FIELD),
-    ("a C2HData from the host", lambda p: _then(RawTcp(p), tp.data_header(
-        tp.C2H_DATA, tp.F_DATA_LAST, 1, 0, 0, 4, False, False) + bytes(4)),
+    ("an R2T from the host", lambda p: _then(RawTcp(p), tcp_pdu.data_header(
+        tcp_pdu.R2T, 0, 1, 0, 0, 4096, False, False)), Fes.INVALID_HEADER_FIELD),
+    ("a C2HData from the host", lambda p: _then(RawTcp(p), tcp_pdu.data_header(
+        tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_LAST, 1, 0, 0, 4, False, False) + bytes(4)),
      Fes.INVALID_HEADER_FIELD),
     ("capsule hlen 64", lambda p: _then(RawTcp(p), _raw_header(4, 0, 64, 0, 72, 72)),
      Fes.INVALID_HEADER_FIELD),
@@ -218,7 +218,7 @@ FATAL = [
         4, 0, 72, 72, 1 << 30, 72)), Fes.INVALID_HEADER_FIELD),
     ("header digest mismatch", lambda p: _do(RawTcp(p, hdgst=True), lambda r: r.capsule(
         connect_sqe(False), CONNECT_DATA, bad_hdgst=True)), Fes.HEADER_DIGEST),
-    ("header digest missing", lambda p: _then(RawTcp(p, hdgst=True), tp.capsule_cmd_header(
+    ("header digest missing", lambda p: _then(RawTcp(p, hdgst=True), tcp_pdu.capsule_cmd_header(
         connect_sqe(False), 0, False, False)), Fes.INVALID_HEADER_FIELD),
     ("H2CData without an R2T", lambda p: _then(RawTcp(p), h2c(1, 0, 0, bytes(512))),
      Fes.INVALID_HEADER_FIELD),
@@ -227,7 +227,7 @@ FATAL = [
     ("H2CData beyond the R2T", lambda p: _h2c_after_r2t(p, lambda t: h2c(
         1, t, 0, bytes(2048))), Fes.DATA_OUT_OF_RANGE),
     ("H2CData beyond MAXH2CDATA", lambda p: _h2c_after_r2t(p, lambda t: common(
-        tp.H2C_DATA, tp.F_DATA_LAST, 24, 24, 24 + MAXH2CDATA + 4) + struct.pack(
+        tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 24, 24, 24 + MAXH2CDATA + 4) + struct.pack(
         "<HHII4x", 1, t, 0, MAXH2CDATA + 4)), Fes.DATA_LIMIT_EXCEEDED),
     ("H2CData for another command", lambda p: _h2c_after_r2t(p, lambda t: h2c(
         2, t, 0, bytes(1024))), Fes.INVALID_HEADER_FIELD),
@@ -277,23 +277,24 @@ def test_malformed_pdus_end_only_their_connection(target, transport, bystander):
         peer = RawTcp(port, ddgst=True)
         peer.capsule(connect_sqe(False), CONNECT_DATA, bad_ddgst=True)
         resp = peer.read_pdu()
-        assert resp[0] == tp.CAPSULE_RESP, resp[:8]
+        assert resp[0] == tcp_pdu.CAPSULE_RESP, resp[:8]
         assert (struct.unpack_from("<H", resp, 22)[0] >> 1) & 0x7FF == \
             TRANSIENT_TRANSPORT_ERROR
         peer.capsule(connect_sqe(False), CONNECT_DATA)           # the same, intact: served
         resp = peer.read_pdu()
-        assert resp[0] == tp.CAPSULE_RESP and not struct.unpack_from("<H", resp, 22)[0] >> 1
+        assert resp[0] == tcp_pdu.CAPSULE_RESP and not struct.unpack_from("<H", resp, 22)[0] >> 1
         peer.close()
         peer, ttag = with_r2t(port, ddgst=True)
-        peer.send(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, ttag, 0, 1024, False, True),
-                  CONNECT_DATA, struct.pack("<I", tp.digest(CONNECT_DATA) ^ 0x10))
+        peer.send(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 1, ttag, 0, 1024,
+                                      False, True),
+                  CONNECT_DATA, struct.pack("<I", tcp_pdu.digest(CONNECT_DATA) ^ 0x10))
         resp = peer.read_pdu()
-        assert resp[0] == tp.CAPSULE_RESP and \
+        assert resp[0] == tcp_pdu.CAPSULE_RESP and \
             (struct.unpack_from("<H", resp, 22)[0] >> 1) & 0x7FF == TRANSIENT_TRANSPORT_ERROR
         peer.close()
         # a host's termination request: the target just closes
         peer = RawTcp(port)
-        peer.send(tp.term_req(tp.H2C_TERM, Fes.SEQUENCE_ERROR, 0))
+        peer.send(tcp_pdu.term_req(tcp_pdu.H2C_TERM, Fes.SEQUENCE_ERROR, 0))
         assert peer.read_pdu() == b""
         peer.close()
         # garbage after initialisation: a termination or a close, never a crash
@@ -369,8 +370,8 @@ def test_silent_tcp_connections_are_bounded_and_dropped(target, transport, bysta
 
 
 def _r2t(pdu: bytes) -> tuple[int, int, int, int]:
-    assert pdu and pdu[0] == tp.R2T, pdu[:8]
-    return tp.unpack_data_fields(pdu)
+    assert pdu and pdu[0] == tcp_pdu.R2T, pdu[:8]
+    return tcp_pdu.unpack_data_fields(pdu)
 
 
 def _quiet(peer: RawTcp, seconds: float = 0.3) -> bool:
@@ -419,7 +420,7 @@ def test_r2ts_honour_maxr2t_and_maxh2cdata(target, maxr2t):
         got = bytearray()
         while True:
             pdu = peer.read_pdu()
-            if pdu[0] != tp.C2H_DATA:
+            if pdu[0] != tcp_pdu.C2H_DATA:
                 assert status_of(pdu) == 0
                 break
             got += pdu[pdu[3]:]
@@ -442,15 +443,15 @@ MULTI_R2T_FATAL = [
      Fes.DATA_OUT_OF_RANGE),
     ("an R2T's last H2CData without LAST", ((0, bytes(MAXH2CDATA), 0),),
      Fes.INVALID_HEADER_FIELD),
-    ("LAST before the end of the R2T", ((0, bytes(4096), tp.F_DATA_LAST),),
+    ("LAST before the end of the R2T", ((0, bytes(4096), tcp_pdu.F_DATA_LAST),),
      Fes.INVALID_HEADER_FIELD),
-    ("the second R2T's data first", ((MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),),
+    ("the second R2T's data first", ((MAXH2CDATA, bytes(MAXH2CDATA), tcp_pdu.F_DATA_LAST),),
      Fes.DATA_OUT_OF_RANGE),
-    ("H2CData once the write's data is in", ((0, bytes(MAXH2CDATA), tp.F_DATA_LAST),
-                                  (MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),
-                                  (2 * MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),
-                                  (3 * MAXH2CDATA, bytes(MAXH2CDATA), tp.F_DATA_LAST),
-                                  (4 * MAXH2CDATA, bytes(4096), tp.F_DATA_LAST)),
+    ("H2CData once the write's data is in", ((0, bytes(MAXH2CDATA), tcp_pdu.F_DATA_LAST),
+                                  (MAXH2CDATA, bytes(MAXH2CDATA), tcp_pdu.F_DATA_LAST),
+                                  (2 * MAXH2CDATA, bytes(MAXH2CDATA), tcp_pdu.F_DATA_LAST),
+                                  (3 * MAXH2CDATA, bytes(MAXH2CDATA), tcp_pdu.F_DATA_LAST),
+                                  (4 * MAXH2CDATA, bytes(4096), tcp_pdu.F_DATA_LAST)),
      Fes.INVALID_HEADER_FIELD),
 ]
 
@@ -479,8 +480,8 @@ def _padded_capsule(port: int, pdo: int) -> RawTcp:
     """A Connect whose in-capsule data starts at ``pdo`` (the listener wants 80)."""
     peer = RawTcp(port)
     assert peer.align == 16
-    hdr = bytearray(tp.capsule_cmd_header(connect_sqe(False), len(CONNECT_DATA), False,
-                                          False, 16))
+    hdr = bytearray(tcp_pdu.capsule_cmd_header(connect_sqe(False), len(CONNECT_DATA), False,
+                                               False, 16))
     hdr[3] = pdo
     struct.pack_into("<I", hdr, 4, pdo + len(CONNECT_DATA))
     peer.send(bytes(hdr[:min(pdo, len(hdr))]).ljust(pdo, b"\0"), CONNECT_DATA)
@@ -490,8 +491,8 @@ def _padded_capsule(port: int, pdo: int) -> RawTcp:
 def _padded_h2c(port: int, pdo: int) -> RawTcp:
     """The R2T's H2CData with its data at ``pdo`` (the listener wants 32)."""
     peer, ttag = with_r2t(port)
-    hdr = bytearray(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST, 1, ttag, 0, 1024, False,
-                                   False, 16))
+    hdr = bytearray(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 1, ttag, 0, 1024,
+                                        False, False, 16))
     hdr[3] = pdo
     struct.pack_into("<I", hdr, 4, pdo + 1024)
     peer.send(bytes(hdr[:min(pdo, len(hdr))]).ljust(pdo, b"\0"), CONNECT_DATA)
@@ -521,7 +522,7 @@ def test_pdo_checked_against_the_listeners_cpda(target, transport, bystander):
         for name, attack, fes in PADDING_FATAL:
             peer = attack(port)
             try:
-                assert peer.terminated() == (fes, tp.FEI_PDO), name
+                assert peer.terminated() == (fes, tcp_pdu.FEI_PDO), name
             finally:
                 peer.close()
         peer = _padded_capsule(port, 80)

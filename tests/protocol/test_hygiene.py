@@ -94,10 +94,10 @@ def test_printable_cuts_long_text() -> None:
 
 
 def test_metrics_labels_survive_hostile_values() -> None:
-    from blockfabric.target import metrics as mx
-    fam = mx.Family("blockfabric_x", "gauge", "x",
-                    [({"hostnqn": 'a\n"b"\\\udcff\u2028'}, 1)])
-    text = mx.render([fam])
+    from blockfabric.target import metrics
+    fam = metrics.Family("blockfabric_x", "gauge", "x",
+                         [({"hostnqn": 'a\n"b"\\\udcff\u2028'}, 1)])
+    text = metrics.render([fam])
     text.encode("utf-8")
     lines = text.splitlines()
     assert len(lines) == 3

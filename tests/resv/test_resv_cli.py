@@ -90,7 +90,7 @@ def test_identify_features_and_mask(module_ram_target, transport):
     EXHID; 0x83 refuses PTPL here; a masked notice is not logged; over both transports."""
     from blockfabric.initiator.host import NvmeError
     from blockfabric.protocol import StatusCode
-    from blockfabric.protocol import resv as pr
+    from blockfabric.protocol import resv as resv_protocol
     from blockfabric.protocol.capsule import SQE
 
     target = module_ram_target
@@ -103,22 +103,23 @@ def test_identify_features_and_mask(module_ram_target, transport):
                                   hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{CLI_HOST}")
                    ).connect()
     try:
-        assert a.identify.oncs & pr.ONCS_RESERVATIONS and a.identify.ctratt & 1
+        assert a.identify.oncs & resv_protocol.ONCS_RESERVATIONS and a.identify.ctratt & 1
         assert a.namespaces[1].identify.rescap == 0xFE            # all types, IEKEY, no PTPL
-        get = SQE(opcode=0x0A, cdw10=pr.FID_HOST_ID, cdw11=1)
+        get = SQE(opcode=0x0A, cdw10=resv_protocol.FID_HOST_ID, cdw11=1)
         assert a.wait(a.admin, get, "Get Features 0x81", data_in=16)[1] == HOLDER.bytes
         with pytest.raises(NvmeError) as exc:
-            a.wait(a.admin, SQE(opcode=0x0A, cdw10=pr.FID_HOST_ID), "no EXHID", data_in=16)
+            a.wait(a.admin, SQE(opcode=0x0A, cdw10=resv_protocol.FID_HOST_ID), "no EXHID",
+                   data_in=16)
         assert exc.value.status == StatusCode.INVALID_FIELD
         assert resv.get_persistence(a, 1) is False
         with pytest.raises(NvmeError) as exc:
-            a.wait(a.admin, SQE(opcode=0x09, nsid=1, cdw10=pr.FID_RESV_PERSIST, cdw11=1),
+            a.wait(a.admin, SQE(opcode=0x09, nsid=1, cdw10=resv_protocol.FID_RESV_PERSIST, cdw11=1),
                    "Set Features 0x83")
         assert exc.value.status == StatusCode.INVALID_FIELD
         na, nb = a.namespaces[1], b.namespaces[1]
         resv.register(na, nrkey=1)
         resv.register(nb, nrkey=2)
-        resv.set_notification_mask(a, pr.MASK_REG_PREEMPTED, nsid=1)
+        resv.set_notification_mask(a, resv_protocol.MASK_REG_PREEMPTED, nsid=1)
         resv.acquire(nb, crkey=2, prkey=1, rtype=1, racqa=1)        # a preempted, masked
         assert resv.notification_log(a).log_type == 0
         resv.set_notification_mask(a, 0)

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from blockfabric.target import config as cfg
-from blockfabric.target import metrics as mx
-from blockfabric.target import reload as rl
+from blockfabric.target import metrics
+from blockfabric.target import reload
 from blockfabric.target.backends import FileBackend, RamdiskBackend
 
 NQN = "nqn.2026-12.io.blockfabric:a"
@@ -27,7 +27,7 @@ def _conf(**sub):
 
 
 def test_plan_of_an_unchanged_config_is_empty():
-    p = rl.plan(_conf(), _conf())
+    p = reload.plan(_conf(), _conf())
     assert p.summary() == "no changes" and not p.discovery_changed
 
 
@@ -38,7 +38,7 @@ def test_plan_classifies_namespace_changes():
                             {"nsid": 3, "backend": "file", "path": "/tmp/x.img",
                              "size": "1MiB", "read_only": True},
                             {"nsid": 4, "backend": "null", "size": "1GiB"}])
-    (change,) = rl.plan(old, new).changed
+    (change,) = reload.plan(old, new).changed
     assert [n.nsid for n in change.resized] == [1]
     assert [n.nsid for n in change.flipped] == [1]       # memory: flipped in place
     assert [n.nsid for n in change.replaced] == [3]      # a file is reopened
@@ -60,31 +60,31 @@ def _rbd_gateway(image="vol0", ana_group=None, **gateway):
 
 def test_plan_of_rbd_namespaces_and_the_gateway_section():
     old = _rbd_gateway()
-    (change,) = rl.plan(old, _rbd_gateway(ana_group=5)).changed
+    (change,) = reload.plan(old, _rbd_gateway(ana_group=5)).changed
     assert [n.nsid for n in change.regrouped] == [1] and not change.replaced
-    assert "ns_ana_group=1" in rl.plan(old, _rbd_gateway(ana_group=5)).summary()
+    assert "ns_ana_group=1" in reload.plan(old, _rbd_gateway(ana_group=5)).summary()
     # another image under the same nsid is another volume (it used to be ignored)
-    (change,) = rl.plan(old, _rbd_gateway(image="vol1")).changed
+    (change,) = reload.plan(old, _rbd_gateway(image="vol1")).changed
     assert [n.nsid for n in change.replaced] == [1]
     # what a reload applies to the gateway section, and what it refuses naming the key
     for ok in ({"ana_groups": [1, 2]}, {"others": "inaccessible"}, {"lease": 9},
                {"cntlid_max": 20}):
         new = _rbd_gateway(**ok)
-        assert rl.plan(old, new).gateway_changed
-        assert rl.gateway_refusal(old.gateway, new.gateway) is None, ok
-    assert not rl.plan(old, _rbd_gateway()).gateway_changed
+        assert reload.plan(old, new).gateway_changed
+        assert reload.gateway_refusal(old.gateway, new.gateway) is None, ok
+    assert not reload.plan(old, _rbd_gateway()).gateway_changed
     for key, value in (("name", "gw-x"), ("group", "h")):
-        why = rl.gateway_refusal(old.gateway, _rbd_gateway(**{key: value}).gateway)
+        why = reload.gateway_refusal(old.gateway, _rbd_gateway(**{key: value}).gateway)
         assert why.startswith(f"gateway.{key}: ") and "restart the gateway" in why
-    why = rl.gateway_refusal(old.gateway, _rbd_gateway(image="vol1", ana_group=None,
-                                                       ceph={"pool": "other"}).gateway)
+    why = reload.gateway_refusal(old.gateway, _rbd_gateway(image="vol1", ana_group=None,
+                                                           ceph={"pool": "other"}).gateway)
     assert why.startswith("gateway.ceph: client.admin@rbd (") and "@other" in why
-    assert rl.gateway_refusal(old.gateway, None).startswith("gateway: a reload cannot take")
-    assert rl.gateway_refusal(None, old.gateway).startswith("gateway: a reload cannot make")
+    assert reload.gateway_refusal(old.gateway, None).startswith("gateway: a reload cannot take")
+    assert reload.gateway_refusal(None, old.gateway).startswith("gateway: a reload cannot make")
 
 
 def test_plan_access_and_listener_changes_touch_discovery():
-    p = rl.plan(_conf(), _conf(allow_any_host=False, hosts=[NQN + ":h"]))
+    p = reload.plan(_conf(), _conf(allow_any_host=False, hosts=[NQN + ":h"]))
     assert p.changed[0].access_changed and p.discovery_changed
     renamed = cfg.TargetConfig.from_dict({
         "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": 4420,
@@ -92,20 +92,20 @@ def test_plan_access_and_listener_changes_touch_discovery():
     plain = cfg.TargetConfig.from_dict({
         "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": 4420}],
         "subsystems": []})
-    p = rl.plan(plain, renamed)
+    p = reload.plan(plain, renamed)
     assert not p.added_listeners and not p.removed_listeners
 
 
 def test_iostats_buckets_and_exposition():
-    stats = mx.IoStats()
+    stats = metrics.IoStats()
     start = time.perf_counter_ns()
-    stats.done(mx.WRITE, 4096, start, True)
-    stats.done(mx.WRITE, 4096, start - 2_000_000_000, True)   # 2 s ago: the 5 s bucket
-    stats.done(mx.READ, 512, start, False)
+    stats.done(metrics.WRITE, 4096, start, True)
+    stats.done(metrics.WRITE, 4096, start - 2_000_000_000, True)   # 2 s ago: the 5 s bucket
+    stats.done(metrics.READ, 512, start, False)
     assert stats.ops == [0, 2] and stats.bytes == [0, 8192] and stats.errors == 1
-    fams = mx.IoFamilies("namespace")
+    fams = metrics.IoFamilies("namespace")
     fams.add({"nsid": "1", "subnqn": 'a"b'}, stats)
-    text = mx.render(fams.families())
+    text = metrics.render(fams.families())
     assert 'subnqn="a\\"b"' in text
     assert 'blockfabric_namespace_io_latency_seconds_bucket{nsid="1",subnqn="a\\"b",' \
            'op="write",le="1.0"} 1' in text

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import pytest
 
 from blockfabric.sizes import KiB, MiB
-from blockfabric.target import backends as bmod
+from blockfabric.target import backends
 from blockfabric.target.backends import (Backend, FileBackend, NullBackend, RamdiskBackend,
                                          open_backend)
 from blockfabric.target.config import BACKENDS, Namespace
@@ -146,7 +146,7 @@ def test_size_must_be_a_multiple_of_the_block_size(make: Factory) -> None:
 
 
 def test_open_backend_covers_every_configured_kind(tmp_path: Path) -> None:
-    assert set(bmod._OPENERS) == set(BACKENDS)
+    assert set(backends._OPENERS) == set(BACKENDS)
     kinds = {"ramdisk": RamdiskBackend, "file": FileBackend, "null": NullBackend}
     local = [b for b in BACKENDS if b != "rbd"]    # rbd needs a cluster: tests/ceph
     for nsid, name in enumerate(local, 1):
@@ -294,7 +294,7 @@ def test_write_zeroes_falls_back_to_writing_zeros(tmp_path: Path,
         ctypes.set_errno(errno.EOPNOTSUPP)
         return -1
 
-    monkeypatch.setattr(bmod, "_fallocate", unsupported)
+    monkeypatch.setattr(backends, "_fallocate", unsupported)
     with FileBackend(str(tmp_path / "v.img"), 4 * MiB) as vol:
         data = _pattern(4 * MiB, seed=6)
         vol.write(0, data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockfabric.target import backoff as bo
+from blockfabric.target import backoff
 from blockfabric.target.backoff import PeerBackoff
 
 LIMIT, WINDOW, BACKOFF = 3, 60.0, 30.0
@@ -33,7 +33,7 @@ def test_failures_spread_wider_than_the_window_never_block() -> None:
 
 def test_memory_stays_bounded_under_many_addresses() -> None:
     b = PeerBackoff()
-    for i in range(3 * bo.MAX_PEERS):
+    for i in range(3 * backoff.MAX_PEERS):
         for _ in range(LIMIT):
             fail(b, f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}", 0.0)
-    assert len(b._failures) <= bo.MAX_PEERS and len(b._until) <= bo.MAX_PEERS
+    assert len(b._failures) <= backoff.MAX_PEERS and len(b._until) <= backoff.MAX_PEERS

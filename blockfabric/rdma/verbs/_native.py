@@ -25,7 +25,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from blockfabric.errors import ProviderUnavailable, RdmaError
 
@@ -47,13 +47,7 @@ def load() -> SimpleNamespace:
         if _pv is not None:
             return _pv
         try:
-            import pyverbs.cmid as cmid
-            import pyverbs.cq as cq
-            import pyverbs.device as device
-            import pyverbs.mr as mr
-            import pyverbs.pd as pd
-            import pyverbs.qp as qp
-            import pyverbs.wr as wr
+            from pyverbs import cmid, cq, device, mr, pd, qp, wr   # the verbs' own names
             from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
         except ImportError as exc:
             raise ProviderUnavailable(f"{PYVERBS_HINT} ({exc})") from exc
@@ -178,7 +172,7 @@ class RawEvent:
 _EV_TYPE, _EV_STATUS, _EV_PDATA, _EV_PDATA_LEN = 16, 20, 24, 32
 
 
-def read_event(event: object) -> RawEvent:
+def read_event(event: Any) -> RawEvent:
     """Decode a pyverbs CMEvent through its C struct (its type validates the pointer)."""
     etype = event.event_type
 
@@ -235,12 +229,14 @@ def bind_addr(id_ptr: int, address: str | None, port: int) -> None:
             flags=socket.AI_NUMERICHOST | socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise RdmaError(f"not a numeric IP address: {address!r}", errno=22) from exc
+    host = str(sockaddr[0])
     if family == socket.AF_INET:
-        raw = struct.pack("=H", family) + struct.pack("!H4s", port, socket.inet_aton(sockaddr[0]))
+        raw = struct.pack("=H", family) + struct.pack("!H4s", port, socket.inet_aton(host))
     else:
-        raw = (struct.pack("=H", family) + struct.pack("!HI", port, sockaddr[2])
-               + socket.inet_pton(socket.AF_INET6, sockaddr[0].split("%")[0])
-               + struct.pack("=I", sockaddr[3]))
+        flowinfo, scope_id = sockaddr[2:4]  # type: ignore[misc]  # an AF_INET6 sockaddr
+        raw = (struct.pack("=H", family) + struct.pack("!HI", port, flowinfo)
+               + socket.inet_pton(socket.AF_INET6, host.split("%")[0])
+               + struct.pack("=I", scope_id))
     raw = raw.ljust(128, b"\0")
     if _librdmacm.rdma_bind_addr(id_ptr, raw) != 0:
         code = ctypes.get_errno()

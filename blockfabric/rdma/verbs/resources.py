@@ -128,7 +128,8 @@ class VerbsMR(base.MR):
         if view.readonly:
             raise RdmaError("reg_mr needs writable memory (bytearray, mmap, memoryview)",
                             errno=22)
-        self._pin = (ctypes.c_char * view.nbytes).from_buffer(view)
+        self._pin: ctypes.Array[ctypes.c_char] | None = (
+            ctypes.c_char * view.nbytes).from_buffer(view)
         self.addr = ctypes.addressof(self._pin)
         self.length = view.nbytes
         try:

@@ -93,7 +93,8 @@ class AgentCore:
 
     def fds(self) -> list[int]:
         fds = set()
-        for conn in self.conns.values():
+        # a copy: req_notify runs the engine in poll mode, which may settle a connection
+        for conn in list(self.conns.values()):
             for cq in (conn.scq, conn.rcq):
                 fds.add(cq.fileno())
                 cq.req_notify()

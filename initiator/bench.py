@@ -288,18 +288,18 @@ class DirStats:
 # --------------------------------------------------------------------------- one job
 
 class Slot:
-    """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue (to the queue with
-    the same place in the controller's list after a reconnect).  It owns a piece of the
+    """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue: the ``lane``-th
+    of the controller's (whichever queue has that place after a reconnect).  It owns a piece of the
     job's registered memory, where its reads land and its writes come from (no copy), and
     the one :class:`IoCommand` it issues again and again (the parent of that command)."""
 
-    __slots__ = ("job", "index", "queue", "read", "offset", "t0", "t1", "expect", "buf",
+    __slots__ = ("job", "index", "lane", "read", "offset", "t0", "t1", "expect", "buf",
                  "addr", "cmd")
 
-    def __init__(self, job: Job, index: int, queue: Any, buf: memoryview, addr: int) -> None:
+    def __init__(self, job: Job, index: int, lane: int, buf: memoryview, addr: int) -> None:
         self.job = job
         self.index = index
-        self.queue = queue
+        self.lane = lane
         self.read = True
         self.offset = 0
         self.t0 = self.t1 = 0
@@ -335,7 +335,8 @@ class Job:
         stride = -(-opts.bs // 4096) * 4096
         self.mem = HostMemory(ctrl.pd, stride * opts.iodepth)
         self.rkey = self.mem.rkey
-        self.slots = [Slot(self, k, queues[k % len(queues)],
+        lanes = [ctrl.io_queues.index(q) for q in queues]
+        self.slots = [Slot(self, k, lanes[k % len(lanes)],
                            self.mem.view[k * stride:k * stride + opts.bs],
                            self.mem.addr + k * stride)
                       for k in range(opts.iodepth)]
@@ -454,11 +455,7 @@ class Job:
         self.inflight += 1
         if self.inflight > self.max_inflight:
             self.max_inflight = self.inflight
-        queue = slot.queue
-        if queue.dead_reason is not None:       # replaced by a reconnect?
-            live = self.ctrl.io_queues
-            if live and live[slot.index % len(live)].dead_reason is None:
-                slot.queue = queue = live[slot.index % len(live)]
+        live = self.ctrl.io_queues         # a new list after a reconnect
         cmd = slot.cmd
         cmd.opcode = _READ if is_read else _WRITE
         cmd.slba = offset // self.ns.block_size
@@ -466,7 +463,8 @@ class Job:
         slot.t1 = 0
         slot.t0 = time.monotonic_ns()
         try:
-            self.ctrl.issue(cmd, queue)     # held by the controller if the queue is gone
+            # held by the controller (and issued again) if the queue is lost or gone
+            self.ctrl.issue(cmd, live[slot.lane % len(live)] if live else None)
         except (BlockfabricError, TimeoutError, ValueError) as exc:
             self.inflight -= 1
             self.busy.discard(offset)

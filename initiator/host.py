@@ -36,7 +36,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from blockfabric.errors import BlockfabricError, ConnectionRejected
+from blockfabric.errors import (BlockfabricError, ConnectionRejected, QueueDead,
+                                WorkCompletionError)  # noqa: F401  (re-exported: users catch it)
 from blockfabric.fabric.host_side import STATUS_BITS, HostQueue
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.tcp import local_pd
@@ -50,7 +51,7 @@ from blockfabric.protocol import (CC, CQE, CSTS, OAES_NS_ATTR, DISCOVERY_NQN, DY
                                   GetLogPage, Identify, IdentifyCNS, IdentifyController,
                                   IdentifyNamespace, IOOpcode, KeepAlive, KeyedSGL, LogPageId,
                                   NumberOfQueues, Property, PropertyGet,
-                                  PropertySet, ProtocolError, ReadWrite, SetFeatures,
+                                  PropertySet, ProtocolError, SetFeatures,
                                   StatusCode, WriteZeroes)
 from blockfabric.protocol.auth import (CONNECT_AUTHREQ_ASCR, CONNECT_AUTHREQ_ATR, DHGROUP_NAMES,
                                        HASH_NAMES, AuthError, AuthReceive, AuthSend, Secret,
@@ -73,7 +74,8 @@ _READ = IOOpcode.READ.value
 
 
 class NvmeError(BlockfabricError):
-    """A command completed with an error status (``status`` is a StatusCode)."""
+    """A command completed with an error status: ``status`` is the StatusCode (SCT << 8 |
+    SC), also as ``sct`` and ``sc``; ``dnr`` is Do Not Retry; ``result`` the CQE's DW0."""
 
     def __init__(self, what: str, status: int, dnr: bool = False, result: int = 0) -> None:
         self.status = StatusCode(status) if 0 <= status <= 0x7FF else status
@@ -82,14 +84,25 @@ class NvmeError(BlockfabricError):
         name = getattr(self.status, "name", hex(status))
         super().__init__(f"{what}: {name} ({int(status):#05x}{', DNR' if dnr else ''})")
 
+    @classmethod
+    def from_word(cls, what: str, word: int, result: int = 0) -> NvmeError:
+        """From a response capsule's last 16 bits (phase, SC, SCT, CRD, M, DNR)."""
+        return cls(what, (word >> 1) & 0x7FF, bool(word & 0x8000), result)
+
+    @property
+    def sct(self) -> int:
+        """Status Code Type (0 generic, 1 command specific, 2 media, 3 path related)."""
+        return (int(self.status) >> 8) & 7
+
+    @property
+    def sc(self) -> int:
+        """Status Code, within its type."""
+        return int(self.status) & 0xFF
+
 
 class AuthenticationFailed(BlockfabricError, ConnectionRefusedError):
     """In-band (DH-HMAC-CHAP) authentication did not succeed: no or the wrong secret, or
     the controller could not prove it holds the controller secret."""
-
-
-class QueueDead(BlockfabricError, ConnectionError):
-    """The queue (or the whole controller) went away before the command completed."""
 
 
 class ControllerLost(QueueDead):
@@ -126,43 +139,28 @@ class RecoveryStats:
         return dict(self.__dict__)
 
 
-class _Request:
-    """An I/O command that can be issued again: read, write, flush, write zeroes and DSM
-    are idempotent, so a command lost with its queue is simply re-sent after a reconnect."""
+class HeldCommand:
+    """What every I/O command has, so that it can be held while the controller reconnects
+    and issued again after (read, write, flush, write zeroes and DSM are idempotent): the
+    one callback, ``parent.io_done(command, error)``, run exactly once per issue with None,
+    an :class:`NvmeError` (the command's status), or :class:`ControllerLost`."""
 
-    __slots__ = ("make_sqe", "callback", "data_out", "data_in", "inline", "gen", "sgl", "held",
-                 "path", "nsid")
+    __slots__ = ("parent", "nsid", "gen", "held", "path")
 
-    def __init__(self, make_sqe: Callable[[], SQE], callback: Callable, data_out=None,
-                 data_in: int = 0, inline: bool = False,
-                 sgl: KeyedSGL | None = None) -> None:
-        self.make_sqe = make_sqe
-        self.callback = callback        # (cqe, data, exception or None)
-        self.data_out = data_out
-        self.data_in = data_in
-        self.inline = inline
+    def __init__(self, parent: Any, nsid: int = 0) -> None:
+        self.parent = parent
+        self.nsid = nsid
         self.gen = -1
         self.held = 0
         self.path: Controller | None = None     # the path it was last sent on (multipath)
-        self.nsid: int | None = None
-        #: The data already sits in memory the caller registered with this controller's PD:
-        #: the target moves it by RDMA from/to there (no arena block, no copy).
-        self.sgl = sgl
-
-    def send(self, ctrl: Controller, queue: HostQueue) -> None:
-        inline = self.inline and self.data_out is not None \
-            and len(self.data_out) <= queue.inline_size
-        ctrl.submit(queue, self.make_sqe(), lambda cqe, data, error: ctrl._io_done(
-            self, cqe, data, error), data_out=self.data_out, data_in=self.data_in,
-            inline=inline, sgl=self.sgl)
 
     def lost(self, exc: BaseException) -> None:
-        self.callback(None, None, exc)
+        self.parent.io_done(self, exc)
 
 
-class IoCommand:
-    """One Read or Write (one piece at MDTS) that its user keeps and reuses: the lean per-I/O
-    path.  The user fills the fields (or lets :meth:`Controller.plan_io` do it) and calls
+class IoCommand(HeldCommand):
+    """The I/O primitive: one Read or Write (one piece at MDTS) that its user keeps and
+    reuses.  The user fills the fields (or lets :meth:`Controller.plan_io` do it) and calls
     :meth:`Controller.issue`; the data moves by RDMA to or from ``length`` bytes at ``addr``
     under ``rkey`` (memory registered with the controller's PD), or, for a write whose
     ``data`` (a view of those bytes) fits, in the capsule.
@@ -173,24 +171,20 @@ class IoCommand:
     reconnect, as every I/O command is (``held`` counts how often).  Nothing is allocated
     on the way: the queue packs the SQE into its slot's buffer from these fields."""
 
-    __slots__ = ("ctrl", "parent", "opcode", "nsid", "slba", "nlb", "addr", "length", "rkey",
-                 "data", "gen", "held", "path")
+    __slots__ = ("ctrl", "opcode", "slba", "nlb", "addr", "length", "rkey", "data")
 
     def __init__(self, ctrl: Controller, parent: Any) -> None:
+        HeldCommand.__init__(self, parent)
         self.ctrl = ctrl
-        self.parent = parent
         self.opcode = IOOpcode.READ.value
-        self.nsid = self.slba = self.nlb = self.addr = self.length = self.rkey = 0
+        self.slba = self.nlb = self.addr = self.length = self.rkey = 0
         self.data: Any = None
-        self.gen = -1
-        self.held = 0
-        self.path: Controller | None = None     # the path it was last sent on (multipath)
 
     def send(self, ctrl: Controller, queue: HostQueue) -> None:
         queue.submit_rw(self, self.opcode, self.nsid, self.slba, self.nlb, self.addr,
                         self.length, self.rkey, self.data)
 
-    def complete(self, raw: tuple | None, error: str | None) -> None:
+    def complete(self, raw: tuple | None, error: QueueDead | None) -> None:
         """The queue's callback (reactor thread)."""
         if error is not None:
             self.ctrl._hold(self, error)
@@ -200,18 +194,49 @@ class IoCommand:
             if word & 0x0E00 == 0x0600:     # SCT 3, path related (ANA): another path may serve
                 self.ctrl._path_status(self, word, raw[0])
                 return
-            self.parent.io_done(self, NvmeError("Read" if self.opcode == _READ else "Write",
-                                                (word >> 1) & 0x7FF, bool(word & 0x8000),
-                                                raw[0]))
+            self.parent.io_done(self, NvmeError.from_word(
+                "Read" if self.opcode == _READ else "Write", word, raw[0]))
         else:
             self.parent.io_done(self, None)
 
-    def lost(self, exc: BaseException) -> None:
-        self.parent.io_done(self, exc)
+
+class SqeCommand(HeldCommand):
+    """An I/O command that is not a read or a write (Flush, Write Zeroes, Dataset
+    Management): built afresh by ``make_sqe`` for each issue, ``data_out`` (if any) sent
+    from the arena or in the capsule; held and re-issued, and completed, like an
+    :class:`IoCommand`."""
+
+    __slots__ = ("ctrl", "make_sqe", "what", "data_out")
+
+    def __init__(self, ctrl: Controller, parent: Any, nsid: int, make_sqe: Callable[[], SQE],
+                 what: str, data_out: bytes | None = None) -> None:
+        HeldCommand.__init__(self, parent, nsid)
+        self.ctrl = ctrl
+        self.make_sqe = make_sqe
+        self.what = what
+        self.data_out = data_out
+
+    def send(self, ctrl: Controller, queue: HostQueue) -> None:
+        inline = self.data_out is not None and len(self.data_out) <= queue.inline_size
+        ctrl.submit(queue, self.make_sqe(), self._completed, data_out=self.data_out,
+                    inline=inline)
+
+    def _completed(self, cqe: CQE | None, _data: Any, error: QueueDead | None) -> None:
+        if error is not None:
+            self.ctrl._hold(self, error)
+            return
+        status = int(cqe.status)
+        if not status:
+            self.parent.io_done(self, None)
+        elif (status >> 8) & 7 == 3:        # path related: another path may serve
+            self.ctrl._path_status(self, status << 1 | cqe.dnr << 15, cqe.result)
+        else:
+            self.parent.io_done(self, NvmeError(self.what, status, cqe.dnr, cqe.result))
 
 
-class _Pieces:
-    """The parent of :meth:`Controller.start_io`'s commands: one callback for them all."""
+class IoJoin:
+    """The parent of one request's commands (its pieces at MDTS): ``callback(error)`` once,
+    when the last is done, with the first error or None."""
 
     __slots__ = ("callback", "left", "error")
 
@@ -220,12 +245,45 @@ class _Pieces:
         self.left = left
         self.error: BaseException | None = None
 
-    def io_done(self, _cmd: IoCommand, error: BaseException | None) -> None:
+    def io_done(self, _cmd: HeldCommand, error: BaseException | None) -> None:
         if error is not None and self.error is None:
             self.error = error
         self.left -= 1
         if not self.left:
             self.callback(self.error)
+
+
+class _FutureJoin:
+    """The parent of a future's commands: the data sits in one arena block, copied out for
+    a read; the block goes back and the future is settled when the last command is done."""
+
+    __slots__ = ("future", "left", "error", "arena", "block", "read_length")
+
+    def __init__(self, future: concurrent.futures.Future, left: int, arena: Arena | None = None,
+                 block: tuple[int, int] | None = None, read_length: int = 0) -> None:
+        self.future = future
+        self.left = left
+        self.error: BaseException | None = None
+        self.arena = arena
+        self.block = block
+        self.read_length = read_length
+
+    def io_done(self, _cmd: HeldCommand, error: BaseException | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.left -= 1
+        if self.left:
+            return
+        data = None
+        block = self.block
+        if block is not None:
+            if self.read_length and self.error is None:
+                data = bytes(self.arena.view[block[0]:block[0] + self.read_length])
+            self.arena.free(*block)
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(data)
 
 
 # --------------------------------------------------------------------------- host identity
@@ -402,13 +460,13 @@ class Namespace:
         self.submit_write(offset, data).result()
 
     def flush(self) -> None:
-        self.ctrl.wait_io(lambda: Flush(nsid=self.nsid).to_sqe(), "Flush")
+        self.ctrl.wait_io(self.nsid, lambda: Flush(nsid=self.nsid).to_sqe(), "Flush")
 
     def write_zeroes(self, offset: int, length: int, deallocate: bool = False) -> None:
         self._check(offset, length)
         bs = self.block_size
         for start, count in _chunks(offset // bs, length // bs, 0x10000):
-            self.ctrl.wait_io(lambda: WriteZeroes(
+            self.ctrl.wait_io(self.nsid, lambda: WriteZeroes(
                 nsid=self.nsid, slba=start, nlb=count - 1, deac=deallocate).to_sqe(),
                 "Write Zeroes")
 
@@ -422,8 +480,8 @@ class Namespace:
             batch = ranges[i:i + 256]
             payload = b"".join(r.pack() for r in batch)
             nr = len(batch) - 1
-            self.ctrl.wait_io(lambda: DatasetManagement(nsid=self.nsid, nr=nr,
-                                                        ad=True).to_sqe(),
+            self.ctrl.wait_io(self.nsid, lambda: DatasetManagement(nsid=self.nsid, nr=nr,
+                                                                   ad=True).to_sqe(),
                               "Dataset Management", data_out=payload)
 
 
@@ -547,7 +605,7 @@ class Controller:
         self.state = CtrlState.CONNECTING
         self.recovery = RecoveryStats()
         self._state_lock = threading.Lock()
-        self._held: list[_Request | IoCommand] = []
+        self._held: list[HeldCommand] = []
         self._gen = 0
         self._loss_deadline: float | None = None
         self._wake = threading.Event()
@@ -993,7 +1051,7 @@ class Controller:
             raise TimeoutError(f"{what}: no answer from the target within {timeout:g} s"
                                ) from None
         if error is not None:
-            raise QueueDead(f"{what}: {error}")
+            raise _queue_error(error, what)
         if cqe.status != StatusCode.SUCCESS:
             raise NvmeError(what, cqe.status, cqe.dnr, cqe.result)
         return cqe, data
@@ -1005,77 +1063,42 @@ class Controller:
         queue.submit_raw(capsule, lambda cqe, err: fut.set_result((cqe, err)), timeout)
         cqe, error = fut.result(timeout)
         if error is not None:
-            raise QueueDead(f"raw command: {error}")
+            raise _queue_error(error, "raw command")
         return cqe
 
     def _io(self, ns: Namespace, opcode: int, offset: int, length: int,
             data: memoryview | None) -> concurrent.futures.Future:
-        """Read or write, split at the transfer limit; one future for the whole range.
-        The range is not checked against the namespace size here: the target answers
-        LBA out of range, and that real status is what the caller should see."""
+        """Read or write through an arena block, split at the transfer limit; one future
+        for the whole range (its result: the bytes read, or None).  The range is not
+        checked against the namespace size here: the target answers LBA out of range, and
+        that real status is what the caller should see."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        pieces = list(_chunks(offset, length, self.max_transfer))
-        results: list[bytes | None] = [None] * len(pieces)
-        state = {"left": len(pieces), "error": None}
-        lock = threading.Lock()
-        what = "Read" if opcode == IOOpcode.READ else "Write"
-
-        def make_cb(i: int) -> Callable:
-            def cb(cqe, out, error) -> None:
-                with lock:
-                    if error is not None and state["error"] is None:
-                        state["error"] = error
-                    elif cqe is not None and cqe.status != StatusCode.SUCCESS \
-                            and state["error"] is None:
-                        state["error"] = NvmeError(what, cqe.status, cqe.dnr, cqe.result)
-                    results[i] = out
-                    state["left"] -= 1
-                    last = state["left"] == 0
-                if last:
-                    if state["error"] is not None:
-                        fut.set_exception(state["error"])
-                    elif opcode == IOOpcode.READ:
-                        fut.set_result(results[0] if len(results) == 1
-                                       else b"".join(results))
-                    else:
-                        fut.set_result(None)
-            return cb
-
-        bs = ns.block_size
-        for i, (start, count) in enumerate(pieces):
-            def make_sqe(start: int = start, count: int = count) -> SQE:
-                return ReadWrite(IOOpcode(opcode), ns.nsid, start // bs,
-                                 count // bs - 1).to_sqe()
-            if opcode == IOOpcode.WRITE:
-                req = _Request(make_sqe, make_cb(i),
-                               data_out=data[start - offset:start - offset + count],
-                               inline=True)
-            else:
-                req = _Request(make_sqe, make_cb(i), data_in=count)
-            self._dispatch(req)
+        arena = self.arena
+        at, size = arena.alloc(length)
+        view = None
+        if data is not None:
+            arena.view[at:at + length] = data
+            view = arena.view[at:at + length]
+        join = _FutureJoin(fut, 0, arena, (at, size), length if data is None else 0)
+        cmds: list[IoCommand] = []
+        try:
+            n = join.left = self.plan_io(cmds, join, ns, opcode, offset, length,
+                                         arena.mr.addr + at, arena.mr.rkey, view)
+        except BaseException:
+            arena.free(at, size)
+            raise
+        for i in range(n):
+            self.issue(cmds[i])
         return fut
 
-    def submit_held(self, make_sqe: Callable[[], SQE], callback: Callable, *, data_out=None,
-                    data_in: int = 0, inline: bool = False) -> None:
-        """Submit an idempotent I/O command as the namespace calls do: on any queue, held
-        while the controller reconnects and re-issued after.  ``callback(cqe, data, exc)``
-        runs on the reactor thread, or on the reconnect thread with :class:`ControllerLost`
-        once ``ctrl_loss_tmo`` has run out.  ``make_sqe`` builds a fresh SQE each time."""
-        self._dispatch(_Request(make_sqe, callback, data_out=data_out, data_in=data_in,
-                                inline=inline))
-
-    def wait_io(self, make_sqe: Callable[[], SQE], what: str, *, data_out=None) -> CQE:
+    def wait_io(self, nsid: int, make_sqe: Callable[[], SQE], what: str, *,
+                data_out=None) -> None:
         """An I/O command with no data back (flush, write zeroes, DSM), held and re-issued
         across a reconnect like reads and writes; raise NvmeError on an error status."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._dispatch(_Request(make_sqe, lambda cqe, _d, exc: fut.set_result((cqe, exc)),
-                                data_out=data_out))
-        cqe, exc = fut.result()
-        if exc is not None:
-            raise exc
-        if cqe.status != StatusCode.SUCCESS:
-            raise NvmeError(what, cqe.status, cqe.dnr, cqe.result)
-        return cqe
+        self._dispatch(SqeCommand(self, _FutureJoin(fut, 1), nsid, make_sqe, what,
+                                  data_out))
+        fut.result()
 
     def start_io(self, ns: Namespace, opcode: int, offset: int, length: int, addr: int,
                  rkey: int, callback: Callable[[BaseException | None], None], *,
@@ -1093,12 +1116,11 @@ class Controller:
         than a queue has slots (the FUSE server counts them); on the reactor thread a full
         queue raises TimeoutError (that thread would wait for itself)."""
         cmds: list[IoCommand] = []
-        n = self.plan_io(cmds, None, ns, opcode, offset, length, addr, rkey, data_out)
-        parent = _Pieces(callback, n)
-        for cmd in cmds:
-            cmd.parent = parent
-        for cmd in cmds:
-            self.issue(cmd)
+        join = IoJoin(callback, 0)
+        n = join.left = self.plan_io(cmds, join, ns, opcode, offset, length, addr, rkey,
+                                     data_out)
+        for i in range(n):
+            self.issue(cmds[i])
         return n
 
     def plan_io(self, cmds: list[IoCommand], parent: Any, ns: Namespace, opcode: int,
@@ -1157,12 +1179,12 @@ class Controller:
                     queue.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
                                     cmd.length, cmd.rkey, cmd.data)
                 except ConnectionError as exc:
-                    self._hold(cmd, str(exc))
+                    self._hold(cmd, exc)
                 return
         self._dispatch(cmd)
 
     # -- reconnecting (nvme-cli semantics: reconnect_delay, ctrl_loss_tmo) ---------------
-    def _dispatch(self, req: _Request | IoCommand) -> None:
+    def _dispatch(self, req: HeldCommand) -> None:
         """Send ``req`` on an I/O queue, or hold it while the controller reconnects."""
         with self._state_lock:
             state = self.state
@@ -1178,7 +1200,7 @@ class Controller:
         try:
             req.send(self, self.io_queue())
         except ConnectionError as exc:
-            self._hold(req, str(exc))
+            self._hold(req, exc)
 
     def _lose(self, reqs: list, exc: BaseException) -> None:
         """Fail ``reqs`` for good with ``exc``, on the reactor thread while it runs (where
@@ -1197,15 +1219,10 @@ class Controller:
         except TimeoutError:
             fail()
 
-    def _io_done(self, req: _Request, cqe: CQE | None, data, error: str | None) -> None:
-        if error is None:
-            req.callback(cqe, data, None)
-        else:
-            self._hold(req, error)
-
-    def _hold(self, req: _Request | IoCommand, reason: str) -> None:
-        """A command lost with its queue: keep it for the reconnect (or fail it, if
-        reconnecting is over)."""
+    def _hold(self, req: HeldCommand, error: BaseException) -> None:
+        """A command lost with its queue (``error``, a QueueDead or the ConnectionError
+        of a send): keep it for the reconnect (or fail it, if reconnecting is over)."""
+        reason = str(error)
         req.held += 1
         with self._state_lock:
             state = self.state
@@ -1227,11 +1244,12 @@ class Controller:
         with self._state_lock:
             self._start_recovery(reason)
 
-    def _path_status(self, cmd: IoCommand, word: int, result: int) -> None:
+    def _path_status(self, cmd: HeldCommand, word: int, result: int) -> None:
         """A path-related status (SCT 3, e.g. ANA Inaccessible) on a single path: there is
         no other path to try, so the caller gets it (a multipath controller re-routes)."""
-        cmd.parent.io_done(cmd, NvmeError("Read" if cmd.opcode == _READ else "Write",
-                                          (word >> 1) & 0x7FF, bool(word & 0x8000), result))
+        what = cmd.what if isinstance(cmd, SqeCommand) else \
+            "Read" if cmd.opcode == _READ else "Write"
+        cmd.parent.io_done(cmd, NvmeError.from_word(what, word, result))
 
     def reconnect_in_background(self, reason: str) -> None:
         """A path whose first connect failed: keep trying it (reconnect_delay,
@@ -1434,6 +1452,14 @@ class Controller:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _queue_error(error: BaseException, what: str) -> BaseException:
+    """The error a waiting caller gets for a command its queue lost: a QueueDead (or its
+    WorkCompletionError, status kept) that says what was being done."""
+    if isinstance(error, QueueDead):
+        return error.during(what)
+    return QueueDead(f"{what}: {error}")
 
 
 def _secret(text: str | None, name: str) -> Secret | None:

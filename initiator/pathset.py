@@ -46,7 +46,8 @@ from typing import Any
 
 from blockfabric.errors import BlockfabricError
 # relative: the host module this controller subclasses is the one that returns it
-from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlState, HeldCommand,
+from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlEvent, CtrlState,
+                   HeldCommand,
                    IoCommand, Namespace, NvmeError)
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.initiator.multipath import format_path
@@ -158,7 +159,8 @@ class MultipathController(Controller):
         def one(index: int, pc: Controller) -> None:
             try:
                 pc._establish()
-                pc.state = CtrlState.LIVE
+                with pc._state_lock:
+                    pc._move(CtrlEvent.CONNECTED)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors[index] = exc
                 try:
@@ -187,7 +189,8 @@ class MultipathController(Controller):
             log.warning("path %s: %s; retrying it in the background every %g s",
                         self._name(pc), exc, self.opts.reconnect_delay)
             if isinstance(exc, NvmeError) and exc.dnr:
-                pc.state = CtrlState.FAILED
+                with pc._state_lock:
+                    pc._move(CtrlEvent.REFUSED)
                 pc.recovery.last_reason = str(exc)
             else:
                 pc.reconnect_in_background(f"connect failed: {exc}")

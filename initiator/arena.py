@@ -1,16 +1,23 @@
-"""Registered host memory: the controller's I/O arena and the regions callers register."""
+"""Registered host memory: the controller's I/O arena and the regions callers register.
+
+Both are :class:`~blockfabric.fabric.buffers.BufferPool` slabs (the project's one
+registered-buffer pool), registered for both RDMA directions: the arena cuts its one slab
+into size classes for the copying calls (namespace futures, admin data); a
+:class:`HostMemory` is memory a caller keeps and names itself (the bench's slots, tests).
+"""
 
 from __future__ import annotations
 
-import logging
-import mmap
 import threading
 import time
 
-from blockfabric.protocol import (KeyedSGL)
+from blockfabric.fabric.buffers import BufferPool
+from blockfabric.protocol import KeyedSGL
 from blockfabric.rdma import PD, Access
 
-log = logging.getLogger(__name__)
+#: what host memory is registered for: the target RDMA-READs write data from it and
+#: RDMA-WRITEs read data into it (nothing else of the host is exposed)
+HOST_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
 
 
 class Arena:
@@ -24,10 +31,9 @@ class Arena:
 
     def __init__(self, pd: PD, size: int) -> None:
         self.size = size
-        self._mem = mmap.mmap(-1, size)
-        self.mr = pd.reg_mr(self._mem, Access.LOCAL_WRITE | Access.REMOTE_READ
-                            | Access.REMOTE_WRITE)
-        self.view = self.mr.buf
+        self._slab = BufferPool(pd, 1, size, HOST_ACCESS)
+        self.mr = self._slab.mr
+        self.view = self._slab.views[0]
         self._bump = 0
         self._free: dict[int, list[int]] = {}
         self._cond = threading.Condition()
@@ -62,33 +68,16 @@ class Arena:
 
     def close(self) -> None:
         self.view = None
-        self.mr.close()
-        try:
-            self._mem.close()
-        except BufferError:
-            pass
+        self._slab.close()
 
 
-class HostMemory:
+class HostMemory(BufferPool):
     """``size`` bytes of this process's memory registered with a controller's PD for both
-    RDMA directions: where a caller's own reads land and its writes come from (the FUSE
-    server's request buffers, the bench's slots), named in a keyed SGL by ``addr`` and
-    ``rkey``, with no arena block and no copy."""
+    RDMA directions: where a caller's own reads land and its writes come from, named in a
+    keyed SGL by ``addr`` and ``rkey``, with no arena block and no copy.  A one-slot
+    :class:`BufferPool` (``BufferPool(pd, count, size, HOST_ACCESS)`` for many slots)."""
 
     def __init__(self, pd: PD, size: int) -> None:
-        self._mem = mmap.mmap(-1, size)
-        self.mr = pd.reg_mr(self._mem, Access.LOCAL_WRITE | Access.REMOTE_READ
-                            | Access.REMOTE_WRITE)
-        self.view: memoryview = self.mr.buf
-        self.addr: int = self.mr.addr
-        self.rkey: int = self.mr.rkey
-
-    def close(self) -> None:
-        """Deregister and unmap (views of it taken by the caller must be released first)."""
-        try:
-            self.mr.close()
-        finally:
-            try:
-                self._mem.close()
-            except BufferError:     # a view still exported elsewhere keeps it alive
-                pass
+        super().__init__(pd, 1, size, HOST_ACCESS)
+        self.view: memoryview = self.views[0]
+        self.addr: int = self.addrs[0]

@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
-from blockfabric.initiator.host import Controller, HostMemory, IoCommand, Namespace, NvmeError
+from blockfabric.fabric.buffers import BufferPool
+from blockfabric.initiator.host import HOST_ACCESS, Controller, IoCommand, Namespace, NvmeError
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import IOOpcode
 
@@ -333,12 +334,11 @@ class Job:
         # The slots' data: registered with the controller, so that reads land there and
         # writes go from there by RDMA (or in the capsule): no arena block, no copy.
         stride = -(-opts.bs // 4096) * 4096
-        self.mem = HostMemory(ctrl.pd, stride * opts.iodepth)
+        self.mem = BufferPool(ctrl.pd, opts.iodepth, stride, HOST_ACCESS)
         self.rkey = self.mem.rkey
         lanes = [ctrl.io_queues.index(q) for q in queues]
-        self.slots = [Slot(self, k, lanes[k % len(lanes)],
-                           self.mem.view[k * stride:k * stride + opts.bs],
-                           self.mem.addr + k * stride)
+        self.slots = [Slot(self, k, lanes[k % len(lanes)], self.mem.views[k][:opts.bs],
+                           self.mem.addrs[k])
                       for k in range(opts.iodepth)]
         for slot in self.slots:             # what never changes from one I/O to the next
             cmd = slot.cmd

@@ -48,7 +48,7 @@ from blockfabric.rdma import PD, get_provider
 # The parts of the host library, composed into Controller here and re-exported, so that
 # ``from blockfabric.initiator.host import connect, Controller, Namespace, ...`` keeps working.
 from blockfabric.errors import QueueDead, WorkCompletionError  # noqa: F401,I001
-from blockfabric.initiator.arena import Arena, HostMemory  # noqa: F401
+from blockfabric.initiator.arena import HOST_ACCESS, Arena, HostMemory  # noqa: F401
 from blockfabric.initiator.connection import (ADMIN_DEPTH, CAPSULE_CONNECT_DATA,  # noqa: F401
                                               QueueSetup, _secret)
 from blockfabric.initiator.errors import (AuthenticationFailed, ControllerLost,  # noqa: F401

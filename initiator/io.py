@@ -182,6 +182,10 @@ class IoPath:
     """The controller's command submission: admin commands waited for, and the I/O
     primitive (:class:`IoCommand`) planned at MDTS and issued on a queue."""
 
+    #: issue_io may send on the queue its caller names (a multipath controller routes
+    #: every command itself, so it may not)
+    direct_queues = True
+
     def io_queue(self) -> HostQueue:
         if not self.io_queues:
             raise QueueDead("no I/O queues")
@@ -270,16 +274,15 @@ class IoPath:
         if data is not None:
             arena.view[at:at + length] = data
             view = arena.view[at:at + length]
-        join = _FutureJoin(fut, 0, arena, (at, size), length if data is None else 0)
-        cmds: list[IoCommand] = []
+        most = self.max_transfer
+        join = _FutureJoin(fut, 1 if length <= most else -(-length // most), arena,
+                           (at, size), length if data is None else 0)
         try:
-            n = join.left = self.plan_io(cmds, join, ns, opcode, offset, length,
-                                         arena.mr.addr + at, arena.mr.rkey, view)
-        except BaseException:
+            self.issue_io([], join, ns, opcode, offset, length, arena.mr.addr + at,
+                          arena.mr.rkey, view)
+        except BaseException:           # nothing was issued (a range no command carries)
             arena.free(at, size)
             raise
-        for i in range(n):
-            self.issue(cmds[i])
         return fut
 
     def wait_io(self, nsid: int, make_sqe: Callable[[], SQE], what: str, *,
@@ -306,12 +309,54 @@ class IoPath:
         It never waits for a command slot only if the caller keeps fewer commands in flight
         than a queue has slots (the FUSE server counts them); on the reactor thread a full
         queue raises TimeoutError (that thread would wait for itself)."""
-        cmds: list[IoCommand] = []
-        join = IoJoin(callback, 0)
-        n = join.left = self.plan_io(cmds, join, ns, opcode, offset, length, addr, rkey,
-                                     data_out)
+        most = self.max_transfer
+        join = IoJoin(callback, 1 if length <= most else -(-length // most))
+        return self.issue_io([], join, ns, opcode, offset, length, addr, rkey, data_out)
+
+    def issue_io(self, cmds: list[IoCommand], parent: Any, ns: Namespace, opcode: int,
+                 offset: int, length: int, addr: int, rkey: int, data=None,
+                 queue: HostQueue | None = None) -> int:
+        """The I/O primitive's entry: plan ``[offset, offset + length)`` into ``cmds`` at
+        MDTS (:meth:`plan_io`) and issue every piece (:meth:`issue`, on ``queue`` if given);
+        returns how many.  ``parent.io_done(cmd, error)`` runs once per piece: the caller
+        counts ``ceil(length / max_transfer)`` of them before this is called, since a piece
+        that cannot be sent (a full queue on the reactor thread) completes here, with that
+        error.  A range no command carries raises ValueError, and nothing is issued."""
+        if length <= self.max_transfer and queue is not None and self.direct_queues \
+                and self.state is CtrlState.LIVE:
+            # The FUSE server's path: one command, plan_io's and issue()'s work in this
+            # frame (a Python call costs more than any of these lines).
+            if not cmds:
+                cmds.append(IoCommand(self, parent))
+            cmd = cmds[0]
+            bs = ns.block_size
+            cmd.opcode = opcode
+            cmd.nsid = ns.nsid
+            cmd.slba = offset // bs
+            cmd.nlb = length // bs - 1
+            cmd.addr = addr
+            cmd.length = length
+            cmd.rkey = rkey
+            cmd.data = data
+            cmd.gen = self._gen
+            try:
+                queue.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
+                                cmd.length, cmd.rkey, cmd.data)
+            except ConnectionError as exc:
+                self._hold(cmd, exc)
+            except Exception as exc:  # noqa: BLE001 - not sent: the piece fails
+                log.warning("%s: not sent: %s", self.opts.subnqn, exc)
+                parent.io_done(cmd, exc)
+            return 1
+        n = self.plan_io(cmds, parent, ns, opcode, offset, length, addr, rkey, data)
         for i in range(n):
-            self.issue(cmds[i])
+            try:
+                self.issue(cmds[i], queue)
+            except Exception as exc:  # noqa: BLE001 - not sent: those pieces fail here
+                log.warning("%s: not sent: %s", self.opts.subnqn, exc)
+                for k in range(i, n):
+                    parent.io_done(cmds[k], exc)
+                break
         return n
 
     def plan_io(self, cmds: list[IoCommand], parent: Any, ns: Namespace, opcode: int,
@@ -324,19 +369,6 @@ class IoPath:
         bs = ns.block_size
         most = self.max_transfer
         nsid = ns.nsid
-        if length <= most:                      # the common case: one command
-            if not cmds:
-                cmds.append(IoCommand(self, parent))
-            cmd = cmds[0]
-            cmd.opcode = opcode
-            cmd.nsid = nsid
-            cmd.slba = offset // bs
-            cmd.nlb = length // bs - 1
-            cmd.addr = addr
-            cmd.length = length
-            cmd.rkey = rkey
-            cmd.data = data
-            return 1
         n = 0
         for start, count in chunks(offset, length, most):
             if count // bs > 0x10000:

@@ -336,6 +336,8 @@ class MultipathController(Controller):
                                          for i in sorted(idx)) or "no path")
             for nsid, idx in sorted(self._serving.items()))
 
+    direct_queues = False           # issue_io: every command goes through issue() below
+
     def issue(self, cmd: IoCommand, queue: Any = None, held: bool = False) -> None:
         """Send ``cmd`` on the next queue of a path that serves its namespace best (the
         ``queue`` a caller names is a hint for one path; it is not used here), or hold it

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterable, Iterator
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
 from blockfabric.fabric.buffers import BufferPool
-from blockfabric.initiator.host import HOST_ACCESS, Controller, IoCommand, Namespace, NvmeError
+from blockfabric.initiator.host import (HOST_ACCESS, Controller, HostNamespace, IoCommand,
+                                        NvmeError)
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import IOOpcode
 
@@ -320,7 +321,7 @@ class Job:
     block it wrote (not counted in the results, as the point is the workload's numbers).
     """
 
-    def __init__(self, index: int, opts: BenchOptions, ctrl: Controller, ns: Namespace,
+    def __init__(self, index: int, opts: BenchOptions, ctrl: Controller, ns: HostNamespace,
                  start: int, length: int, queues: list[Any]) -> None:
         self.index = index
         self.opts = opts
@@ -407,7 +408,7 @@ class Job:
         return next_io
 
     # -- running (reactor thread only) -----------------------------------------------------
-    def start_io(self) -> None:
+    def begin(self) -> None:
         self.t_start = time.monotonic_ns()
         for slot in self.slots:
             self._issue(slot)
@@ -568,7 +569,7 @@ class Bench:
         self.jobs: list[Job] = []
         self.interrupted = False
 
-    def _check(self, ns: Namespace, ctrl: Controller) -> tuple[int, int]:
+    def _check(self, ns: HostNamespace, ctrl: Controller) -> tuple[int, int]:
         opts = self.opts
         if opts.rw not in PATTERNS:
             raise BenchError(f"--rw {opts.rw}: expected one of {', '.join(PATTERNS)}")
@@ -634,7 +635,7 @@ class Bench:
     def run(self) -> None:
         opts = self.opts
         for job in self.jobs:
-            job.ctrl.reactor.call_soon_threadsafe(job.start_io)
+            job.ctrl.reactor.call_soon_threadsafe(job.begin)
         t0 = time.monotonic()
         ramp_end = t0 + opts.ramp_time
         ramped = opts.ramp_time <= 0

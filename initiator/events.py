@@ -6,7 +6,7 @@ import concurrent.futures
 import logging
 from typing import Iterable
 
-from blockfabric.initiator.namespace import Namespace
+from blockfabric.initiator.namespace import HostNamespace
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.protocol import (CQE, OAES_NS_ATTR, ActiveNamespaceList, AsyncEvent,
@@ -50,7 +50,7 @@ class Events:
                 continue
             read_only = bool(ident.nsattr & 1)
             if ns is None:
-                self.namespaces[nsid] = Namespace(self, nsid, ident.block_size, ident.nsze,
+                self.namespaces[nsid] = HostNamespace(self, nsid, ident.block_size, ident.nsze,
                                                   read_only, ident.nguid, ident)
                 changed.add(nsid)
             elif (ns.nblocks, ns.block_size, ns.read_only) != (ident.nsze, ident.block_size,

@@ -573,7 +573,7 @@ class KernelFuse:
         req.read = True
         req.lo = DATA_OFF + offset - start
         req.hi = DATA_OFF + end - start
-        return self._start_io(req, n, unique, ns, _READ, start, stop - start, DATA_OFF, None)
+        return self._issue_request(req, n, unique, ns, _READ, start, stop - start, DATA_OFF, None)
 
     def _write(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
         offset, size = IO_ARGS.unpack_from(view, IN_SIZE)
@@ -602,9 +602,9 @@ class KernelFuse:
                 req.write_size = size
             data = req.write_data
         req.hi = size
-        return self._start_io(req, n, unique, ns, _WRITE, offset, size, WRITE_DATA, data)
+        return self._issue_request(req, n, unique, ns, _WRITE, offset, size, WRITE_DATA, data)
 
-    def _start_io(self, req: _IoRequest, n: int, unique: int, ns: Any, opcode: int,
+    def _issue_request(self, req: _IoRequest, n: int, unique: int, ns: Any, opcode: int,
                   offset: int, length: int, data_off: int, data: memoryview | None) -> bool:
         """Issue the NVMe command(s) of request buffer ``req.index`` on its data at
         ``data_off``; the last completion replies (:meth:`_IoRequest.io_done`).  Parked instead

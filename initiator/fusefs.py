@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from blockfabric.initiator.host import (Controller, ControllerLost, Namespace, NvmeError,
+from blockfabric.initiator.host import (Controller, ControllerLost, HostNamespace, NvmeError,
                                         QueueDead)
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import StatusCode
@@ -184,30 +184,30 @@ class VolumeFS:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self._stripes = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-        self.files: dict[str, Namespace] = {}
+        self.files: dict[str, HostNamespace] = {}
         self._refresh_files()
         # Namespaces added, removed or resized on the target (a reload) reach the host as an
         # asynchronous event; the host library rescans and tells its listeners.  Sizes need
-        # nothing here (the Namespace objects are updated in place); the file list does.
+        # nothing here (the HostNamespace objects are updated in place); the file list does.
         ctrl.namespace_listeners.append(lambda _ctrl, _nsids: self._refresh_files())
 
     def _refresh_files(self) -> None:
         self.files = {f"n{nsid}": ns for nsid, ns in sorted(self.ctrl.namespaces.items())}
 
     # -- names and attributes ---------------------------------------------------------
-    def namespace(self, path: str) -> Namespace:
+    def namespace(self, path: str) -> HostNamespace:
         ns = self.files.get(path.lstrip("/"))
         if ns is None:
             raise _fail(errno.ENOENT)
         return ns
 
-    def writable(self, ns: Namespace) -> bool:
+    def writable(self, ns: HostNamespace) -> bool:
         """May ``ns`` be written through this mount (the namespace and the mount allow it)?"""
         return not (ns.read_only or self.options.read_only)
 
     # -- the block rules (both bindings) -----------------------------------------------
     @staticmethod
-    def read_span(ns: Namespace, offset: int, size: int) -> tuple[int, int, int] | None:
+    def read_span(ns: HostNamespace, offset: int, size: int) -> tuple[int, int, int] | None:
         """A read of ``size`` bytes at ``offset``: ``(start, stop, end)``, the whole blocks
         ``[start, stop)`` to read and ``end``, where the bytes asked for end (clamped to the
         namespace's size); None when nothing is there (at or past the end: EOF)."""
@@ -220,7 +220,7 @@ class VolumeFS:
         bs = ns.block_size
         return offset - offset % bs, -(-end // bs) * bs, end
 
-    def write_span(self, ns: Namespace, offset: int, size: int) -> int:
+    def write_span(self, ns: HostNamespace, offset: int, size: int) -> int:
         """How many of ``size`` bytes at ``offset`` a write writes: all, or up to the end of
         the namespace (a volume cannot grow); EROFS when ``ns`` is not writable here,
         ENOSPC when the write starts at or past the end."""
@@ -343,7 +343,7 @@ class VolumeFS:
             self.counters.add(write_zeroes=1)
 
     # -- helpers ---------------------------------------------------------------------
-    def _patch(self, ns: Namespace, offset: int, data: bytes) -> None:
+    def _patch(self, ns: HostNamespace, offset: int, data: bytes) -> None:
         """Write ``data`` at any offset: whole blocks as they are, partial edge blocks read,
         patched and written back under their stripe locks, all as one command."""
         bs = ns.block_size

@@ -22,7 +22,7 @@ every queue's completions and the keep-alive timer; a caller blocks only on its 
 Asynchronous events: an NVM controller keeps an Asynchronous Event Request outstanding.  On a
 Namespace Attribute Changed notice a worker thread (not the reactor, which must keep
 completing the commands it waits for) reads the Changed Namespace List log page, re-identifies
-those namespaces and updates the :class:`Namespace` objects *in place* (a FUSE file that
+those namespaces and updates the :class:`HostNamespace` objects *in place* (a FUSE file that
 reads ``ns.size`` sees a resize), adds and removes namespaces, then calls every function in
 ``Controller.namespace_listeners`` with ``(controller, changed_nsids)``.
 """
@@ -58,7 +58,11 @@ from blockfabric.initiator.identity import (HOSTID_FILES, HOSTNQN_FILES,  # noqa
                                             default_hostid, default_hostnqn)
 from blockfabric.initiator.io import (HeldCommand, IoCommand, IoJoin, IoPath,  # noqa: F401
                                       SqeCommand)
-from blockfabric.initiator.namespace import Namespace  # noqa: F401
+from blockfabric.initiator.namespace import HostNamespace  # noqa: F401
+
+#: Deprecated name of :class:`HostNamespace` (docs and users' code say ``Namespace``); new
+#: code says HostNamespace, which the target's Namespace (a backing store) cannot be taken for.
+Namespace = HostNamespace
 from blockfabric.initiator.recovery import (CTRL_TRANSITIONS, CtrlEvent,  # noqa: F401
                                             CtrlState, Recovery, RecoveryStats)
 
@@ -151,7 +155,7 @@ class Controller(QueueSetup, Events, IoPath, Recovery):
         self.reactor = share.reactor if share is not None else Reactor(f"host-{opts.traddr}")
         self.admin: HostQueue | None = None
         self.io_queues: list[HostQueue] = []
-        self.namespaces: dict[int, Namespace] = {}
+        self.namespaces: dict[int, HostNamespace] = {}
         self.cntlid = 0
         self.identify: IdentifyController | None = None
         self.arena: Arena | None = None

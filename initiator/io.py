@@ -2,8 +2,9 @@
 
 One primitive: an :class:`IoCommand` (op, LBA range, registered memory) that its user keeps
 and reuses, completed by ``parent.io_done(command, error)`` (None or an exception), held and
-re-issued across a reconnect (:mod:`.recovery`).  Namespace futures, ``start_io``, the FUSE
-mount and the bench are built on it; everything that is not a read or a write goes as a
+re-issued across a reconnect (:mod:`.recovery`).  Namespace futures, ``submit_registered``,
+the FUSE mount and the bench are built on it (:meth:`IoPath.issue_io`, or :meth:`IoPath.issue`
+for a command kept and reused); everything that is not a read or a write goes as a
 :class:`SqeCommand` with the same completion.
 """
 
@@ -24,7 +25,7 @@ from blockfabric.protocol import (CQE, SQE, IOOpcode, KeyedSGL, StatusCode)
 if TYPE_CHECKING:
     from blockfabric.initiator.arena import Arena
     from blockfabric.initiator.host import Controller
-    from blockfabric.initiator.namespace import Namespace
+    from blockfabric.initiator.namespace import HostNamespace
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ class IoPath:
             raise _queue_error(error, "raw command")
         return cqe
 
-    def _io(self, ns: Namespace, opcode: int, offset: int, length: int,
+    def _io(self, ns: HostNamespace, opcode: int, offset: int, length: int,
             data: memoryview | None) -> concurrent.futures.Future:
         """Read or write through an arena block, split at the transfer limit; one future
         for the whole range (its result: the bytes read, or None).  The range is not
@@ -294,9 +295,10 @@ class IoPath:
                                   data_out))
         fut.result()
 
-    def start_io(self, ns: Namespace, opcode: int, offset: int, length: int, addr: int,
-                 rkey: int, callback: Callable[[BaseException | None], None], *,
-                 data_out=None) -> int:
+    def submit_registered(self, ns: HostNamespace, opcode: int, offset: int, length: int,
+                          addr: int, rkey: int,
+                          callback: Callable[[BaseException | None], None], *,
+                          data_out=None) -> int:
         """Read or write ``[offset, offset + length)`` straight from or into memory the
         caller registered with :attr:`pd` (``addr``, ``rkey``): no arena block, no copy, no
         future.  ``data_out`` (a view of that same memory, for writes) lets pieces that fit
@@ -313,7 +315,7 @@ class IoPath:
         join = IoJoin(callback, 1 if length <= most else -(-length // most))
         return self.issue_io([], join, ns, opcode, offset, length, addr, rkey, data_out)
 
-    def issue_io(self, cmds: list[IoCommand], parent: Any, ns: Namespace, opcode: int,
+    def issue_io(self, cmds: list[IoCommand], parent: Any, ns: HostNamespace, opcode: int,
                  offset: int, length: int, addr: int, rkey: int, data=None,
                  queue: HostQueue | None = None) -> int:
         """The I/O primitive's entry: plan ``[offset, offset + length)`` into ``cmds`` at
@@ -359,7 +361,7 @@ class IoPath:
                 break
         return n
 
-    def plan_io(self, cmds: list[IoCommand], parent: Any, ns: Namespace, opcode: int,
+    def plan_io(self, cmds: list[IoCommand], parent: Any, ns: HostNamespace, opcode: int,
                 offset: int, length: int, addr: int, rkey: int, data=None) -> int:
         """Fill ``cmds`` (reused; grown with new :class:`IoCommand` objects of ``parent`` as
         needed) with the Read or Write pieces of ``[offset, offset + length)`` at the

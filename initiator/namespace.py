@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Namespace:
+class HostNamespace:
     """One namespace of a connected controller.  Offsets and lengths are in bytes and must
     be multiples of ``block_size``."""
 

@@ -48,7 +48,7 @@ from blockfabric.errors import BlockfabricError
 # relative: the host module this controller subclasses is the one that returns it
 from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlEvent, CtrlState,
                    HeldCommand,
-                   IoCommand, Namespace, NvmeError)
+                   IoCommand, HostNamespace, NvmeError)
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.initiator.multipath import format_path
 from blockfabric.rdma import Access
@@ -197,7 +197,7 @@ class MultipathController(Controller):
         self.max_transfer = min(pc.max_transfer for pc in live)
         self.inline_size = min(pc.inline_size for pc in live)
         for nsid, pns in first.namespaces.items():
-            self.namespaces[nsid] = Namespace(self, nsid, pns.block_size, pns.nblocks,
+            self.namespaces[nsid] = HostNamespace(self, nsid, pns.block_size, pns.nblocks,
                                               pns.read_only, pns.nguid, pns.identify)
         self.state = CtrlState.LIVE
         self._rerank("connected")
@@ -511,7 +511,7 @@ class MultipathController(Controller):
                         del self.namespaces[nsid]
                         mine.add(nsid)
                 elif ns is None:
-                    self.namespaces[nsid] = Namespace(self, nsid, pns.block_size,
+                    self.namespaces[nsid] = HostNamespace(self, nsid, pns.block_size,
                                                       pns.nblocks, pns.read_only, pns.nguid,
                                                       pns.identify)
                     mine.add(nsid)

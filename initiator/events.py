@@ -82,7 +82,7 @@ class Events:
         except (ConnectionError, TimeoutError) as exc:
             log.debug("AER not submitted: %s", exc)
 
-    def _on_aer(self, cqe: CQE | None, _data, error: str | None) -> None:
+    def _on_aer(self, cqe: CQE | None, _data, error: BaseException | None) -> None:
         """On the reactor: hand the event to the worker (it must wait for commands)."""
         if error is not None or cqe is None or self._closed:
             return

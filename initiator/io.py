@@ -96,7 +96,7 @@ class IoCommand(HeldCommand):
 class SqeCommand(HeldCommand):
     """An I/O command that is not a read or a write (Flush, Write Zeroes, Dataset
     Management): built afresh by ``make_sqe`` for each issue, ``data_out`` (if any) sent
-    from the arena or in the capsule; held and re-issued, and completed, like an
+    from the arena; held and re-issued, and completed, like an
     :class:`IoCommand`."""
 
     __slots__ = ("ctrl", "make_sqe", "what", "data_out")
@@ -110,9 +110,7 @@ class SqeCommand(HeldCommand):
         self.data_out = data_out
 
     def send(self, ctrl: Controller, queue: HostQueue) -> None:
-        inline = self.data_out is not None and len(self.data_out) <= queue.inline_size
-        ctrl.submit(queue, self.make_sqe(), self._completed, data_out=self.data_out,
-                    inline=inline)
+        ctrl.submit(queue, self.make_sqe(), self._completed, data_out=self.data_out)
 
     def _completed(self, cqe: CQE | None, _data: Any, error: QueueDead | None) -> None:
         if error is not None:
@@ -215,7 +213,7 @@ class IoPath:
                 arena.view[offset:offset + length] = data_out
             sqe.sgl = arena.sgl(offset, length)
 
-        def done(cqe: CQE | None, error: str | None) -> None:
+        def done(cqe: CQE | None, error: QueueDead | None) -> None:
             data = None
             if block is not None:
                 if data_in and cqe is not None and error is None:

@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--size", default="64M", help="bench --size: I/Os = size / 4 KiB")
     ap.add_argument("--top", type=int, default=25, help="functions listed (by calls)")
     ap.add_argument("--builtins", action="store_true", help="list built-ins too")
+    ap.add_argument("--by-time", action="store_true",
+                    help="order by own time per I/O (cProfile's, inflated) instead of calls")
     ap.add_argument("--mount", action="store_true",
                     help="fio (direct, QD1 psync or libaio) through the FUSE mount instead of "
                          "bench, and the mount's reactor profiled too")
@@ -118,11 +120,16 @@ def report(label: str, dumps: list[pathlib.Path], ios: int, args) -> None:
     python = sum(v[1] for k, v in st.stats.items() if k[0] != "~")
     print(f"{args.rw} 4k QD{args.qd}: {ios} I/Os; the {label}'s reactor made "
           f"{total / ios:.1f} calls per I/O, {python / ios:.1f} of them to Python functions")
+    by_time = getattr(args, "by_time", False)
     rows = sorted(((k, v) for k, v in st.stats.items() if args.builtins or k[0] != "~"),
-                  key=lambda kv: -kv[1][1])[:args.top]
-    for (path, line, func), (_cc, nc, _tt, _ct, _callers) in rows:
+                  key=lambda kv: -kv[1][2 if by_time else 1])[:args.top]
+    if by_time:
+        print(f"  own time per I/O under cProfile (inflated; compare rows): "
+              f"{sum(v[2] for v in st.stats.values()) * 1e6 / ios:.1f} us in all")
+    for (path, line, func), (_cc, nc, tt, _ct, _callers) in rows:
         where = "/".join(pathlib.Path(path).parts[-2:]) if path != "~" else ""
-        print(f"  {nc / ios:6.2f}  {func}  {where}:{line}")
+        extra = f"  {tt * 1e6 / ios:6.2f} us" if by_time else ""
+        print(f"  {nc / ios:6.2f}{extra}  {func}  {where}:{line}")
 
 
 def mount_counts(args) -> int:

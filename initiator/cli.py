@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from blockfabric import __version__
 from blockfabric.cliutil import HelpFormatter, not_implemented
 from blockfabric.errors import BlockfabricError
+from blockfabric.fabric.reactor import (DEFAULT_SPIN_US, SPIN_ENV, parse_spin_us,
+                                         set_default_spin)
 from blockfabric.initiator.multipath import parse_path_spec, parse_port, resolve_paths
 from blockfabric.logutil import setup_logging
 
@@ -113,7 +116,19 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                    help="the controller's DH-HMAC-CHAP secret: authenticate the controller "
                         "too and refuse one that cannot prove it holds this secret (needs "
                         "--dhchap-secret)")
+    p.add_argument("--spin-us", type=_spin_us, default=None, metavar="US",
+                   help="microseconds the host's reactor busy-polls for an answer before it "
+                        "sleeps (adaptive: shrinks to none while answers come later; "
+                        "0: never; default $BLOCKFABRIC_REACTOR_SPIN_US, else "
+                        f"{DEFAULT_SPIN_US:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+
+
+def _spin_us(text: str) -> float:
+    try:
+        return parse_spin_us(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_output_format(p: argparse.ArgumentParser) -> None:
@@ -357,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         return not_implemented(f"blockfabric {args.command}")
     setup_logging(1 if args.verbose else 0, level=logging.WARNING)
+    if getattr(args, "spin_us", None) is not None:
+        set_default_spin(args.spin_us)
+        os.environ[SPIN_ENV] = f"{args.spin_us:g}"     # a re-executed mount daemon too
     try:
         return handler(args)
     except (BlockfabricError, OSError, TimeoutError) as exc:

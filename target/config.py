@@ -825,6 +825,10 @@ class TargetConfig(Model):
     #: standalone target.
     gateway: Gateway | None = _field(Nested(Gateway), None)
     control_socket: str = _field(AbsPath(), DEFAULT_CONTROL_SOCKET)
+    #: Microseconds the reactor busy-polls for an answer it waits for before it sleeps
+    #: (adaptive: spins that find nothing shrink it, down to none; see
+    #: docs/performance.md).  0: never spin; unset: $BLOCKFABRIC_REACTOR_SPIN_US, else 80.
+    spin_us: int | None = _field(Int(0, 10_000, unit="microseconds"), None)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
 

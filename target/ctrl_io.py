@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from blockfabric.target.services import Owner, Resources
 
 # The controller's log, whichever of its modules a line comes from (no name changes).
+_OP_WRITE = int(IOOpcode.WRITE)      # (an Enum attribute read costs ~90 ns, per I/O)
 log = logging.getLogger("blockfabric.target.controller")
 
 
@@ -179,7 +180,7 @@ class IoCommands:
             # A namespace is being resized: run the command once it is done.
             ns.held.append(lambda: self.handle(cmd))
             return
-        write = cmd.opcode == IOOpcode.WRITE
+        write = cmd.opcode == _OP_WRITE
         if not ns.resv_open:        # something is reserved: may this host read/write?
             status = resvctl.io_status(self, ns, write)
             if status:

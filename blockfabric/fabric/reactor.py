@@ -25,20 +25,56 @@ log = logging.getLogger(__name__)
 
 
 SPIN_ENV = "BLOCKFABRIC_REACTOR_SPIN_US"
-#: The default busy-poll before sleeping, in microseconds (see Reactor.spin_us).
-DEFAULT_SPIN_US = 0.0
+#: The default busy-poll before sleeping, in microseconds (see Reactor.spin_us): the
+#: longest a loop polls for an answer it waits for before it goes to sleep.  Chosen by
+#: measurement (docs/performance.md, "adaptive polling"): on a 2-core VM, going to sleep
+#: and being woken costs a process 20-40 us of CPU and the I/O as much latency again, so a
+#: 4 KiB read at QD1 through the mount went from 5.8k to 12.8k IOPS with 60-100 us and its
+#: CPU per I/O did not grow; 30 us was too short to catch the answer.
+DEFAULT_SPIN_US = 80.0
+#: The hard bound on the knob (a misconfigured loop must still sleep).
+MAX_SPIN_US = 10_000.0
+#: A spin that runs out is a near miss when the answer then came within this many times
+#: ``spin_us`` of the start of the wait (the peer was slow to wake: it may spin too, and
+#: then both answer in time); a far miss otherwise.  SPIN_FAR_MISSES far misses in a row
+#: stop the spinning; then one wait in SPIN_PROBE_EVERY spins to look again.
+SPIN_NEAR_FACTOR = 4.0
+SPIN_FAR_MISSES = 2
+SPIN_PROBE_EVERY = 64
+
+_default_override: float | None = None
+
+
+def parse_spin_us(value: Any) -> float:
+    """A spin budget in microseconds: a number in [0, MAX_SPIN_US] (ValueError else)."""
+    try:
+        us = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number of microseconds") from None
+    if not 0.0 <= us <= MAX_SPIN_US:
+        raise ValueError(f"{value!r} microseconds is out of range 0-{MAX_SPIN_US:g}")
+    return us
+
+
+def set_default_spin(us: float | None) -> None:
+    """What loops made from now on spin by default (the mount's and bench's --spin-us, the
+    target's ``spin_us``); None: back to the environment or DEFAULT_SPIN_US."""
+    global _default_override
+    _default_override = None if us is None else parse_spin_us(us)
 
 
 def spin_default() -> float:
-    """BLOCKFABRIC_REACTOR_SPIN_US if set (microseconds, >= 0), else DEFAULT_SPIN_US."""
+    """set_default_spin's value, else BLOCKFABRIC_REACTOR_SPIN_US if set (microseconds, 0
+    to MAX_SPIN_US), else DEFAULT_SPIN_US."""
+    if _default_override is not None:
+        return _default_override
     raw = os.environ.get(SPIN_ENV)
     if not raw:
         return DEFAULT_SPIN_US
     try:
-        return max(0.0, float(raw))
-    except ValueError:
-        log.warning("%s=%r is not a number of microseconds: using %s", SPIN_ENV, raw,
-                    DEFAULT_SPIN_US)
+        return parse_spin_us(raw)
+    except ValueError as exc:
+        log.warning("%s: %s: using %s", SPIN_ENV, exc, DEFAULT_SPIN_US)
         return DEFAULT_SPIN_US
 
 
@@ -64,7 +100,16 @@ class Reactor:
         self.name = name
         #: Adaptive polling: before sleeping, poll the providers' engines (``add_poller``)
         #: for up to this many microseconds while they have work outstanding (0: never).
-        self.spin_us = spin_default() if spin_us is None else max(0.0, float(spin_us))
+        self.spin_us = spin_default() if spin_us is None else parse_spin_us(spin_us)
+        #: the adaptive part (see _spin): whether to spin before the next wait, far misses
+        #: in a row, waits skipped since the last probe, when a spin that ran out began
+        self._spinning = True
+        self._far = 0
+        self._spin_skips = 0
+        self._spun_out = 0.0
+        #: counters for status: spins that found work, spins that ran out
+        self.spin_hits = 0
+        self.spin_misses = 0
         self._pollers: list[Callable[[], bool | None]] = []
         #: a provider that waits for this loop (set_waiter), or None: the loop's own epoll
         self._waiter: Callable[[float | None], Any] | None = None
@@ -226,12 +271,30 @@ class Reactor:
                 pass        # closed meanwhile (its reader goes with remove_reader)
         moved.clear()
 
+    def set_spin(self, us: float) -> None:
+        """Change ``spin_us`` (and restart the adaptation from it)."""
+        self.spin_us = parse_spin_us(us)
+        self._spinning = True
+        self._far = self._spin_skips = 0
+
     def _spin(self) -> bool:
-        """Busy-poll for up to ``spin_us`` while some poller has work outstanding; True
-        once one did some."""
+        """Busy-poll while some poller has work outstanding, for up to ``spin_us``; True once
+        one did some.  Adaptive: a spin that runs out and whose answer then came far later
+        (SPIN_NEAR_FACTOR) counts as a far miss, and SPIN_FAR_MISSES in a row stop the
+        spinning but for a probe every SPIN_PROBE_EVERY waits, until a spin finds work or
+        misses narrowly again: a peer that answers slowly (a far backend, an idle
+        keep-alive) costs no CPU, a quick one (or one that is quick once both ends spin)
+        gets the full spin.  Sets ``_spun_out`` (the monotonic time the spin began) when
+        it ran out, for :meth:`_after_wait`."""
+        if not self._spinning:
+            self._spin_skips += 1
+            if self._spin_skips < SPIN_PROBE_EVERY:
+                return False
+            self._spin_skips = 0
         pollers = self._pollers
         now = time.monotonic
-        deadline = now() + self.spin_us * 1e-6
+        start = now()
+        deadline = start + self.spin_us * 1e-6
         while True:
             waiting = False
             for poller in tuple(pollers):
@@ -241,11 +304,29 @@ class Reactor:
                     log.exception("%s: unhandled error in poller %r", self.name, poller)
                     got = None
                 if got:
+                    self.spin_hits += 1
+                    self._spinning = True
+                    self._far = 0
                     return True
                 if got is not None:
                     waiting = True
-            if not waiting or now() >= deadline:
+            if not waiting:
                 return False
+            if now() >= deadline:
+                self.spin_misses += 1
+                self._spun_out = start
+                return False
+
+    def _after_wait(self) -> None:
+        """After the wait that followed a spin that ran out: near or far miss."""
+        start, self._spun_out = self._spun_out, 0.0
+        if time.monotonic() - start <= self.spin_us * (SPIN_NEAR_FACTOR * 1e-6):
+            self._far = 0
+            self._spinning = True
+        else:
+            self._far += 1
+            if self._far >= SPIN_FAR_MISSES:
+                self._spinning = False
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
         timer = Timer(time.monotonic() + max(0.0, delay), callback)
@@ -311,8 +392,18 @@ class Reactor:
         elif timers:
             until = max(0.0, timers[0][0] - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
-        if self.spin_us and self._pollers and timeout != 0 and self._spin():
-            timeout = 0             # a poller ran a pass: serve the rest without sleeping
+        if self.spin_us and self._pollers and timeout != 0:
+            if self._spin():
+                timeout = 0         # a poller ran a pass: serve the rest without sleeping
+            elif self._spun_out:
+                try:
+                    self._wait_and_serve(timeout)
+                finally:
+                    self._after_wait()
+                return
+        self._wait_and_serve(timeout)
+
+    def _wait_and_serve(self, timeout: float | None) -> None:
         waiter = self._waiter
         if waiter is not None:
             runner = self._runner

@@ -46,6 +46,7 @@ _pack_cqe = CQE_FIELDS.pack_into
 _SUCCESS = int(WcStatus.SUCCESS)
 _OP_READ = int(IOOpcode.READ)
 _OP_WRITE = int(IOOpcode.WRITE)
+_WR_SEND = WrOpcode.SEND
 _FLAGS_CHECKED = FLAGS_FUSE_MASK | FLAGS_PSDT_MASK
 _UNSIGNALED = SendFlags(0)
 
@@ -402,8 +403,8 @@ class TargetQueue(Endpoint):
             wr.remote_addr = cmd.sgl_addr
             wr.rkey = cmd.sgl_key
             send = cmd.send_wr
-            if send.invalidate_rkey or send.opcode != WrOpcode.SEND:
-                send.opcode = WrOpcode.SEND
+            if send.invalidate_rkey or send.opcode != _WR_SEND:
+                send.opcode = _WR_SEND
                 send.invalidate_rkey = 0
             qp.post_send(cmd.chain_data)
         elif length and t == TYPE_KEYED_INVALIDATE:
@@ -425,8 +426,8 @@ class TargetQueue(Endpoint):
         if cmd.sgl_type == TYPE_KEYED_INVALIDATE:
             send.opcode = WrOpcode.SEND_WITH_INV
             send.invalidate_rkey = cmd.sgl_key
-        elif send.invalidate_rkey or send.opcode != WrOpcode.SEND:
-            send.opcode = WrOpcode.SEND
+        elif send.invalidate_rkey or send.opcode != _WR_SEND:
+            send.opcode = _WR_SEND
             send.invalidate_rkey = 0
         self.post_send(wrs)
 

@@ -238,3 +238,171 @@ def test_a_device_served_by_two_reactors_nests_in_both():
         first.close()
         second.close()
         provider.close()
+
+
+def _spinning_reactor(spin_us: float) -> Reactor:
+    return Reactor("spin", spin_us=spin_us)
+
+
+class _Clock:
+    """A monotonic clock for the reactor's spin decisions, so they do not depend on how
+    loaded the machine is: each reading advances ``step`` s; ``jump`` adds time."""
+
+    def __init__(self, step: float = 1e-5) -> None:
+        self.t, self.step = 1000.0, step
+
+    def monotonic(self) -> float:
+        self.t += self.step
+        return self.t
+
+
+def _fake_time(monkeypatch, reactor: Reactor, wait_takes: list[float]) -> _Clock:
+    """Patch the reactor module's clock; each wait after a spin that ran out "takes" the
+    next of ``wait_takes`` seconds of that clock."""
+    from blockfabric.fabric import reactor as mod
+    clock = _Clock()
+    fake = type("T", (), {"monotonic": staticmethod(clock.monotonic)})
+    monkeypatch.setattr(mod, "time", fake)
+    real = reactor._wait_and_serve
+
+    def wait_and_serve(timeout):
+        real(0.0)
+        if reactor._spun_out and wait_takes:
+            clock.t += wait_takes.pop(0)
+    monkeypatch.setattr(reactor, "_wait_and_serve", wait_and_serve)
+    return clock
+
+
+def test_spin_stops_after_far_misses_and_only_probes(monkeypatch):
+    """A peer that answers far later than the spin (4x spin_us and more after the spin
+    began): two such far misses stop the spinning, and then only one wait in
+    SPIN_PROBE_EVERY spins, so an idle outstanding request (a keep-alive) or a slow
+    backend costs no CPU."""
+    from blockfabric.fabric import reactor as mod
+    reactor = _spinning_reactor(100.0)
+    calls = [0]
+
+    def never() -> bool:
+        calls[0] += 1
+        return False            # work outstanding, nothing arrived yet
+
+    reactor.add_poller(never)
+    _fake_time(monkeypatch, reactor, [0.01] * 10)
+    try:
+        reactor.run_once(0.5)
+        assert reactor._spinning and reactor.spin_misses == 1
+        reactor.run_once(0.5)
+        assert not reactor._spinning and reactor.spin_misses == 2
+        before = calls[0]
+        for _ in range(mod.SPIN_PROBE_EVERY - 1):
+            reactor.run_once(0.5)
+        assert calls[0] == before, "a loop that stopped spinning must not poll"
+        reactor.run_once(0.5)             # the probe
+        assert calls[0] > before and reactor.spin_misses == 3
+    finally:
+        reactor.close()
+
+
+def test_near_miss_keeps_spinning_and_a_hit_restores_it(monkeypatch):
+    """A spin that ran out but whose wait ended soon after (the peer was asleep: once it
+    spins too, answers come in time) keeps the loop spinning; a hit after probing restores
+    the full spin."""
+    reactor = _spinning_reactor(100.0)
+    state = {"n": 0, "answer_after": 10**9}
+
+    def poller() -> bool:
+        state["n"] += 1
+        return state["n"] >= state["answer_after"]
+
+    reactor.add_poller(poller)
+    _fake_time(monkeypatch, reactor, [0.0001] * 3 + [0.01] * 2)
+    try:
+        for _ in range(3):
+            reactor.run_once(0.5)         # ran out; answered 0.2 ms after it began: near
+        assert reactor._spinning and reactor.spin_misses == 3
+        reactor.run_once(0.5)
+        reactor.run_once(0.5)             # two far misses
+        assert not reactor._spinning
+        reactor._spin_skips = 10**6       # the next wait probes
+        state["n"], state["answer_after"] = 0, 3    # the answer now comes while spinning
+        reactor.run_once(0.5)
+        assert reactor.spin_hits == 1 and reactor._spinning
+    finally:
+        reactor.close()
+
+
+def test_no_spin_without_outstanding_work_or_with_spin_zero():
+    polled = []
+    for spin, answer in ((400.0, None), (0.0, False)):
+        reactor = _spinning_reactor(spin)
+        reactor.add_poller(lambda a=answer: polled.append(spin) or a)
+        try:
+            reactor.run_once(0.0005)
+        finally:
+            reactor.close()
+    assert polled == [400.0]        # asked once (nothing outstanding); never with spin 0
+    assert reactor.spin_hits == reactor.spin_misses == 0
+
+
+def test_spin_knob_is_validated(monkeypatch):
+    import pytest
+
+    from blockfabric.fabric import reactor as mod
+    with pytest.raises(ValueError):
+        Reactor("bad", spin_us=-1)
+    with pytest.raises(ValueError):
+        Reactor("bad", spin_us=mod.MAX_SPIN_US + 1)
+    monkeypatch.setenv(mod.SPIN_ENV, "junk")
+    assert mod.spin_default() == mod.DEFAULT_SPIN_US
+    monkeypatch.setenv(mod.SPIN_ENV, "25")
+    assert mod.spin_default() == 25.0
+    mod.set_default_spin(7)
+    try:
+        assert Reactor("x").spin_us == 7.0
+    finally:
+        mod.set_default_spin(None)
+
+
+def test_idle_spin_catches_the_next_request_right_after_a_wake_up(monkeypatch):
+    """With nothing outstanding the device's busy-poll still looks for the next request
+    for IDLE_SPIN_WINDOW after a wake-up that found work (at QD1 the next FUSE request
+    comes microseconds after the reply): a request then is served by the spin, with no
+    sleep; once the window is over the device says nothing is outstanding (no spin)."""
+    from blockfabric.rdma.soft import SoftProvider
+    from blockfabric.rdma.soft import device as soft_device
+
+    monkeypatch.setattr(soft_device, "IDLE_SPIN_WINDOW", 0.05)   # room for a loaded machine
+    provider = SoftProvider(progress="poll")
+    ctx = provider.context
+    reactor = Reactor("idle", spin_us=10_000.0)
+    ran: list[bytes] = []
+    r, w = os.pipe2(os.O_NONBLOCK)
+    try:
+        cq = ctx.create_cq()
+        reactor.add_cq(cq, cq.poll)
+        reactor.add_reader(r, lambda: ran.append(os.read(r, 9)))
+        (group,) = reactor._pollers
+        assert group() is None                  # never active: nothing to spin for
+        os.write(w, b"one")
+        reactor.run_once(2)                     # a wake-up that found work
+        assert ran == [b"one"] and reactor.spin_hits == 0
+        assert group() is False                 # in the window: spin for the next one
+        writes = [b"two"]
+
+        def request_comes() -> bool:            # while the loop spins, a request comes
+            if writes:
+                os.write(w, writes.pop())
+            return False
+        reactor.add_poller(request_comes)
+        reactor.run_once(2)
+        assert ran == [b"one", b"two"] and reactor.spin_hits == 1
+        time.sleep(soft_device.IDLE_SPIN_WINDOW * 2)
+        assert group() is None
+        reactor.remove_reader(r)
+        reactor.remove_cq(cq, cq.poll)
+        cq.close()
+    finally:
+        reactor.close()
+        provider.close()
+        os.close(r)
+        os.close(w)

@@ -45,6 +45,12 @@ SWEEP_INTERVAL = 0.05   # how often transport (ack) timeouts are checked
 #: in a reactor's pass, as TCP's delayed ACK (the peer's next request usually comes first:
 #: at QD1 a host's next command carries it, and the target is not woken for an ACK frame).
 ACK_DELAY = 0.001
+#: After a wake-up that found work, the reactor's busy-poll (Reactor.spin_us) also waits
+#: for the next request for this long, with nothing outstanding: at QD1 the next FUSE
+#: request (or capsule) comes a few microseconds after the reply, and catching it spinning
+#: saves a sleep and a wake-up per I/O.  The reactor's adaptation stops it when requests
+#: come further apart.
+IDLE_SPIN_WINDOW = 0.0005
 
 
 class Group:
@@ -52,8 +58,8 @@ class Group:
     the device's epoll fd (its sockets) and an eventfd for completions that arrive from
     other threads.  :meth:`dispatch` is the pass."""
 
-    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "_efd", "_signalled", "_ctx_fd",
-                 "acks", "_ack_timer", "_ack_at", "_waits", "_own_fd")
+    __slots__ = ("ctx", "reactor", "ready", "active", "cqs", "active_at", "_efd", "_signalled",
+                 "_ctx_fd", "acks", "_ack_timer", "_ack_at", "_waits", "_own_fd")
 
     def __init__(self, ctx: "SoftContext", reactor: Any) -> None:
         self.ctx = ctx
@@ -61,6 +67,8 @@ class Group:
         self.ready: list[SoftCQ] = []     # CQs with completions their owner has not seen
         self.active = False               # a pass runs (on the reactor thread)
         self.cqs = 0
+        #: when a wait last found something (monotonic s): see IDLE_SPIN_WINDOW
+        self.active_at = 0.0
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._signalled = False
         self._ctx_fd = ctx.fileno()
@@ -97,7 +105,8 @@ class Group:
         """The reactor's busy-poll: a pass if the engine has something (True), False if
         not yet, None when no work request waits for the peer."""
         ctx = self.ctx
-        if ctx.closed or not ctx.outstanding():
+        if ctx.closed or (not ctx.outstanding()
+                          and time.monotonic() - self.active_at > IDLE_SPIN_WINDOW):
             return None
         if not self.ready and not ctx.peek():
             return False
@@ -160,6 +169,8 @@ class Group:
                 except (OSError, ValueError):   # the device closed under the wait
                     self._stop_waiting()
                     events = None
+                if events:
+                    self.active_at = time.monotonic()
                 if events is None:
                     ready = True
                 elif len(events) == 1:

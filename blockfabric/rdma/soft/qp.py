@@ -63,15 +63,31 @@ DEFAULT_ACK_TIMEOUT = 2.0       # s per transport retry; RETRY_EXC_ERR after (re
 DEFAULT_MAX_UNSENT = 1 << 30    # bytes a peer may leave unread, unless the owner says
 QUEUED_BUFFER_COST = 128        # what one queued buffer costs beyond its bytes (objects)
 
-_WC_OF = {WrOpcode.SEND: WcOpcode.SEND, WrOpcode.SEND_WITH_IMM: WcOpcode.SEND,
-          WrOpcode.SEND_WITH_INV: WcOpcode.SEND, WrOpcode.RDMA_WRITE: WcOpcode.RDMA_WRITE,
-          WrOpcode.RDMA_WRITE_WITH_IMM: WcOpcode.RDMA_WRITE, WrOpcode.RDMA_READ: WcOpcode.RDMA_READ}
+# Enum members bound once: an attribute of an Enum class costs ~90 ns a read in 3.11,
+# and the per-I/O paths compare opcodes and states several times each.
+_OP_READ = WrOpcode.RDMA_READ
+_OP_WRITE = WrOpcode.RDMA_WRITE
+_OP_WRITE_IMM = WrOpcode.RDMA_WRITE_WITH_IMM
+_OP_SEND = WrOpcode.SEND
+_OP_SEND_INV = WrOpcode.SEND_WITH_INV
+_OP_SEND_IMM = WrOpcode.SEND_WITH_IMM
+_ERR = QPState.ERR
+_RTS = QPState.RTS
+_WC_READ = WcOpcode.RDMA_READ
+_WC_WRITE = WcOpcode.RDMA_WRITE
+_WC_RECV = WcOpcode.RECV
+_WC_OK = WcStatus.SUCCESS
+_WC_OF = {_OP_SEND: WcOpcode.SEND, _OP_SEND_IMM: WcOpcode.SEND,
+          _OP_SEND_INV: WcOpcode.SEND, _OP_WRITE: _WC_WRITE,
+          _OP_WRITE_IMM: _WC_WRITE, _OP_READ: _WC_READ}
 # Flag bits as plain ints: ``int & IntFlag`` runs enum code in Python, per work request.
 _SIGNALED, _INLINE = int(SendFlags.SIGNALED), int(SendFlags.INLINE)
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _F_IMM, _F_INV, _F_ACK = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV), int(FrameFlags.ACK)
 _SEND, _WRITE, _READ_REQ = int(Frame.SEND), int(Frame.WRITE), int(Frame.READ_REQ)
+_READ_RESP, _ACK, _NAK = int(Frame.READ_RESP), int(Frame.ACK), int(Frame.NAK)
+_RNR_NAK, _DREQ, _CONN_RTU = int(Frame.RNR_NAK), int(Frame.DREQ), int(Frame.CONN_RTU)
 # what the payload in flight is for, when it has all arrived
 RX_DISCARD, RX_RECV, RX_WRITE, RX_READ = range(4)
 
@@ -205,7 +221,7 @@ class SoftQP(QP):
             self.sock = sock
             self._fd = sock.fileno()
             sock.setblocking(False)
-            self._state = QPState.RTS
+            self._state = _RTS
             self._last_progress = _now()
             self.ctx.register(self)
 
@@ -296,11 +312,11 @@ class SoftQP(QP):
         self._rkind = RX_DISCARD
 
     def _to_error(self) -> None:
-        if self._state == QPState.ERR:
+        if self._state == _ERR:
             return
         # ERR before the frames queued so far go out (a NAK among them): a peer that has
         # the NAK must find this QP in ERR already
-        self._state = QPState.ERR
+        self._state = _ERR
         self._unreference("queue pair in error with frames unsent")
         self._hold = False
         self.ctx.rnr_waiters.discard(self)
@@ -342,12 +358,12 @@ class SoftQP(QP):
             wrs = (wrs,)
         cap = self.cap
         with self._lock:
-            if self._state == QPState.ERR:
+            if self._state == _ERR:
                 for wr in wrs:
                     self.send_cq.push(WC(wr.wr_id, WcStatus.WR_FLUSH_ERR,
                                          _WC_OF.get(wr.opcode, WcOpcode.SEND), 0, self.qp_num))
                 return
-            if self._state != QPState.RTS:
+            if self._state != _RTS:
                 raise RdmaError(f"post_send on a QP in state {self._state.name}",
                                 errno=_errno.EINVAL)
             sq = self._sq
@@ -393,7 +409,7 @@ class SoftQP(QP):
         e.rnr = 0
         e.sent = False
         sg = wr.sg_list
-        if len(sg) == 1 and op != WrOpcode.RDMA_READ:
+        if len(sg) == 1 and op != _OP_READ:
             # _resolve of one SGE read from (no LOCAL_WRITE needed), inline: the per-I/O case
             sge = sg[0]
             mr = self.ctx.lkeys.get(sge.lkey)
@@ -408,7 +424,7 @@ class SoftQP(QP):
                 views = [mr.buf[off:off + total]] if total else []
                 status = 0
         else:
-            views, total, status = self._resolve(sg, op == WrOpcode.RDMA_READ)
+            views, total, status = self._resolve(sg, op == _OP_READ)
         e.byte_len = total
         e.views = views
         e.status = status
@@ -416,14 +432,14 @@ class SoftQP(QP):
             e.psn = None
             e.frame = None
             return e
-        if flags & _INLINE and op != WrOpcode.RDMA_READ:
+        if flags & _INLINE and op != _OP_READ:
             if total > cap.max_inline_data:
                 raise RdmaError(f"{total} B inline > max_inline_data {cap.max_inline_data}",
                                 errno=_errno.EINVAL)
             views = [b"".join(views)] if views else []   # inline: the WR carries a copy
         psn = e.psn = self._next_psn
         self._next_psn = (psn + 1) & M
-        e.size = HDR if op == WrOpcode.RDMA_READ else HDR + total
+        e.size = HDR if op == _OP_READ else HDR + total
         if ack:
             self._ack_due = False
             flags, done = _F_ACK, self._done_psn
@@ -433,23 +449,23 @@ class SoftQP(QP):
             flags = done = 0
         # (a frame sent again after an RNR NAK carries this ACK again: an older cumulative
         # ACK than the peer has seen completes nothing, and is allowed)
-        if op == WrOpcode.RDMA_READ:
-            e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
-                            wr.remote_addr)]
-        elif op == WrOpcode.RDMA_WRITE:
+        if op == _OP_SEND:              # the per-I/O opcodes first
+            e.frame = [_hdr(_MAGIC, _VERSION, _SEND, flags, psn, total, 0, 0, done, 0), *views]
+        elif op == _OP_WRITE:
             e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
                             wr.remote_addr), *views]
-        elif op == WrOpcode.RDMA_WRITE_WITH_IMM:
+        elif op == _OP_READ:
+            e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
+                            wr.remote_addr)]
+        elif op == _OP_WRITE_IMM:
             e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
                              flags | _F_IMM, done), *views]
-        elif op == WrOpcode.SEND_WITH_INV:
+        elif op == _OP_SEND_INV:
             e.frame = [_pack(_SEND, psn, total, 0, wr.invalidate_rkey, 0, flags | _F_INV,
                              done), *views]
-        elif op == WrOpcode.SEND_WITH_IMM:
+        else:                           # _OP_SEND_IMM (post_send checked the opcode)
             e.frame = [_pack(_SEND, psn, total, 0, wr.imm_data, 0, flags | _F_IMM, done),
                        *views]
-        else:
-            e.frame = [_hdr(_MAGIC, _VERSION, _SEND, flags, psn, total, 0, 0, done, 0), *views]
         return e
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
@@ -457,7 +473,7 @@ class SoftQP(QP):
             wrs = (wrs,)
         cap = self.cap
         with self._lock:
-            if self._state == QPState.ERR:
+            if self._state == _ERR:
                 for wr in wrs:
                     self.recv_cq.push(WC(wr.wr_id, WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0,
                                          self.qp_num))
@@ -596,7 +612,7 @@ class SoftQP(QP):
 
     def _queue_ack(self) -> None:
         self._ack_due = False
-        ack = _pack(Frame.ACK, self._done_psn)
+        ack = _pack(_ACK, self._done_psn)
         q = self._outq
         if q and q[-1] is self._last_ack:
             q[-1] = ack         # ACKs are cumulative: the newer one says it all
@@ -739,7 +755,7 @@ class SoftQP(QP):
 
     def _on_header(self, at: int) -> None:
         ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
-        if flags & _F_ACK and self._state != QPState.ERR:
+        if flags & _F_ACK and self._state != _ERR:
             # the peer's request carries its ACK of ours (validated like an ACK frame)
             self._ack_upto(ack)
             sq = self._sq
@@ -747,39 +763,39 @@ class SoftQP(QP):
                 self._retire()
                 if self._dead:
                     return
-        if ftype == Frame.SEND or ftype == Frame.WRITE or ftype == Frame.READ_REQ:
-            if psn != self._exp_psn or self._state == QPState.ERR:
+        if ftype == _SEND or ftype == _WRITE or ftype == _READ_REQ:
+            if psn != self._exp_psn or self._state == _ERR:
                 # go-back-N after an RNR NAK, or a responder in ERR: drop silently (as IB);
                 # otherwise requests come in order, and this one is not the next
-                if not (self._rnr_sent or self._state == QPState.ERR):
+                if not (self._rnr_sent or self._state == _ERR):
                     raise wire.WireError(f"request PSN {psn}, expected {self._exp_psn}")
-                if ftype != Frame.READ_REQ:
+                if ftype != _READ_REQ:
                     self._discard(length)
                 return
             self._rnr_sent = False
-            if ftype == Frame.SEND:
+            if ftype == _SEND:
                 self._rx_send(psn, flags, length, extra)
-            elif ftype == Frame.WRITE:
+            elif ftype == _WRITE:
                 self._rx_write(psn, flags, length, key, extra, addr)
             else:
                 self._rx_read_req(psn, length, key, addr)
-        elif ftype == Frame.READ_RESP:
+        elif ftype == _READ_RESP:
             self._rx_read_resp(psn, length)
-        elif self._state == QPState.ERR and Frame.ACK <= ftype <= Frame.RNR_NAK:
+        elif self._state == _ERR and _ACK <= ftype <= _RNR_NAK:
             return              # answers to what was flushed
-        elif ftype == Frame.ACK:
+        elif ftype == _ACK:
             self._ack_upto(psn)
             sq = self._sq
             if sq and sq[0].psn is None:
                 self._retire()
-        elif ftype == Frame.NAK:
+        elif ftype == _NAK:
             self._answered(psn, "NAK")
             self._fail_head(WcStatus(key))
-        elif ftype == Frame.RNR_NAK:
+        elif ftype == _RNR_NAK:
             self._on_rnr(psn)
-        elif ftype == Frame.DREQ:
+        elif ftype == _DREQ:
             self._die("peer disconnected")
-        elif ftype == Frame.CONN_RTU and self._rtu_due:
+        elif ftype == _CONN_RTU and self._rtu_due:
             self._rtu_due = False
         else:
             raise wire.WireError(f"unexpected frame type {ftype} on a connected QP")
@@ -821,7 +837,7 @@ class SoftQP(QP):
         if self.recv_cq.raw:
             self._rwc = (wr_id, 0, length)      # an owner of raw completions: no WC
         else:
-            wc = WC(wr_id, WcStatus.SUCCESS, WcOpcode.RECV, length, self.qp_num)
+            wc = WC(wr_id, _WC_OK, _WC_RECV, length, self.qp_num)
             if flags & _F_INV:
                 wc.wc_flags = WcFlags.WITH_INV
                 wc.invalidated_rkey = extra
@@ -911,17 +927,17 @@ class SoftQP(QP):
             self._sq.popleft()
             self._acked = e.psn
             if e.signaled:
-                self.send_cq.push(WC(e.wr_id, WcStatus.SUCCESS, WcOpcode.RDMA_READ, e.byte_len,
+                self.send_cq.push(WC(e.wr_id, WcStatus.SUCCESS, _WC_READ, e.byte_len,
                                      self.qp_num))
             self._retire()
 
     # requester ---------------------------------------------------------
     def _rx_read_resp(self, psn: int, length: int) -> None:
-        if self._state == QPState.ERR:
+        if self._state == _ERR:
             self._discard(length)
             return
         e = self._answered(psn, "read response")
-        if e.opcode != WcOpcode.RDMA_READ or length != e.byte_len or e.end > self._tx_sent:
+        if e.opcode != _WC_READ or length != e.byte_len or e.end > self._tx_sent:
             raise wire.WireError(f"read response for PSN {psn} of {length} bytes, which is "
                                  "no whole READ request of that length")
         self._rentry = e
@@ -950,15 +966,15 @@ class SoftQP(QP):
             # e.psn <= psn in serial-number arithmetic (wire.psn_le, inline)
             if e.psn is None or (psn - e.psn) & M >= 0x80000000:
                 break
-            if not e.sent or e.end > sent or e.opcode == WcOpcode.RDMA_READ:
+            if not e.sent or e.end > sent or e.opcode == _WC_READ:
                 raise wire.WireError(f"acknowledgement of PSN {psn}: request {e.psn} was "
-                                     + ("never sent whole" if e.opcode != WcOpcode.RDMA_READ
+                                     + ("never sent whole" if e.opcode != _WC_READ
                                         else "a READ not answered"))
             sq.popleft()
             self._acked = e.psn
             if e.signaled:              # push, inline
                 append((e.wr_id, 0, e.byte_len) if raw else
-                       WC(e.wr_id, WcStatus.SUCCESS, e.opcode, e.byte_len, qpn))
+                       WC(e.wr_id, _WC_OK, e.opcode, e.byte_len, qpn))
                 if not cq.listed:
                     cq.note()
         if (self._acked - psn) & M >= 0x80000000:
@@ -981,7 +997,7 @@ class SoftQP(QP):
 
     def _on_rnr(self, psn: int) -> None:
         e = self._answered(psn, "RNR NAK")
-        if e.opcode == WcOpcode.RDMA_READ or (e.opcode == WcOpcode.RDMA_WRITE
+        if e.opcode == _WC_READ or (e.opcode == _WC_WRITE
                                               and not e.frame[0][6] & _F_IMM):
             raise wire.WireError(f"RNR NAK for PSN {psn}, which consumes no receive")
         e.rnr += 1
@@ -996,7 +1012,7 @@ class SoftQP(QP):
     def rnr_replay(self) -> None:
         """RNR timer expired: go back to the NAKed request and send everything again."""
         with self._lock:
-            if self._state != QPState.RTS or not self._hold:
+            if self._state != _RTS or not self._hold:
                 return
             self._hold = False
             self._last_progress = _now()
@@ -1015,10 +1031,10 @@ class SoftQP(QP):
     def check_timeout(self, now: float) -> None:
         """Transport timer: a peer that stops answering (its QP in ERR, say) fails the head
         WR with RETRY_EXC_ERR after ``ack_timeout * (retry_count + 1)``, as an HCA does."""
-        if not self._sq or self._hold or self._state != QPState.RTS:
+        if not self._sq or self._hold or self._state != _RTS:
             return
         if now - self._last_progress <= self.ack_timeout * (self.retry_count + 1):
             return
         with self._lock:
-            if self._sq and not self._hold and self._state == QPState.RTS:
+            if self._sq and not self._hold and self._state == _RTS:
                 self._fail_head(WcStatus.RETRY_EXC_ERR)

@@ -9,6 +9,8 @@ I/O, so the pure protocol layer may use it.
 
 from __future__ import annotations
 
+import copy
+
 
 class BlockfabricError(Exception):
     """Base of every error blockfabric raises on purpose."""
@@ -50,3 +52,23 @@ class ConnectionRejected(RdmaError):
 
 class RdmaTimeout(RdmaError):
     """Address/route resolution, connection setup or a wait ran out of time."""
+
+
+class QueueDead(BlockfabricError, ConnectionError):
+    """A host queue (or the whole controller) went away before a command completed: the
+    command may be re-issued on another queue, after a reconnect (a ``ConnectionError``, so
+    code that catches those keeps working)."""
+
+    def during(self, what: str) -> QueueDead:
+        """The same error (type and fields) with ``what`` was being done put in front."""
+        other = copy.copy(self)
+        other.args = (f"{what}: {self}",)
+        return other
+
+
+class WorkCompletionError(QueueDead, RdmaError):
+    """A host queue died because one of its work requests completed in error:
+    ``wc_status`` is that completion's status (a :class:`blockfabric.rdma.WcStatus` value)."""
+
+    def __init__(self, message: str, wc_status: int | None = None) -> None:
+        RdmaError.__init__(self, message, wc_status=wc_status)

@@ -31,7 +31,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
-from blockfabric.initiator.host import Controller, HostMemory, IoCommand, Namespace, NvmeError
+from blockfabric.fabric.buffers import BufferPool
+from blockfabric.initiator.host import (HOST_ACCESS, Controller, HostNamespace, IoCommand,
+                                        NvmeError)
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import IOOpcode
 
@@ -316,18 +318,18 @@ class JobResult:
 
 
 class Slot:
-    """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue (to the queue with
-    the same place in the controller's list after a reconnect).  It owns a piece of the
+    """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue: the ``lane``-th
+    of the controller's (whichever queue has that place after a reconnect).  It owns a piece of the
     job's registered memory, where its reads land and its writes come from (no copy), and
     the one :class:`IoCommand` it issues again and again (the parent of that command)."""
 
-    __slots__ = ("job", "index", "queue", "read", "offset", "t0", "t1", "expect", "buf",
+    __slots__ = ("job", "index", "lane", "read", "offset", "t0", "t1", "expect", "buf",
                  "addr", "cmd")
 
-    def __init__(self, job: Job, index: int, queue: Any, buf: memoryview, addr: int) -> None:
+    def __init__(self, job: Job, index: int, lane: int, buf: memoryview, addr: int) -> None:
         self.job = job
         self.index = index
-        self.queue = queue
+        self.lane = lane
         self.read = True
         self.offset = 0
         self.t0 = self.t1 = 0
@@ -347,7 +349,7 @@ class Job:
     block it wrote (not counted in the results, as the point is the workload's numbers).
     """
 
-    def __init__(self, index: int, opts: BenchOptions, ctrl: Controller, ns: Namespace,
+    def __init__(self, index: int, opts: BenchOptions, ctrl: Controller, ns: HostNamespace,
                  start: int, length: int, queues: list[Any]) -> None:
         self.index = index
         self.opts = opts
@@ -362,11 +364,11 @@ class Job:
         # writes go from there by RDMA (or in the capsule): no arena block, no copy.
         stride = -(-opts.bs // 4096) * 4096
         assert ctrl.pd is not None
-        self.mem = HostMemory(ctrl.pd, stride * opts.iodepth)
+        self.mem = BufferPool(ctrl.pd, opts.iodepth, stride, HOST_ACCESS)
         self.rkey = self.mem.rkey
-        self.slots = [Slot(self, k, queues[k % len(queues)],
-                           self.mem.view[k * stride:k * stride + opts.bs],
-                           self.mem.addr + k * stride)
+        lanes = [ctrl.io_queues.index(q) for q in queues]
+        self.slots = [Slot(self, k, lanes[k % len(lanes)], self.mem.views[k][:opts.bs],
+                           self.mem.addrs[k])
                       for k in range(opts.iodepth)]
         for slot in self.slots:             # what never changes from one I/O to the next
             cmd = slot.cmd
@@ -435,7 +437,7 @@ class Job:
         return next_io
 
     # -- running (reactor thread only) -----------------------------------------------------
-    def start_io(self) -> None:
+    def begin(self) -> None:
         self.t_start = time.monotonic_ns()
         for slot in self.slots:
             self._issue(slot)
@@ -483,11 +485,7 @@ class Job:
         self.inflight += 1
         if self.inflight > self.max_inflight:
             self.max_inflight = self.inflight
-        queue = slot.queue
-        if queue.dead_reason is not None:       # replaced by a reconnect?
-            live = self.ctrl.io_queues
-            if live and live[slot.index % len(live)].dead_reason is None:
-                slot.queue = queue = live[slot.index % len(live)]
+        live = self.ctrl.io_queues         # a new list after a reconnect
         cmd = slot.cmd
         cmd.opcode = _READ if is_read else _WRITE
         cmd.slba = offset // self.ns.block_size
@@ -495,7 +493,8 @@ class Job:
         slot.t1 = 0
         slot.t0 = time.monotonic_ns()
         try:
-            self.ctrl.issue(cmd, queue)     # held by the controller if the queue is gone
+            # held by the controller (and issued again) if the queue is lost or gone
+            self.ctrl.issue(cmd, live[slot.lane % len(live)] if live else None)
         except (BlockfabricError, TimeoutError, ValueError) as exc:
             self.inflight -= 1
             self.busy.discard(offset)
@@ -617,7 +616,7 @@ class Bench:
         self.jobs: list[Job] = []
         self.interrupted = False
 
-    def _check(self, ns: Namespace, ctrl: Controller) -> tuple[int, int]:
+    def _check(self, ns: HostNamespace, ctrl: Controller) -> tuple[int, int]:
         opts = self.opts
         if opts.rw not in PATTERNS:
             raise BenchError(f"--rw {opts.rw}: expected one of {', '.join(PATTERNS)}")
@@ -686,7 +685,7 @@ class Bench:
         """Run the jobs to their end (``on_tick``: called a few times a second)."""
         opts = self.opts
         for job in self.jobs:
-            job.ctrl.reactor.call_soon_threadsafe(job.start_io)
+            job.ctrl.reactor.call_soon_threadsafe(job.begin)
         t0 = time.monotonic()
         ramp_end = t0 + opts.ramp_time
         ramped = opts.ramp_time <= 0

@@ -1,4 +1,7 @@
-"""The one module that knows the FUSE binding: mfusepy on libfuse 3, multi-threaded.
+"""The libfuse binding (``-o binding=libfuse``): mfusepy on libfuse 3, multi-threaded.
+
+One of two bindings of :class:`VolumeFS`; the default is our own server of the kernel's
+protocol (:mod:`.fuse_kernel`).  Only this module imports mfusepy.
 
 Why this binding and model (measured, see docs/fuse.md): libfuse 3 gives 1 MiB requests and
 asynchronous direct I/O; mfusepy implements ``fallocate`` (pyfuse3 does not, so punch hole and

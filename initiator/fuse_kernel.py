@@ -19,36 +19,51 @@ Flow control: at most ``buffers`` requests are read ahead; at most ``depth - res
 commands are in flight from here, so a queue always has a free slot for the reactor (it must
 never wait for one: it is the thread that frees them) and the workers keep a reserve.
 
-The protocol facts (structure layouts, opcodes, flags) are those of the kernel's UAPI header
-``linux/fuse.h``; the mount is mount(2) as root, or fusermount3 passing the descriptor back
-over a socket (``_FUSE_COMMFD``) for an ordinary user.
+The protocol facts (structure layouts, opcodes, flags: the kernel's UAPI header
+``linux/fuse.h``) are in :mod:`.fuse_abi`; mounting (mount(2) as root, or fusermount3 for an
+ordinary user) is :mod:`.fuse_mount`; the filesystem's rules (which blocks a read touches,
+how far a write may go) are :class:`VolumeFS`'s, and the NVMe side is the host library's
+I/O primitive (:meth:`Controller.issue_io`).  What stays here is the session: reading
+requests, answering them, and the request buffers' life.  Longer than ~500 lines because
+every FUSE operation the mount answers is one short method of :class:`KernelFuse`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import errno
 import logging
 import mmap
 import os
-import shutil
 import signal
-import socket
 import stat
-import struct
-import subprocess
 import threading
 import time
 from typing import Any, Callable
 
-from blockfabric.initiator.fusefs import STATUS_NAME, SUBTYPE, VolumeFS, nvme_errno
-from blockfabric.initiator.host import HostMemory
+from blockfabric.initiator.fuse_abi import (ACCESS, ATTR_OUT, BATCH_FORGET, CREATE, DESTROY,
+                                            DIRENT, ENTRY_OUT, FALLOCATE, FALLOCATE_IN, FATTR_GID,
+                                            FATTR_MODE, FATTR_SIZE, FATTR_UID, FLUSH,
+                                            FOPEN_DIRECT_IO, FOPEN_PARALLEL_DIRECT_WRITES, FORGET,
+                                            FSYNC, FSYNCDIR, FUSE_ASYNC_DIO, FUSE_ASYNC_READ,
+                                            FUSE_BIG_WRITES, FUSE_MAX_PAGES, GETATTR, INIT,
+                                            INIT_IN, INIT_OUT, INTERRUPT, IN_HDR, IN_SIZE, IO_ARGS,
+                                            KERNEL_MAJOR, KSTATFS, LINK, LOOKUP, MAX_REQUEST,
+                                            MKDIR, MKNOD, NS_BASE_ID, OPEN, OPENDIR, OPEN_IN,
+                                            OPEN_OUT, OUR_MINOR, OUT_HDR, OUT_SIZE, READ, READDIR,
+                                            RELEASE, RELEASEDIR, RENAME, RENAME2, RMDIR, ROOT_ID,
+                                            RW_IN, SETATTR, SETATTR_IN, STATFS, STATUS_ID, SYMLINK,
+                                            TMPFILE, UNLINK, WRITE, WRITE_DATA, WRITE_OUT,
+                                            WRITE_REPLY)
+from blockfabric.initiator.fuse_mount import (FuseMountError, mount_fd,  # noqa: F401
+                                              unmount_path)
+from blockfabric.initiator.fusefs import STATUS_NAME, VolumeFS, nvme_errno
+from blockfabric.fabric.buffers import BufferPool
+from blockfabric.initiator.arena import HOST_ACCESS
 from blockfabric.protocol import IOOpcode
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST = 1 << 20           # max_read / max_write: 1 MiB requests both ways
 DATA_OFF = 4096                 # where a READ's data lands in its buffer (page aligned)
 EDGE_ROOM = 64 << 10            # room for unaligned edges (two blocks of up to 32 KiB)
 BUF_SIZE = DATA_OFF + MAX_REQUEST + EDGE_ROOM
@@ -57,138 +72,24 @@ WORKER_RESERVE = 16             # command slots left to the worker threads
 ATTR_TIMEOUT = 1.0              # seconds the kernel may cache names and attributes
 INIT_TIMEOUT = 10.0
 
-# -- linux/fuse.h ------------------------------------------------------------------------
-KERNEL_MAJOR, OUR_MINOR = 7, 31
-ROOT_ID, STATUS_ID, NS_BASE_ID = 1, 2, 16
-(LOOKUP, FORGET, GETATTR, SETATTR, READLINK, SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME,
- LINK, OPEN, READ, WRITE, STATFS, RELEASE) = (1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15,
-                                              16, 17, 18)
-(FSYNC, SETXATTR, GETXATTR, LISTXATTR, REMOVEXATTR, FLUSH, INIT, OPENDIR, READDIR,
- RELEASEDIR, FSYNCDIR, ACCESS, CREATE, INTERRUPT, DESTROY, BATCH_FORGET, FALLOCATE,
- RENAME2, TMPFILE) = (20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 34, 35, 36, 38, 42, 43,
-                      45, 51)
+
+_READ, _WRITE = IOOpcode.READ.value, IOOpcode.WRITE.value
+_write = os.write
+_unpack_in = IN_HDR.unpack_from
+_pack_out = OUT_HDR.pack_into
+#: what a flat directory of fixed files refuses as read-only, and what gets no reply
 _READ_ONLY_FS_OPS = {SYMLINK, MKNOD, MKDIR, UNLINK, RMDIR, RENAME, LINK, CREATE, RENAME2,
                      TMPFILE}
 _NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
-FUSE_ASYNC_READ, FUSE_BIG_WRITES, FUSE_ASYNC_DIO, FUSE_MAX_PAGES = 1, 1 << 5, 1 << 15, 1 << 22
-FOPEN_DIRECT_IO, FOPEN_PARALLEL_DIRECT_WRITES = 1, 1 << 6
-FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1, 2, 4, 8
-
-IN_HDR = struct.Struct("<IIQQIIIHH")             # fuse_in_header, 40
-OUT_HDR = struct.Struct("<IiQ")                  # fuse_out_header, 16
-IN_SIZE = IN_HDR.size
-_unpack_in = IN_HDR.unpack_from
-_ATTR = "QQQQQQIIIIIIIIII"                       # fuse_attr, 88
-ENTRY_OUT = struct.Struct("<QQQQII" + _ATTR)     # fuse_entry_out, 128
-ATTR_OUT = struct.Struct("<QII" + _ATTR)         # fuse_attr_out, 104
-INIT_IN = struct.Struct("<IIII")                 # major, minor, max_readahead, flags
-INIT_OUT = struct.Struct("<IIIIHHIIHHI28x")      # fuse_init_out, 64
-OPEN_IN = struct.Struct("<II")
-OPEN_OUT = struct.Struct("<QII")
-RW_IN = struct.Struct("<QQIIQII")                # fuse_read_in / fuse_write_in, 40
-WRITE_OUT = struct.Struct("<II")
-SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # fuse_setattr_in, 88
-FALLOCATE_IN = struct.Struct("<QQQII")
-KSTATFS = struct.Struct("<QQQQQIIII24x")         # fuse_kstatfs, 80
-DIRENT = struct.Struct("<QQII")
-WRITE_DATA = IN_SIZE + RW_IN.size                # a WRITE's payload starts here (80)
-OUT_SIZE = OUT_HDR.size
-_pack_out = OUT_HDR.pack_into
-_READ, _WRITE = IOOpcode.READ.value, IOOpcode.WRITE.value
-IO_ARGS = struct.Struct("<8xQI")                 # fuse_read_in / fuse_write_in: offset, size
-WRITE_REPLY = struct.Struct("<IiQII")            # fuse_out_header + fuse_write_out, 24
-_write = os.write
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MNT_DETACH = 1, 2, 4, 2
 _TERM_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-class FuseMountError(RuntimeError):
-    """The kernel or fusermount3 refused the mount; the message says why."""
 
 
 def library_version() -> str:
     return f"kernel FUSE protocol {KERNEL_MAJOR}.{OUR_MINOR}, no library"
 
 
-# --------------------------------------------------------------------------- mounting
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def mount_fd(mountpoint: str, fsname: str, *, read_only: bool, allow_other: bool,
-             extra: list[str]) -> int:
-    """A /dev/fuse descriptor mounted at ``mountpoint``: mount(2) when allowed (root),
-    else fusermount3."""
-    words = ["default_permissions", f"max_read={MAX_REQUEST}"] + \
-        (["allow_other"] if allow_other else []) + list(extra)
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    data = (f"fd={fd},rootmode={stat.S_IFDIR:o},user_id={os.getuid()},"
-            f"group_id={os.getgid()}," + ",".join(words))
-    flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0)
-    libc = _libc()
-    if libc.mount(fsname.encode(), mountpoint.encode(), f"fuse.{SUBTYPE}".encode(), flags,
-                  data.encode()) == 0:
-        return fd
-    err = ctypes.get_errno()
-    os.close(fd)
-    if err != errno.EPERM:
-        raise FuseMountError(f"mount {mountpoint} (options {','.join(words)}): "
-                             f"{os.strerror(err)}")
-    return _fusermount(mountpoint, fsname, read_only, words)
-
-
-def _fusermount(mountpoint: str, fsname: str, read_only: bool, words: list[str]) -> int:
-    tool = shutil.which("fusermount3")
-    if tool is None:
-        raise FuseMountError("not root and fusermount3 is not installed (package fuse3)")
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with ours, theirs:
-        opts = ",".join(["ro" if read_only else "rw", "nosuid", "nodev",
-                         f"fsname={fsname}", f"subtype={SUBTYPE}"] + words)
-        done = subprocess.run([tool, "-o", opts, "--", mountpoint], capture_output=True,
-                              text=True, pass_fds=(theirs.fileno(),),
-                              env=dict(os.environ, _FUSE_COMMFD=str(theirs.fileno())),
-                              stdin=subprocess.DEVNULL, check=False)
-        if done.returncode:
-            raise FuseMountError(f"fusermount3: {done.stderr.strip() or done.returncode}")
-        _msg, fds, _flags, _addr = socket.recv_fds(ours, 1, 1)
-    if not fds:
-        raise FuseMountError("fusermount3 mounted but passed no descriptor back")
-    os.set_inheritable(fds[0], False)
-    return fds[0]
-
-
-def unmount_path(mountpoint: str) -> None:
-    """Detach the mount (the kernel then ends the session: reads get ENODEV)."""
-    if _libc().umount2(mountpoint.encode(), MNT_DETACH) == 0:
-        return
-    tool = shutil.which("fusermount3")
-    if tool is not None:
-        subprocess.run([tool, "-u", "-z", mountpoint], capture_output=True,
-                       stdin=subprocess.DEVNULL, check=False)
-
 
 # --------------------------------------------------------------------------- the server
-
-class _Buffers:
-    """Request buffers in one region registered with the controller's PD."""
-
-    def __init__(self, ctrl: Any, count: int) -> None:
-        self.mem = HostMemory(ctrl.pd, count * BUF_SIZE)
-        self.mr = self.mem.mr
-        view = self.mem.view
-        self.views = [view[i * BUF_SIZE:(i + 1) * BUF_SIZE] for i in range(count)]
-        self.addrs = [self.mem.addr + i * BUF_SIZE for i in range(count)]
-        self.iovs = [[v] for v in self.views]      # readv's argument, made once
-        self.free = list(range(count - 1, -1, -1))
-
-    def close(self) -> None:
-        self.views = []
-        self.iovs = []
-        self.mem.close()
-
 
 class _IoRequest:
     """The NVMe side of one request buffer, made once and reused by every READ or WRITE read
@@ -268,7 +169,10 @@ class KernelFuse:
         self.mountpoint = mountpoint
         self.fsname = fsname
         self.fd = -1
-        self.bufs = _Buffers(self.ctrl, buffers)
+        # the request buffers, registered with the controller's PD: a WRITE's payload is
+        # read where the target fetches it, a READ's data lands where the reply goes from
+        self.bufs = BufferPool(self.ctrl.pd, buffers, BUF_SIZE, HOST_ACCESS)
+        self.iovs = [[view] for view in self.bufs.views]    # readv's argument, made once
         self.nbuf = buffers
         self.reqs = [_IoRequest(self, i) for i in range(buffers)]
         # Reactor thread only, all of these: no lock.
@@ -366,6 +270,7 @@ class KernelFuse:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+        self.iovs = []
         self.bufs.close()
 
     def _set_done(self) -> None:
@@ -386,7 +291,7 @@ class KernelFuse:
     def _on_readable(self) -> None:
         bufs = self.bufs
         free = bufs.free
-        iovs = bufs.iovs
+        iovs = self.iovs
         fd = self.fd
         # A reader that keeps one request in flight (fio psync, dd) wakes us with nothing in
         # hand, and one request is all there is: reading on until EAGAIN would cost a system
@@ -652,16 +557,11 @@ class KernelFuse:
         ns = self._node_ns.get(nodeid) if self.fs.files is self._files_seen else None
         if ns is None:
             ns = self._ns_of(nodeid)
-        end = offset + size
-        nsize = ns.nblocks * ns.block_size
-        if end > nsize:
-            end = nsize
-        if offset >= end:
+        span = self.fs.read_span(ns, offset, size)
+        if span is None:
             self._reply(unique)
             return False
-        bs = ns.block_size
-        start = offset - offset % bs
-        stop = -(-end // bs) * bs
+        start, stop, end = span
         if DATA_OFF + stop - start > BUF_SIZE:     # edges of huge blocks: the slow way
             path = "/" + f"n{nodeid - NS_BASE_ID}"
             self._blocking(index, unique, lambda: self.fs.read(path, size, offset))
@@ -673,7 +573,7 @@ class KernelFuse:
         req.read = True
         req.lo = DATA_OFF + offset - start
         req.hi = DATA_OFF + end - start
-        return self._start_io(req, n, unique, ns, _READ, start, stop - start, DATA_OFF, None)
+        return self._issue_request(req, n, unique, ns, _READ, start, stop - start, DATA_OFF, None)
 
     def _write(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
         offset, size = IO_ARGS.unpack_from(view, IN_SIZE)
@@ -681,13 +581,7 @@ class KernelFuse:
             raise OSError(errno.EROFS, "read-only")
         fs = self.fs
         ns = self._ns_of(nodeid)
-        if ns.read_only or fs.options.read_only:
-            raise OSError(errno.EROFS, "read-only")
-        nsize = ns.nblocks * ns.block_size
-        if offset + size > nsize:
-            if offset >= nsize:
-                raise OSError(errno.ENOSPC, "past the end of the namespace")
-            size = nsize - offset
+        size = fs.write_span(ns, offset, size)
         bs = ns.block_size
         if offset % bs or size % bs:                # read-modify-write: a worker's job
             path = "/" + f"n{nodeid - NS_BASE_ID}"
@@ -708,9 +602,9 @@ class KernelFuse:
                 req.write_size = size
             data = req.write_data
         req.hi = size
-        return self._start_io(req, n, unique, ns, _WRITE, offset, size, WRITE_DATA, data)
+        return self._issue_request(req, n, unique, ns, _WRITE, offset, size, WRITE_DATA, data)
 
-    def _start_io(self, req: _IoRequest, n: int, unique: int, ns: Any, opcode: int,
+    def _issue_request(self, req: _IoRequest, n: int, unique: int, ns: Any, opcode: int,
                   offset: int, length: int, data_off: int, data: memoryview | None) -> bool:
         """Issue the NVMe command(s) of request buffer ``req.index`` on its data at
         ``data_off``; the last completion replies (:meth:`_IoRequest.io_done`).  Parked instead
@@ -728,25 +622,16 @@ class KernelFuse:
             self.fs.counters.parked += 1
             self._stop_reading()
             return True
-        index = req.index
-        pieces = ctrl.plan_io(req.cmds, req, ns, opcode, offset, length,
-                              self.bufs.addrs[index] + data_off, self.bufs.mr.rkey, data)
         self._inflight = inflight + pieces
         req.unique = unique
         req.left = req.pieces = pieces
         req.error = None
-        cmds = req.cmds
         queue = self._queue
         if queue is not None and len(queue.free_slots) < pieces:
             queue = None        # the workers' commands filled it: round robin
-        for i in range(pieces):
-            try:
-                ctrl.issue(cmds[i], queue)
-            except Exception as exc:  # noqa: BLE001 - not sent: those pieces fail here
-                log.warning("FUSE request %d: %s", unique, exc)
-                for _ in range(i, pieces):
-                    req.io_done(None, exc)
-                break
+        index = req.index
+        ctrl.issue_io(req.cmds, req, ns, opcode, offset, length,
+                      self.bufs.addrs[index] + data_off, self.bufs.mr.rkey, data, queue)
         return True
 
     def _send(self, reply) -> None:
@@ -808,3 +693,4 @@ def serve(fs: VolumeFS, mountpoint: str, *, fsname: str,
     started = time.monotonic()
     server.serve(on_ready)
     log.debug("FUSE session of %s ended after %.1f s", mountpoint, time.monotonic() - started)
+

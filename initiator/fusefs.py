@@ -1,10 +1,13 @@
 """The mounted filesystem, with no FUSE binding in it: files ``n<nsid>`` and ``.status``.
 
 Every operation here takes plain values (path, offset, bytes) and returns plain values or
-raises ``OSError`` with an errno, so the binding modules (``fuse_kernel.py``, ours, and
-``fuse_binding.py``, mfusepy on libfuse) stay thin translations and can be swapped.  Calls arrive on many threads at once (the binding's worker
-pool); each one submits to the host library and blocks only on its own commands, so many
-NVMe commands are in flight while several FUSE requests are.
+raises ``OSError`` with an errno, so the two bindings (``fuse_kernel.py``, our own server of
+the kernel's protocol, and ``fuse_binding.py``, mfusepy on libfuse) stay translations and
+can be swapped.  The rules both apply on their own fast paths (which blocks a read touches,
+how far a write may go, what is writable) are public methods here: :meth:`VolumeFS.read_span`,
+:meth:`VolumeFS.write_span`, :meth:`VolumeFS.writable`.  Calls arrive on many threads at once
+(the binding's worker pool); each one submits to the host library and blocks only on its
+own commands, so many NVMe commands are in flight while several FUSE requests are.
 
 Unaligned edges become read-modify-write of whole blocks.  Two RMWs of one block must not
 lose each other's bytes, so each edge block is held under a striped lock for the whole
@@ -22,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from blockfabric.initiator.host import (Controller, ControllerLost, Namespace, NvmeError,
+from blockfabric.initiator.host import (Controller, ControllerLost, HostNamespace, NvmeError,
                                         QueueDead)
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import StatusCode
@@ -181,25 +184,54 @@ class VolumeFS:
         self.uid = os.getuid()
         self.gid = os.getgid()
         self._stripes = [threading.Lock() for _ in range(_LOCK_STRIPES)]
-        self.files: dict[str, Namespace] = {}
+        self.files: dict[str, HostNamespace] = {}
         self._refresh_files()
         # Namespaces added, removed or resized on the target (a reload) reach the host as an
         # asynchronous event; the host library rescans and tells its listeners.  Sizes need
-        # nothing here (the Namespace objects are updated in place); the file list does.
+        # nothing here (the HostNamespace objects are updated in place); the file list does.
         ctrl.namespace_listeners.append(lambda _ctrl, _nsids: self._refresh_files())
 
     def _refresh_files(self) -> None:
         self.files = {f"n{nsid}": ns for nsid, ns in sorted(self.ctrl.namespaces.items())}
 
     # -- names and attributes ---------------------------------------------------------
-    def namespace(self, path: str) -> Namespace:
+    def namespace(self, path: str) -> HostNamespace:
         ns = self.files.get(path.lstrip("/"))
         if ns is None:
             raise _fail(errno.ENOENT)
         return ns
 
-    def writable(self, ns: Namespace) -> bool:
+    def writable(self, ns: HostNamespace) -> bool:
+        """May ``ns`` be written through this mount (the namespace and the mount allow it)?"""
         return not (ns.read_only or self.options.read_only)
+
+    # -- the block rules (both bindings) -----------------------------------------------
+    @staticmethod
+    def read_span(ns: HostNamespace, offset: int, size: int) -> tuple[int, int, int] | None:
+        """A read of ``size`` bytes at ``offset``: ``(start, stop, end)``, the whole blocks
+        ``[start, stop)`` to read and ``end``, where the bytes asked for end (clamped to the
+        namespace's size); None when nothing is there (at or past the end: EOF)."""
+        end = offset + size
+        nsize = ns.nblocks * ns.block_size
+        if end > nsize:
+            end = nsize
+        if offset >= end:
+            return None
+        bs = ns.block_size
+        return offset - offset % bs, -(-end // bs) * bs, end
+
+    def write_span(self, ns: HostNamespace, offset: int, size: int) -> int:
+        """How many of ``size`` bytes at ``offset`` a write writes: all, or up to the end of
+        the namespace (a volume cannot grow); EROFS when ``ns`` is not writable here,
+        ENOSPC when the write starts at or past the end."""
+        if ns.read_only or self.options.read_only:
+            raise _fail(errno.EROFS)
+        nsize = ns.nblocks * ns.block_size
+        if offset + size > nsize:
+            if offset >= nsize:
+                raise _fail(errno.ENOSPC, "past the end of the namespace")
+            return nsize - offset
+        return size
 
     def names(self) -> list[str]:
         return list(self.files) + [STATUS_NAME]
@@ -243,23 +275,22 @@ class VolumeFS:
         if path.lstrip("/") == STATUS_NAME:
             return self.status_text()[offset:offset + size]
         ns = self.namespace(path)
-        end = min(offset + size, ns.size)
-        if offset >= end:
+        span = self.read_span(ns, offset, size)
+        if span is None:
             return b""
-        bs = ns.block_size
-        start = offset - offset % bs
-        stop = -(-end // bs) * bs
+        start, stop, end = span
         self.counters.request(size)
         data = self._wait(ns.submit_read(start, stop - start))
         self.counters.add(reads=1, read_bytes=end - offset)
         return data[offset - start:end - start] if (start, stop) != (offset, end) else data
 
     def write(self, path: str, data: bytes, offset: int) -> int:
-        ns = self._writable(path)
-        if offset + len(data) > ns.size:
-            if offset >= ns.size:
-                raise _fail(errno.ENOSPC, "past the end of the namespace")
-            data = data[:ns.size - offset]
+        if path.lstrip("/") == STATUS_NAME:
+            raise _fail(errno.EROFS)
+        ns = self.namespace(path)
+        size = self.write_span(ns, offset, len(data))
+        if size < len(data):
+            data = data[:size]
         self.counters.request(len(data))
         self._patch(ns, offset, data)
         self.counters.add(writes=1, write_bytes=len(data))
@@ -312,15 +343,7 @@ class VolumeFS:
             self.counters.add(write_zeroes=1)
 
     # -- helpers ---------------------------------------------------------------------
-    def _writable(self, path: str) -> Namespace:
-        if path.lstrip("/") == STATUS_NAME:
-            raise _fail(errno.EROFS)
-        ns = self.namespace(path)
-        if not self.writable(ns):
-            raise _fail(errno.EROFS)
-        return ns
-
-    def _patch(self, ns: Namespace, offset: int, data: bytes) -> None:
+    def _patch(self, ns: HostNamespace, offset: int, data: bytes) -> None:
         """Write ``data`` at any offset: whole blocks as they are, partial edge blocks read,
         patched and written back under their stripe locks, all as one command."""
         bs = ns.block_size

@@ -46,8 +46,9 @@ from typing import Any
 
 from blockfabric.errors import BlockfabricError
 # relative: the host module this controller subclasses is the one that returns it
-from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlState, IoCommand,
-                   Namespace, NvmeError, _Request)
+from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlEvent, CtrlState,
+                   HeldCommand,
+                   IoCommand, HostNamespace, NvmeError)
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.initiator.multipath import format_path
 from blockfabric.rdma import Access
@@ -158,7 +159,8 @@ class MultipathController(Controller):
         def one(index: int, pc: Controller) -> None:
             try:
                 pc._establish()
-                pc.state = CtrlState.LIVE
+                with pc._state_lock:
+                    pc._move(CtrlEvent.CONNECTED)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors[index] = exc
                 try:
@@ -187,14 +189,15 @@ class MultipathController(Controller):
             log.warning("path %s: %s; retrying it in the background every %g s",
                         self._name(pc), exc, self.opts.reconnect_delay)
             if isinstance(exc, NvmeError) and exc.dnr:
-                pc.state = CtrlState.FAILED
+                with pc._state_lock:
+                    pc._move(CtrlEvent.REFUSED)
                 pc.recovery.last_reason = str(exc)
             else:
                 pc.reconnect_in_background(f"connect failed: {exc}")
         self.max_transfer = min(pc.max_transfer for pc in live)
         self.inline_size = min(pc.inline_size for pc in live)
         for nsid, pns in first.namespaces.items():
-            self.namespaces[nsid] = Namespace(self, nsid, pns.block_size, pns.nblocks,
+            self.namespaces[nsid] = HostNamespace(self, nsid, pns.block_size, pns.nblocks,
                                               pns.read_only, pns.nguid, pns.identify)
         self.state = CtrlState.LIVE
         self._rerank("connected")
@@ -333,6 +336,8 @@ class MultipathController(Controller):
                                          for i in sorted(idx)) or "no path")
             for nsid, idx in sorted(self._serving.items()))
 
+    direct_queues = False           # issue_io: every command goes through issue() below
+
     def issue(self, cmd: IoCommand, queue: Any = None, held: bool = False) -> None:
         """Send ``cmd`` on the next queue of a path that serves its namespace best (the
         ``queue`` a caller names is a hint for one path; it is not used here), or hold it
@@ -347,16 +352,14 @@ class MultipathController(Controller):
                 q.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
                             cmd.length, cmd.rkey, cmd.data)
             except ConnectionError as exc:
-                self._hold(cmd, str(exc))
+                self._hold(cmd, exc)
             return
         self._park(cmd, held)
 
-    def _dispatch(self, req: _Request | IoCommand, held: bool = False) -> None:
+    def _dispatch(self, req: HeldCommand, held: bool = False) -> None:
         if isinstance(req, IoCommand):
             self.issue(req, held=held)
             return
-        if req.nsid is None:
-            req.nsid = req.make_sqe().nsid
         route = self._route.get(req.nsid)
         if not route:
             self._park(req, held)
@@ -367,17 +370,9 @@ class MultipathController(Controller):
         try:
             req.send(self, q)
         except ConnectionError as exc:
-            self._hold(req, str(exc))
+            self._hold(req, exc)
 
-    def _io_done(self, req: _Request, cqe, data, error: str | None) -> None:
-        if error is not None:
-            self._hold(req, error)
-        elif cqe is not None and (int(cqe.status) >> 8) & 7 == 3:
-            self._path_status(req, int(cqe.status) << 1, cqe.result)
-        else:
-            req.callback(cqe, data, None)
-
-    def _park(self, req: _Request | IoCommand, held: bool = False) -> None:
+    def _park(self, req: HeldCommand, held: bool = False) -> None:
         """No path serves ``req`` now: hold it for a re-rank, or fail it if none ever will
         (``held``: it was held before, and counted then; failing it counts as ``failed``)."""
         with self._mp_lock:
@@ -400,9 +395,10 @@ class MultipathController(Controller):
             why = self.recovery.last_reason or "every path gave up"
             self._lose([req], ControllerLost(f"no path left: {why}"))
 
-    def _hold(self, req: _Request | IoCommand, reason: str) -> None:
+    def _hold(self, req: HeldCommand, error: BaseException) -> None:
         """Lost with its queue (reactor thread, or a submitter): that path reconnects in
         the background; the command goes to another path now, or waits for one."""
+        reason = str(error)
         req.held += 1
         pc = req.path
         self.recovery.held += 1
@@ -416,7 +412,7 @@ class MultipathController(Controller):
         self.recovery.retried += 1
         self._dispatch(req, held=True)
 
-    def _path_status(self, req: _Request | IoCommand, word: int, result: int) -> None:
+    def _path_status(self, req: HeldCommand, word: int, result: int) -> None:
         """SCT 3 (ANA Inaccessible, Persistent Loss, Transition...): not through this path
         for now.  Its ANA log is read again (the event worker), the path leaves the route
         for that namespace meanwhile, and the command goes to another path."""
@@ -515,7 +511,7 @@ class MultipathController(Controller):
                         del self.namespaces[nsid]
                         mine.add(nsid)
                 elif ns is None:
-                    self.namespaces[nsid] = Namespace(self, nsid, pns.block_size,
+                    self.namespaces[nsid] = HostNamespace(self, nsid, pns.block_size,
                                                       pns.nblocks, pns.read_only, pns.nguid,
                                                       pns.identify)
                     mine.add(nsid)

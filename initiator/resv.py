@@ -27,7 +27,7 @@ import argparse
 import json
 import sys
 
-from blockfabric.initiator.host import Controller, Namespace, NvmeError
+from blockfabric.initiator.host import Controller, HostNamespace, NvmeError
 from blockfabric.protocol import resv
 from blockfabric.protocol.opcodes import AdminOpcode
 from blockfabric.protocol.status import StatusCode
@@ -37,13 +37,13 @@ CONFLICT = StatusCode.RESERVATION_CONFLICT
 REPORT_BYTES = 4096         # 63 registrants with EDS
 
 
-def _send(ns: Namespace, what: str, sqe_and_data: tuple) -> None:
+def _send(ns: HostNamespace, what: str, sqe_and_data: tuple) -> None:
     sqe, data = sqe_and_data
     ctrl = ns.ctrl
     ctrl.wait(ctrl.io_queue(), sqe, what, data_out=data)
 
 
-def register(ns: Namespace, nrkey: int = 0, crkey: int = 0, rrega: int = 0, *,
+def register(ns: HostNamespace, nrkey: int = 0, crkey: int = 0, rrega: int = 0, *,
              iekey: bool = False, cptpl: int = 0) -> None:
     """Reservation Register: RREGA 0 register NRKEY, 1 unregister, 2 replace CRKEY by NRKEY;
     CPTPL 0 no change, 2 clear, 3 persist through power loss (a target restart)."""
@@ -51,7 +51,7 @@ def register(ns: Namespace, nrkey: int = 0, crkey: int = 0, rrega: int = 0, *,
           resv.register_sqe(ns.nsid, rrega, crkey, nrkey, iekey=iekey, cptpl=cptpl))
 
 
-def acquire(ns: Namespace, crkey: int, rtype: int, racqa: int = 0, prkey: int = 0, *,
+def acquire(ns: HostNamespace, crkey: int, rtype: int, racqa: int = 0, prkey: int = 0, *,
             iekey: bool = False) -> None:
     """Reservation Acquire: RACQA 0 acquire, 1 preempt PRKEY's holders/registrants, 2 preempt
     and abort (returns once none of their commands is in flight at the target)."""
@@ -59,7 +59,7 @@ def acquire(ns: Namespace, crkey: int, rtype: int, racqa: int = 0, prkey: int = 
           resv.acquire_sqe(ns.nsid, racqa, rtype, crkey, prkey, iekey=iekey))
 
 
-def release(ns: Namespace, crkey: int, rtype: int = 0, rrela: int = 0, *,
+def release(ns: HostNamespace, crkey: int, rtype: int = 0, rrela: int = 0, *,
             iekey: bool = False) -> None:
     """Reservation Release: RRELA 0 release (RTYPE must be the reservation's), 1 clear
     (every registration goes)."""
@@ -67,7 +67,7 @@ def release(ns: Namespace, crkey: int, rtype: int = 0, rrela: int = 0, *,
           resv.release_sqe(ns.nsid, rrela, rtype, crkey, iekey=iekey))
 
 
-def report(ns: Namespace, eds: bool = True, length: int = REPORT_BYTES
+def report(ns: HostNamespace, eds: bool = True, length: int = REPORT_BYTES
            ) -> resv.ReservationStatus:
     """Reservation Report (the extended data structure: 128-bit host IDs)."""
     ctrl = ns.ctrl

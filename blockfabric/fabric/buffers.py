@@ -1,5 +1,10 @@
 """Registered buffer pools: one memory region cut into fixed-size slots.
 
+The project's one registered-slab allocator: queue capsules and responses, the target's data
+buffers, the FUSE server's request buffers, the bench's slots and any region a host caller
+registers (``HostMemory``) are pools of it; the host's I/O arena is a size-class allocator
+over a one-slot pool.
+
 Both ends of a queue need many small registered buffers (receive slots for capsules, send
 slots for responses, data buffers for I/O).  Registering each one separately would cost a
 registration per buffer and an MR lookup per work request; one slab per pool costs one.
@@ -30,6 +35,9 @@ class BufferPool:
         self.views: list[memoryview] = [base[i * size:(i + 1) * size] for i in range(count)]
         self.addrs: list[int] = [self.mr.addr + i * size for i in range(count)]
         self._free = list(range(count - 1, -1, -1))
+        #: the free slot indexes (the list get/put use): a caller that owns the pool on one
+        #: thread may pop and append them directly, as the FUSE server does per request
+        self.free = self._free
 
     @property
     def lkey(self) -> int:

@@ -11,7 +11,9 @@ slot's buffer is never reused while the provider may still read it.
 One callback shape: a command's *owner* (an object the submitter keeps) gets
 ``owner.complete(raw, error)`` once, on the reactor thread: ``raw`` is the response capsule
 as the tuple ``(result, sq_head, sq_id, cid, status word)`` and ``error`` None, or ``raw``
-None and ``error`` a string when the queue died first.  :meth:`HostQueue.submit_rw` packs a
+None and ``error`` the :class:`~blockfabric.errors.QueueDead` the queue died of (a
+:class:`~blockfabric.errors.WorkCompletionError`, with the completion's status, when a work
+request failed).  :meth:`HostQueue.submit_rw` packs a
 Read or Write straight into the slot's send buffer (:mod:`blockfabric.protocol.rw`): nothing
 is built per command.  :meth:`HostQueue.submit` takes any :class:`SQE` and a plain callback,
 for everything that is not a read or a write.
@@ -31,6 +33,7 @@ import struct
 import threading
 from typing import Any, Callable
 
+from blockfabric.errors import QueueDead, WorkCompletionError
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_SHIFT,
                                          Endpoint, wr_id)
 from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL
@@ -53,7 +56,7 @@ _CQE_RAW = struct.Struct("<QHHHH")
 _unpack_cqe = _CQE_RAW.unpack_from
 _get_ident = threading.get_ident
 
-Callback = Callable[[CQE | None, str | None], None]
+Callback = Callable[[CQE | None, QueueDead | None], None]
 
 
 def cqe_of(raw: tuple[int, int, int, int, int]) -> CQE:
@@ -71,7 +74,7 @@ class _CallbackOwner:
     def __init__(self, callback: Callback) -> None:
         self.callback = callback
 
-    def complete(self, raw: tuple | None, error: str | None) -> None:
+    def complete(self, raw: tuple | None, error: QueueDead | None) -> None:
         self.callback(None if raw is None else cqe_of(raw), error)
 
 
@@ -154,6 +157,8 @@ class HostQueue(Endpoint):
         self._loop_ident: int | None = None     # the reactor thread, once attached
         self.stats = QueueStats(len(slots), self._free)
         self.dead_reason: str | None = None
+        #: what the queue died of (``dead_reason`` is its text), given to every owner
+        self.dead_error: QueueDead | None = None
 
     def attach(self, reactor) -> None:
         super().attach(reactor)
@@ -194,7 +199,7 @@ class HostQueue(Endpoint):
                 return self._post_rw(slot, opcode, nsid, slba, nlb, addr, length, rkey, data,
                                      True)
         if self.dead_reason is not None:
-            raise ConnectionError(self.dead_reason)
+            raise QueueDead(self.dead_reason)
         free = self._free
         if not free:
             raise self._full()
@@ -243,7 +248,7 @@ class HostQueue(Endpoint):
     def submit(self, sqe: SQE, callback: Callback, *, inline: bytes | memoryview | None = None,
                timeout: float | None = None) -> int:
         """Send ``sqe`` (its cid is assigned here); ``callback(cqe, error)`` runs on the
-        reactor thread when the command completes, or with an error string when the queue
+        reactor thread when the command completes, or with the QueueDead when the queue
         dies first.  With ``inline``, the bytes travel in the capsule and the SGL is set to
         an offset descriptor.  Blocks while every slot is in use (except on the reactor
         thread, which frees them: there a full queue raises TimeoutError)."""
@@ -283,7 +288,7 @@ class HostQueue(Endpoint):
             with self._lock:
                 return post(self._take_locked(owner, timeout), True)
         if self.dead_reason is not None:
-            raise ConnectionError(self.dead_reason)
+            raise QueueDead(self.dead_reason)
         if not self._free:
             raise self._full()
         return post(self._take(self._free.pop(), owner), False)
@@ -303,7 +308,7 @@ class HostQueue(Endpoint):
             finally:
                 self._waiters -= 1
         if self.dead_reason is not None:
-            raise ConnectionError(self.dead_reason)
+            raise QueueDead(self.dead_reason)
         return self._take(self._free.pop(), owner)
 
     def _take(self, index: int, owner: Any) -> Slot:
@@ -342,13 +347,13 @@ class HostQueue(Endpoint):
     def _post_failed(self, slot: Slot, locked: bool, exc: Exception) -> Exception:
         """A SEND that could not be posted: the slot goes back.  On a QP that is no longer
         ready to send (the connection just ended; its completions, which fail this queue,
-        are not handled yet) that is this queue's loss: a ConnectionError, which the
+        are not handled yet) that is this queue's loss: a QueueDead (a ConnectionError), which the
         controller answers by holding the command and re-issuing it (on another path, or
         after the reconnect), as for a queue already known dead; never the command's own
         error, which a FUSE mount would turn into EIO."""
         self._free_slot(slot, locked)
         if self.closed or self.qp.state is not QPState.RTS:
-            return ConnectionError(f"{self.name}: connection lost: {exc}")
+            return QueueDead(f"{self.name}: connection lost: {exc}")
         return exc
 
     # -- completions (reactor thread) ---------------------------------------------------
@@ -389,7 +394,8 @@ class HostQueue(Endpoint):
                 if status:
                     name = WcStatus(status).name \
                         if status in WcStatus._value2member_map_ else str(status)
-                    self.fail(f"work completion {name}", expected=self.closed)
+                    self.fail(WorkCompletionError(f"work completion {name}", status),
+                              expected=self.closed)
                 elif kind == KIND_RECV and length < CQE_SIZE:
                     # a host that gets a short response capsule has lost the transfer
                     self.repost(wid & INDEX_MASK)
@@ -476,11 +482,15 @@ class HostQueue(Endpoint):
                 with self._space:
                     self._space.notify()
 
-    def fail(self, reason: str, *, expected: bool = False) -> None:
-        """The queue is dead: fail every outstanding command once, wake waiters."""
+    def fail(self, reason: str | QueueDead, *, expected: bool = False) -> None:
+        """The queue is dead: fail every outstanding command once (with ``reason``, made a
+        :class:`QueueDead` if it is text), wake waiters."""
+        error = reason if isinstance(reason, QueueDead) else QueueDead(reason)
+        reason = str(error)
         with self._space:
             if self.dead_reason is None:
                 self.dead_reason = reason
+                self.dead_error = error
                 log.log(logging.DEBUG if expected else logging.WARNING, "%s: %s", self.name,
                         reason)
             pending = [s for s in self.slots if s.busy]
@@ -495,7 +505,7 @@ class HostQueue(Endpoint):
             if owner is None:
                 continue
             try:
-                owner.complete(None, reason)
+                owner.complete(None, error)
             except Exception:
                 log.exception("%s: completion of %r failed", self.name, owner)
 

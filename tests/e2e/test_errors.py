@@ -44,6 +44,7 @@ def test_lba_out_of_range(ctrl):
     with pytest.raises(NvmeError) as err:
         ns.read(ns.size, 4096)
     assert (err.value.status, err.value.dnr) == (StatusCode.LBA_OUT_OF_RANGE, True)
+    assert (err.value.sct, err.value.sc) == (0, 0x80)      # generic, LBA Out of Range
     with pytest.raises(NvmeError) as err:
         ns.write(ns.size - 4096, bytes(8192))      # starts inside, ends outside
     assert err.value.status == StatusCode.LBA_OUT_OF_RANGE
@@ -115,6 +116,7 @@ def test_unknown_nqn_and_host_not_allowed(start_target):
     with pytest.raises(NvmeError) as err:
         connect("127.0.0.1", NQN + "x", port, provider="soft", hostnqn=HOSTNQN)
     assert (err.value.status, err.value.dnr) == (StatusCode.CONNECT_INVALID_PARAM, True)
+    assert (err.value.sct, err.value.sc) == (1, 0x82)      # command specific
     assert err.value.result == (1 << 16 | 256)   # IATTR data, IPO subnqn: as nvmet reports
     with pytest.raises(NvmeError) as err:
         connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN)

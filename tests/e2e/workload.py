@@ -9,10 +9,10 @@ import json
 import random
 import sys
 
-from blockfabric.initiator.host import Namespace, connect
+from blockfabric.initiator.host import HostNamespace, connect
 
 
-def verify_workload(ns: Namespace, seed: int, ops: int = 300, max_blocks: int = 64,
+def verify_workload(ns: HostNamespace, seed: int, ops: int = 300, max_blocks: int = 64,
                     inflight: int = 32, span_blocks: int | None = None) -> dict:
     """Random-size writes at random block offsets, ``inflight`` at a time, then read every
     written block back and compare with the model.  Returns counts; raises on mismatch."""

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from blockfabric.errors import QueueDead
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.fabric.tcp_host import TcpHostQueue, open_connection
@@ -159,7 +160,8 @@ def test_a_data_digest_mismatch_fails_only_its_command(reactor):
 def test_what_no_controller_may_send_fails_the_queue(reactor, name, answer, reason):
     fake = FakeController(lambda c, cid: c.sendall(answer(cid)))
     (result,), data, queue = read_through(fake, reactor)
-    assert result[0] is None and reason in result[1], (name, result)
+    assert result[0] is None and isinstance(result[1], QueueDead), (name, result)
+    assert reason in str(result[1]), (name, result)
     assert queue.dead_reason and data == bytes(4096), name   # nothing landed
 
 
@@ -296,7 +298,8 @@ def test_c2h_data_must_be_padded_as_the_host_asked(reactor, pdo):
     fake = FakeController(lambda c, cid: c.sendall(padded_c2h(cid, b"\xcd" * 4096, pdo)
                                                    + resp(cid)))
     (result,), data, queue = read_through(fake, reactor, hpda=3)
-    assert result[0] is None and "pdo" in result[1], result
+    assert result[0] is None and isinstance(result[1], QueueDead), result
+    assert "pdo" in str(result[1]), result
     assert queue.dead_reason and data == bytes(4096)
     fake = FakeController(lambda c, cid: c.sendall(padded_c2h(cid, b"\xcd" * 4096, 32)
                                                    + resp(cid)))
@@ -361,4 +364,4 @@ def test_several_r2ts_answered_in_order_with_padding(reactor):
 ])
 def test_r2ts_out_of_order_end_the_queue(reactor, name, r2ts):
     (cqe, err), _pdus, _data = write_with_r2ts(reactor, r2ts)
-    assert cqe is None and "R2T" in err, (name, err)
+    assert cqe is None and isinstance(err, QueueDead) and "R2T" in str(err), (name, err)

@@ -66,7 +66,7 @@ def test_registered_memory_moves_over_both_transports(tmp_path):
                 def cb(error) -> None:
                     errors.append(error)
                     done.set()
-                ctrl.start_io(ns, opcode, offset, 1 << 20, mem.addr + at, mem.rkey, cb)
+                ctrl.submit_registered(ns, opcode, offset, 1 << 20, mem.addr + at, mem.rkey, cb)
                 assert done.wait(20) and errors == [None], errors
             mem.view[:1 << 20] = pattern
             for i in range(4):                  # 4 writes: 2 per path (one queue each)

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
+from blockfabric.errors import QueueDead, RdmaError, WorkCompletionError
 from blockfabric.fabric.host_side import SLOT_BITS, SLOT_MASK, HostQueue
 from blockfabric.fabric.reactor import Reactor
-from blockfabric.rdma import SGE, Access, QPCap, RecvWR, SendFlags, SendWR, WrOpcode
+from blockfabric.rdma import SGE, Access, QPCap, RecvWR, SendFlags, SendWR, WcStatus, WrOpcode
 from blockfabric.rdma.soft import SoftProvider
 
 DEPTH = 4
@@ -189,5 +190,33 @@ def test_a_short_response_capsule_fails_only_this_queue_and_each_command_once(li
     assert [len(o.calls) for o in owners] == [1] * DEPTH
     assert owners[0].calls[0][1] is None
     assert all(o.calls[0][0] is None and o.calls[0][1] for o in owners[1:])
+    # the one error every owner gets is typed: a QueueDead (a ConnectionError) saying why
+    assert all(type(o.calls[0][1]) is QueueDead for o in owners[1:])
+    assert "malformed response capsule" in str(owners[1].calls[0][1])
     with pytest.raises(ConnectionError):
+        submit(queue, Owner())
+
+
+def test_a_failed_work_completion_fails_the_queue_with_its_status(link):
+    """An RDMA WRITE under a key the host never gave: the host's QP NAKs it and goes to ERR,
+    its posted receives complete flushed.  Every outstanding command gets the one typed
+    error: a WorkCompletionError (a QueueDead and an RdmaError) carrying that status."""
+    queue, target = link
+    owners = [Owner() for _ in range(2)]
+    for owner in owners:
+        submit(queue, owner)
+        target.command()
+    target.qp.post_send([SendWR(2000, WrOpcode.RDMA_WRITE, [target._sge(SLOTS, 16)],
+                                SendFlags.SIGNALED, remote_addr=0x1000, rkey=0xDEAD)])
+    for owner in owners:
+        assert owner.done.wait(5), "an outstanding command was not failed"
+    settle(queue)
+    errors = [o.calls[0][1] for o in owners]
+    assert [len(o.calls) for o in owners] == [1, 1] and all(o.calls[0][0] is None
+                                                            for o in owners)
+    assert all(isinstance(e, WorkCompletionError) for e in errors), errors
+    assert all(isinstance(e, RdmaError) and isinstance(e, QueueDead) for e in errors)
+    assert errors[0].wc_status == WcStatus.WR_FLUSH_ERR, errors[0].wc_status
+    assert "WR_FLUSH_ERR" in str(errors[0]) and queue.dead_error is errors[0]
+    with pytest.raises(QueueDead):
         submit(queue, Owner())

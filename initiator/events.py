@@ -1,0 +1,160 @@
+"""Namespaces and asynchronous events: rescans, AER notices, the ANA log, admin reads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Iterable
+
+from blockfabric.initiator.namespace import HostNamespace
+
+from blockfabric.errors import BlockfabricError
+from blockfabric.protocol import (CQE, OAES_NS_ATTR, ActiveNamespaceList, AsyncEvent,
+                                  AsyncEventRequest, AsyncEventType, AsyncNotice,
+                                  ChangedNamespaceList, GetLogPage, Identify, IdentifyCNS,
+                                  IdentifyNamespace, LogPageId, PropertyGet, PropertySet,
+                                  SetFeatures, StatusCode)
+from blockfabric.protocol.admin import OAES_ANA_CHANGE
+from blockfabric.protocol.identify import CMIC_ANA
+from blockfabric.protocol.logpages import ANA_LSP_RGO, unpack_ana_log
+from blockfabric.protocol.opcodes import FeatureId
+
+log = logging.getLogger(__name__)
+
+#: Bytes of ANA log read: the header, 128 group descriptors and 1024 NSIDs (what the
+#: Linux host sizes its buffer to: 16 + NANAGRPID * 32 + MNAN * 4).
+ANA_LOG_READ = 16 + 128 * 32 + 1024 * 4
+
+
+class Events:
+    """The controller's view of its namespaces and what the target tells it unasked:
+    rescans, Asynchronous Event Requests, the ANA log, and the admin reads they need."""
+
+    def rescan(self, nsids: Iterable[int] | None = None) -> set[int]:
+        """Identify ``nsids`` (None: the active namespace list plus those known) and bring
+        ``namespaces`` up to date, changing existing objects in place.  Returns the NSIDs
+        that were added, removed or changed."""
+        if nsids is None:
+            active = ActiveNamespaceList.unpack_from(
+                self._identify(IdentifyCNS.ACTIVE_NS_LIST, 0)).nsids
+            nsids = set(active) | set(self.namespaces)
+        changed = set()
+        for nsid in sorted(n for n in nsids if n):
+            ident = IdentifyNamespace.unpack_from(self._identify(IdentifyCNS.NAMESPACE, nsid))
+            ns = self.namespaces.get(nsid)
+            if ident.nsze == 0:                     # inactive: the all-zero page
+                if ns is not None:
+                    ns.active = False
+                    del self.namespaces[nsid]
+                    changed.add(nsid)
+                continue
+            read_only = bool(ident.nsattr & 1)
+            if ns is None:
+                self.namespaces[nsid] = HostNamespace(self, nsid, ident.block_size, ident.nsze,
+                                                  read_only, ident.nguid, ident)
+                changed.add(nsid)
+            elif (ns.nblocks, ns.block_size, ns.read_only) != (ident.nsze, ident.block_size,
+                                                               read_only):
+                ns.block_size, ns.nblocks, ns.read_only = ident.block_size, ident.nsze, \
+                    read_only
+                ns.identify = ident
+                changed.add(nsid)
+        return changed
+
+    # -- asynchronous events -------------------------------------------------------------
+    def _start_events(self) -> None:
+        """Ask for namespace attribute notices and keep an AER outstanding."""
+        ana = bool(self.identify and self.identify.cmic & CMIC_ANA)
+        self.wait(self.admin, SetFeatures(fid=FeatureId.ASYNC_EVENT, value=OAES_NS_ATTR | (
+            OAES_ANA_CHANGE if ana else 0)).to_sqe(),
+                  "Set Features (asynchronous event configuration)")
+        if ana:
+            self.read_ana_log()
+        if self._events is None:
+            self._events = concurrent.futures.ThreadPoolExecutor(1, "nvme-aen")
+        self._submit_aer()
+
+    def _submit_aer(self) -> None:
+        if self._closed or self.admin is None or self.admin.dead_reason:
+            return
+        try:
+            self.submit(self.admin, AsyncEventRequest().to_sqe(), self._on_aer)
+        except (ConnectionError, TimeoutError) as exc:
+            log.debug("AER not submitted: %s", exc)
+
+    def _on_aer(self, cqe: CQE | None, _data, error: BaseException | None) -> None:
+        """On the reactor: hand the event to the worker (it must wait for commands)."""
+        if error is not None or cqe is None or self._closed:
+            return
+        if cqe.status != StatusCode.SUCCESS:        # 0x4006: the controller is going away
+            log.debug("AER completed with %s", cqe.status)
+            return
+        event = AsyncEvent.from_int(cqe.result & 0xFFFFFFFF)
+        try:
+            self._events.submit(self._handle_event, event)
+        except RuntimeError:                        # closing
+            pass
+
+    def _handle_event(self, event: AsyncEvent) -> None:
+        changed: set[int] = set()
+        try:
+            if event.event_type == AsyncEventType.NOTICE \
+                    and event.info == AsyncNotice.NS_ATTR_CHANGED:
+                page = ChangedNamespaceList.unpack_from(
+                    self.get_log_page(LogPageId.CHANGED_NS, 4096))   # re-arms the event
+                changed = self.rescan(None if page.overflowed else page.nsids)
+                log.info("namespaces changed: %s", sorted(changed) or "none")
+            elif event.event_type == AsyncEventType.NOTICE \
+                    and event.info == AsyncNotice.ANA_CHANGE:
+                ana = self.read_ana_log()                          # re-arms the event
+                log.info("ANA change: chgcnt=%d %s", ana[0],
+                         {g.grpid: g.state.name.lower() for g in ana[1]})
+                for listener in list(self.ana_listeners):
+                    try:
+                        listener(self, ana)
+                    except Exception:
+                        log.exception("ANA listener %r failed", listener)
+            else:
+                log.info("asynchronous event %s ignored", event)
+        except (BlockfabricError, ConnectionError, TimeoutError) as exc:
+            if not self._closed:
+                log.warning("handling %s: %s", event, exc)
+            return
+        finally:
+            self._submit_aer()
+        for listener in list(self.namespace_listeners):
+            try:
+                listener(self, changed)
+            except Exception:  # one subscriber must not starve the others
+                log.exception("namespace listener %r failed", listener)
+
+    def read_ana_log(self, rgo: bool = False) -> tuple[int, list]:
+        """Read the ANA log page (LID 0x0C): (chgcnt, [AnaGroupDescriptor])."""
+        _, data = self.wait(self.admin, GetLogPage(
+            nsid=0xFFFFFFFF, lid=LogPageId.ANA, lsp=ANA_LSP_RGO if rgo else 0,
+            numd=GetLogPage.numd_for(ANA_LOG_READ)).to_sqe(), "Get Log Page 0xc",
+            data_in=ANA_LOG_READ)
+        self.ana_log = unpack_ana_log(data)
+        return self.ana_log
+
+    def _identify(self, cns: int, nsid: int = 0) -> bytes:
+        _, data = self.wait(self.admin, Identify(nsid=nsid, cns=cns).to_sqe(),
+                            f"Identify CNS {int(cns)}", data_in=4096)
+        return data
+
+    def property_get(self, offset: int, size: int) -> int:
+        cqe, _ = self.wait(self.admin, PropertyGet(attrib=1 if size == 8 else 0,
+                                                   offset=offset).to_sqe(),
+                           f"Property Get {offset:#x}")
+        return cqe.result if size == 8 else cqe.result & 0xFFFFFFFF
+
+    def property_set(self, offset: int, value: int) -> None:
+        self.wait(self.admin, PropertySet(attrib=0, offset=offset, value=value).to_sqe(),
+                  f"Property Set {offset:#x}")
+
+    def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
+                     rae: bool = False) -> bytes:
+        _, data = self.wait(self.admin, GetLogPage(
+            nsid=nsid, lid=lid, rae=rae, numd=GetLogPage.numd_for(length),
+            lpo=offset).to_sqe(), f"Get Log Page {int(lid):#x}", data_in=length)
+        return data

@@ -89,6 +89,8 @@ MAX_CNTLID = 0xFFEF
 #: What a gateway reports for the ANA groups it does not own.
 ANA_OTHERS = ("non-optimized", "inaccessible")
 PROVIDERS = ("auto", "soft", "verbs")
+#: The most poll groups (``reactors``) a target runs.
+REACTORS_MAX = 256
 DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
 #: The embedded default configuration, shipped inside the package (same text as
 #: configs/target.yaml in the source tree).
@@ -167,6 +169,29 @@ class Int(Kind):
                 or not self.lo <= value <= self.hi or value % self.multiple_of):
             where.fail(self.expected, value)
         return value
+
+
+class Reactors(Kind):
+    """``reactors``: a number of poll groups, or ``auto`` (one per CPU this process may
+    run on)."""
+
+    expected = f"an integer from 1 to {REACTORS_MAX} or \"auto\" (one per usable CPU)"
+
+    def load(self, value: Any, where: Where) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= REACTORS_MAX:
+            where.fail(self.expected, value)
+        return value
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a systemd CPUAffinity=)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 class Bool(Kind):
@@ -825,6 +850,12 @@ class TargetConfig(Model):
     #: standalone target.
     gateway: Gateway | None = _field(Nested(Gateway), None)
     control_socket: str = _field(AbsPath(), DEFAULT_CONTROL_SOCKET)
+    #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
+    #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:
+    #: one per CPU the process may run on.  NVMe/TCP I/O queues are spread over the groups
+    #: at Connect; RDMA queues stay in the first.  Not with verbs listeners, rbd namespaces
+    #: or a gateway section (yet); a reload cannot change it.
+    reactors: int | str = _field(Reactors(), 1)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
 
@@ -874,7 +905,37 @@ class TargetConfig(Model):
                                op_timeout=min(rbd.op_timeout, 5))
             self = dataclasses.replace(self, gateway=dataclasses.replace(self.gateway,
                                                                          ceph=ceph))
+        self._check_reactors(where)
         return dataclasses.replace(self, source=where.file)
+
+    @property
+    def reactor_count(self) -> int:
+        """How many poll groups ``reactors`` means on this machine."""
+        return usable_cpus() if self.reactors == "auto" else int(self.reactors)
+
+    def _check_reactors(self, where: Where) -> None:
+        """What poll groups cannot serve yet is refused at start, naming the key, rather
+        than served wrong (docs/scaling.md says what each would take)."""
+        if self.reactor_count == 1:
+            return
+        here = where.at("reactors")
+        shown = f"{self.reactors}" + (f" ({self.reactor_count} CPUs)"
+                                      if self.reactors == "auto" else "")
+        for x in self.listeners:
+            if x.transport == "rdma" and x.provider != "soft":
+                here.fail(f"1 with a provider: {x.provider} listener ({x.endpoint}): "
+                          "rdma_cm ids cannot move between processes, poll groups serve "
+                          "NVMe/TCP and the soft provider only (set provider: soft, or "
+                          "reactors: 1)", _Plain(shown))
+        for s in self.subsystems:
+            for ns in s.namespaces:
+                if ns.backend == "rbd":
+                    here.fail(f"1 with backend: rbd namespaces ({s.nqn} nsid {ns.nsid}): "
+                              "poll groups do not open RBD images per worker yet",
+                              _Plain(shown))
+        if self.gateway is not None:
+            here.fail("1 in a gateway (the gateway section): ANA state is not shared with "
+                      "poll groups yet", _Plain(shown))
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "<dict>") -> TargetConfig:

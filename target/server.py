@@ -45,6 +45,7 @@ from blockfabric.rdma import (CONNECTION_ENDED, PD, SGE, Access, CMEventType, CM
                               Listener, get_provider)
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics as mx
+from blockfabric.target import pollgroups
 from blockfabric.target import reload as rl
 from blockfabric.target import resvctl
 from blockfabric.target.ana import Ana
@@ -88,6 +89,27 @@ def abort_command(cmd: Command) -> None:
     release, cmd.on_released = cmd.on_released, None
     if release is not None:
         release(cmd)
+
+
+def close_queue(queue: TargetQueue, bounce_pools: Any) -> None:
+    """Close a queue and let go of everything its commands still hold."""
+    queue.close()
+    # Answered commands whose response SEND will now never complete still hold a
+    # bounce buffer or a namespace's memory: let go of them.
+    for cmd in queue.commands:
+        if cmd.responded and cmd.on_released is not None:
+            release, cmd.on_released = cmd.on_released, None
+            release(cmd)
+    # Commands whose RDMA READ of the host's data will now never complete: undo
+    # what they hold (in-flight counts, bounce or control buffers).
+    for cmd in queue.commands:
+        if cmd.on_fetched is not None:
+            cmd.on_fetched = None
+            abort_command(cmd)
+    # Commands still waiting for a bounce buffer will never need it.
+    for pool in bounce_pools:
+        if pool.ring:
+            pool.drop_unwanted()
 
 
 class QueueSession:
@@ -152,11 +174,15 @@ class QueueSession:
         self.handler = ctrl.queue_handler(self.qid)
         self.queue.dispatch = self.handler      # the queue calls it without this session
         self.queue.sq_flow = not connect.sq_flow_control_disabled
+        result = ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0)
+        poll = self.target.poll
+        if poll is not None and poll.handoff(self, cmd, ctrl, result):
+            return                              # a poll group answers it and serves it
         # The rest of the queue's receive slots, before the answer: a host sends nothing
         # else on this queue until it has the Connect response.
         self.queue.post_more_receives()
         # ATR: authenticate this queue before anything else (nvmet_connect_result)
-        cmd.respond(result=ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0))
+        cmd.respond(result=result)
 
     def queue_broken(self, queue: TargetQueue, reason: str) -> None:
         self.target.queue_broken(self, queue, reason)
@@ -288,6 +314,9 @@ class Target:
         self.volumes = VolumeWatch(self)        # RBD volumes: availability and size
         self.ana: Ana | None = None             # a member of a gateway group: its ANA state
         self.coordinator: Coordinator | None = None
+        #: The worker processes of ``reactors`` > 1 (target.pollgroups), started by start().
+        self.poll: pollgroups.PollGroups | None = None
+        pollgroups.prepare(config.reactor_count)
         try:
             for sub in config.subsystems:
                 self.subsystems[sub.nqn] = Subsystem(sub)
@@ -324,6 +353,10 @@ class Target:
             if self.ana is not None:        # join the group first: it may refuse us
                 self.coordinator = Coordinator(self, self.ana, self.config.gateway)
                 self.coordinator.connect()
+            if self.config.reactor_count > 1:
+                self.poll = pollgroups.PollGroups(self, self.config.reactor_count)
+                self.owner.publish_resv = self.poll.publish_resv
+                self.poll.start()
             for lconf in self.config.listeners:
                 self._add_listener(self._open_listener(lconf))
             self._start_metrics()
@@ -869,23 +902,7 @@ class Target:
             session.connect_timer.cancel()
             session.connect_timer = None
         if queue is not None and not queue.closed:
-            queue.close()
-            # Answered commands whose response SEND will now never complete still hold a
-            # bounce buffer or a namespace's memory: let go of them.
-            for cmd in queue.commands:
-                if cmd.responded and cmd.on_released is not None:
-                    release, cmd.on_released = cmd.on_released, None
-                    release(cmd)
-            # Commands whose RDMA READ of the host's data will now never complete: undo
-            # what they hold (in-flight counts, bounce or control buffers).
-            for cmd in queue.commands:
-                if cmd.on_fetched is not None:
-                    cmd.on_fetched = None
-                    abort_command(cmd)
-            # Commands still waiting for a bounce buffer will never need it.
-            for pool in self._bounce.values():
-                if pool.ring:
-                    pool.drop_unwanted()
+            close_queue(queue, self._bounce.values())
 
     def destroy_controller(self, ctrl: Controller, reason: str) -> None:
         if ctrl.dead:
@@ -951,12 +968,14 @@ class Target:
         sd_notify("STOPPING=1")
         for entry in list(self.listeners):
             self._close_listener(entry)
+        if self.poll is not None:
+            self.poll.drain(timeout)
         log.info("draining: listeners closed, %d command(s) in flight, %d controller(s)",
                  self.inflight(), len(self.controllers))
         deadline = time.monotonic() + timeout
 
         def check() -> None:
-            left = self.inflight()
+            left = self.inflight() + (self.poll.draining_left() if self.poll else 0)
             if left and time.monotonic() < deadline:
                 self.reactor.call_later(DRAIN_POLL, check)
                 return
@@ -994,7 +1013,14 @@ class Target:
 
     def reload(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new`` (see :class:`~blockfabric.target.reloader.Reloader`)."""
-        return self.reloader.apply(new)
+        refusal = pollgroups.reload_refusal(self.config, new)
+        if refusal is not None:
+            self._reload_failed(f"{new.source}: {refusal}")
+            return False
+        applied = self.reloader.apply(new)
+        if applied and self.poll is not None:
+            self.poll.push_config(self.config)
+        return applied
 
     def may_stay(self, ctrl: Controller) -> bool:
         """After a reload: still allowed, still exposed, and authenticated with what the
@@ -1057,7 +1083,7 @@ class Target:
                 "authenticated_queues": sorted(q for q, a in ctrl.auth.items()
                                                if a.authenticated)})
         now = time.time()
-        return {
+        out = {
             "version": __version__, "pid": os.getpid(), "config": self.config.source,
             "started": self.started, "uptime_s": now - self.started,
             "state": "draining" if self.draining else "serving",
@@ -1083,6 +1109,9 @@ class Target:
                                     "by_host": _by_host([self.executor])},
             },
         }
+        if self.poll is not None:
+            self.poll.snapshot(out)
+        return out
 
     # -- teardown --------------------------------------------------------------------
     def close(self) -> None:
@@ -1095,6 +1124,9 @@ class Target:
             self.destroy_controller(ctrl, "target stopping")
         for session in list(self.sessions):
             self._close_queue(session)
+        if self.poll is not None:
+            self.poll.close()
+            self.poll = None
         for server in (self.control_server, self.metrics_server):
             if server is not None:
                 server.close()

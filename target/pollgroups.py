@@ -80,8 +80,9 @@ class Group:
         self.index = index
         self.queues: dict[tuple[int, int], RemoteQueue] = {}
         self.stats: dict[str, Any] = {}
-        #: the counters of this group's earlier processes (a worker that died and came back)
-        self.history = IoStats()
+        #: the counters of this group's earlier processes (a worker that died and came
+        #: back), per namespace, and their CPU time
+        self.history: dict[tuple[str, int], IoStats] = {}
         self.history_cpu = 0.0
         self.ready = False
         self.drained = False
@@ -301,9 +302,8 @@ class PollGroups:
             except subprocess.TimeoutExpired:
                 code = None
         if g.stats:
-            for io in g.stats.get("controllers", {}).values():
-                g.history.add(io)
-            g.history.add(g.stats.get("retired", IoStats()))
+            for key, io in g.stats.get("namespaces", {}).items():
+                g.history.setdefault(key, IoStats()).add(io)
             g.history_cpu += g.stats.get("cpu_s", 0.0)
             g.stats = {}
         if not self.respawn or self.target.draining:
@@ -432,23 +432,27 @@ class PollGroups:
                  for n in s["namespaces"]}
         by_sub = {s["nqn"]: s for s in target_snapshot["subsystems"]}
         t = os.times()
-        own = IoStats()
-        for c in target_snapshot["controllers"]:
-            own.add(c["io"])
+        own = IoStats()             # what this process served: its namespaces' counts
+        for n in by_ns.values():
+            own.add(n["io"])
         groups = [{"index": 0, "pid": os.getpid(), "role": "coordinator",
                    "queues": self._own_load(), "cpu_s": round(t.user + t.system, 3),
                    "io": own.copy()}]
         for g in self.groups:
             st = g.stats
-            io = g.history.copy()
+            io = IoStats()
             for cntlid, cio in st.get("controllers", {}).items():
-                io.add(cio)
                 entry = by_ctrl.get(cntlid)
                 if entry is not None:
                     entry["io"].add(cio)
                     entry["io"].inflight += cio.inflight
-            io.add(st.get("retired", IoStats()))
+            per_ns = {key: h.copy() for key, h in g.history.items()}
             for key, nio in st.get("namespaces", {}).items():
+                per_ns.setdefault(key, IoStats()).add(nio)
+                per_ns[key].inflight = nio.inflight
+            for key, nio in per_ns.items():
+                io.add(nio)
+                io.inflight += nio.inflight
                 n = by_ns.get(key)
                 if n is not None:
                     n["io"].add(nio)
@@ -458,7 +462,7 @@ class PollGroups:
                         sub["io"].add(nio)
                         sub["io"].inflight += nio.inflight
             groups.append({"index": g.index, "pid": g.pid, "role": "worker",
-                           "alive": g.alive, "queues": g.load,
+                           "alive": g.alive and g.ready, "queues": g.load,
                            "cpu_s": round(g.history_cpu + st.get("cpu_s", 0.0), 3),
                            "io": io})
         target_snapshot["groups"] = groups

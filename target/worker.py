@@ -188,7 +188,6 @@ class Worker:
         self._answers: dict[int, list] = {}
         self._answer_lock = threading.Lock()
         self._next_req = 1
-        self.retired = IoStats()        # the counters of controllers gone from here
         self.resources = Resources(
             reactor=self.reactor, control_buffer=self.control_buffer, zeros=self.zeros,
             with_bounce=self.with_bounce, run_blocking=self.executor_submit,
@@ -369,14 +368,8 @@ class Worker:
         if not ctrl.queues and not ctrl.io.inflight:
             self.controllers.pop(ctrl.cntlid, None)
             ctrl.dead = True
-            self._retire(ctrl)
         if tell:
             self.send(("lost", ctrl.cntlid, qid, reason))
-
-    def _retire(self, ctrl: WorkerController) -> None:
-        """A controller's counters outlive its last queue here (the coordinator adds them
-        to the group's history)."""
-        self.retired.add(ctrl.io)
 
     # -- reservations -------------------------------------------------------------------
     def resv_changed(self, nqn: str, nsid: int, state: rs.State, fenced: list[bytes],
@@ -401,7 +394,7 @@ class Worker:
         return {"index": self.index, "pid": os.getpid(), "cpu_s": t.user + t.system,
                 "queues": len(self.sessions),
                 "controllers": {c: ctrl.io.copy() for c, ctrl in self.controllers.items()},
-                "namespaces": per_ns, "retired": self.retired.copy(),
+                "namespaces": per_ns,
                 "inflight": sum(c.io.inflight for c in self.controllers.values())}
 
     def _tick(self) -> None:

@@ -19,9 +19,10 @@ FAST = dict(keep_alive_tmo=1.0, reconnect_delay=0.5, connect_timeout=1.0)
 
 
 def file_config(port: int, volume: pathlib.Path, address: str = "127.0.0.1",
-                extra_ports: tuple[int, ...] = (), transport: str = "rdma") -> dict[str, Any]:
+                extra_ports: tuple[int, ...] = (), transport: str = "rdma",
+                reactors: int = 1) -> dict[str, Any]:
     """One file-backed namespace (it survives SIGKILL: the data is in the file)."""
-    config = ram_config(port, address, transport, namespaces=[
+    config = ram_config(port, address, transport, reactors, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(volume), "size": "32MiB"}])
     config["listeners"] += [{"provider": "soft", "address": address, "port": p}
                             for p in extra_ports]

@@ -12,7 +12,7 @@ import pytest
 from blockfabric.initiator.host import ConnectOptions, Controller
 
 from e2e.conftest import (HOSTNQN, NQN, TargetProc, free_port, ram_config,  # noqa: F401
-                          start_target, transport, via)
+                          reactors, start_target, transport, via)
 from helpers.netns import netns_pair  # noqa: F401
 
 FAST = dict(keep_alive_tmo=1.0, reconnect_delay=0.5, connect_timeout=1.0)
@@ -75,11 +75,12 @@ def file_target(tmp_path):
 
 
 @pytest.fixture
-def any_file_target(tmp_path, transport):
-    """:func:`file_target` listening on ``transport`` (``.via``: the host's keywords)."""
+def any_file_target(tmp_path, transport, reactors):
+    """:func:`file_target` listening on ``transport`` with ``reactors`` poll groups
+    (``.via``: the host's keywords)."""
     port = free_port()
-    target = Restartable(file_config(port, tmp_path / "vol.img", transport=transport),
-                         tmp_path)
+    target = Restartable(file_config(port, tmp_path / "vol.img", transport=transport,
+                                     reactors=reactors), tmp_path)
     target.port, target.via = port, via(transport)
     yield target
     target.stop()

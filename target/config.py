@@ -852,9 +852,9 @@ class TargetConfig(Model):
     control_socket: str = _field(AbsPath(), DEFAULT_CONTROL_SOCKET)
     #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
     #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:
-    #: one per CPU the process may run on.  NVMe/TCP I/O queues are spread over the groups
-    #: at Connect; RDMA queues stay in the first.  Not with verbs listeners, rbd namespaces
-    #: or a gateway section (yet); a reload cannot change it.
+    #: one per CPU the process may run on.  NVMe/TCP and soft-RDMA I/O queues are spread
+    #: over the groups.  Not with verbs listeners, rbd namespaces or a gateway section
+    #: (yet); a reload cannot change it.
     reactors: int | str = _field(Reactors(), 1)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)

@@ -10,8 +10,10 @@ the coordinator has done the ICReq/ICResp and read the Connect, checked it again
 controller registry (the controller exists, is this host's, is enabled; the host needs no
 DH-HMAC-CHAP on its queues: those stay here), then passes the socket (SCM_RIGHTS) with the
 connection's state and the bytes read past the Connect; the worker answers the Connect and
-serves the queue.  Here the queue is a :class:`RemoteQueue`: the controller's registry entry
-(limits, status, teardown), never on the I/O path.
+serves the queue.  A soft-RDMA I/O queue goes earlier, at its CM request (whose private
+data names the qid): the worker accepts it, and sends its Connect back here to be checked.
+Here the queue is a :class:`RemoteQueue`: the controller's registry entry (limits, status,
+teardown), never on the I/O path.
 """
 
 from __future__ import annotations
@@ -56,18 +58,25 @@ class RemoteQueue:
     commands: list = []
 
     def __init__(self, group: Group, cntlid: int, qid: int, depth: int, peer: tuple,
-                 name: str) -> None:
+                 name: str, hid: int = 0) -> None:
         self.group = group
         self.cntlid, self.qid, self.depth = cntlid, qid, depth
         self.cmid = PeerInfo(peer)
         self.name = name
         self.closed = False
+        #: a soft-RDMA queue handed over at its CM request: its hand-over id (its Connect
+        #: is still to come while ``cntlid`` is 0)
+        self.hid = hid
 
     def close(self) -> None:
         """End the queue (its controller is destroyed, the host is disconnected)."""
         if self.closed:
             return
         self.closed = True
+        if not self.cntlid:
+            self.group.pending.pop(self.hid, None)
+            self.group.send(("close_pending", self.hid))
+            return
         self.group.queues.pop((self.cntlid, self.qid), None)
         self.group.send(("close", self.cntlid, self.qid))
 
@@ -79,6 +88,8 @@ class Group:
         self.groups = groups
         self.index = index
         self.queues: dict[tuple[int, int], RemoteQueue] = {}
+        #: soft-RDMA queues handed over before their Connect: hand-over id -> session
+        self.pending: dict[int, Any] = {}
         self.stats: dict[str, Any] = {}
         #: the counters of this group's earlier processes (a worker that died and came
         #: back), per namespace, and their CPU time
@@ -119,7 +130,7 @@ class Group:
 
     @property
     def load(self) -> int:
-        return len(self.queues)
+        return len(self.queues) + len(self.pending)
 
 
 class PollGroups:
@@ -184,16 +195,20 @@ class PollGroups:
                 g.chan.close(self.target.reactor if self.started else None)
 
     # -- where a queue goes ---------------------------------------------------------------
-    def _own_load(self) -> int:
+    def _own_load(self, placing: Any = None) -> int:
+        """The I/O queues the coordinator serves (but ``placing``, the one being placed)."""
         return sum(1 for s in self.target.sessions
-                   if s.qid and s.controller is not None and not isinstance(s.queue, RemoteQueue))
+                   if s.qid and s.controller is not None and s is not placing
+                   and not isinstance(s.queue, RemoteQueue))
 
-    def pick(self) -> Group | None:
-        """The least-loaded group (None: the coordinator's own, group 0)."""
-        best, best_load = None, self._own_load()
-        for g in self.groups:
-            if g.alive and g.ready and g.load < best_load:
-                best, best_load = g, g.load
+    def pick(self, placing: Any = None) -> Group | None:
+        """The least-loaded group (None: the coordinator's own, group 0); on a tie a
+        worker, whose reactor has nothing else to do (the coordinator's also runs every
+        admin queue, keep-alive and the control socket)."""
+        live = [g for g in self.groups if g.alive and g.ready]
+        best = min(live, key=lambda g: g.load, default=None)
+        if best is None or self._own_load(placing) < best.load:
+            return None
         return best
 
     def handoff(self, session: QueueSession, cmd: Any, ctrl: Controller, result: int) -> bool:
@@ -204,7 +219,7 @@ class PollGroups:
         if not isinstance(queue, TcpTargetQueue) or not session.qid \
                 or ctrl.auth_policy is not None or self.target.draining:
             return False
-        group = self.pick()
+        group = self.pick(session)
         if group is None:
             return False
         queue._paused = True            # nothing more is read here
@@ -252,6 +267,100 @@ class PollGroups:
             ctrl.queues[session.qid] = remote
         log.debug("%s qid=%d: to poll group %d", ctrl.name, session.qid, group.index)
 
+    def handoff_rdma(self, lconf: Any, provider: str, cmid: Any, req: Any) -> bool:
+        """A soft-RDMA connection request for an I/O queue (its private data names the
+        qid; the limits were checked): to the least-loaded group before the CM accept, the
+        connection's socket and the request's private data; the worker accepts it and the
+        Connect that follows comes back here to be checked (:meth:`_connect`).  False: it
+        stays here (verbs, the admin queue, group 0)."""
+        sock = getattr(cmid, "_sock", None)
+        if provider != "soft" or not req.qid or sock is None or self.target.draining \
+                or _authenticates(self.target.config, lconf):
+            return False
+        group = self.pick()
+        if group is None:
+            return False
+        from blockfabric.target.server import QueueSession  # noqa: PLC0415  (a cycle)
+        t = self.target
+        limits = t.config.limits
+        depth = req.hsqsize + 1
+        self._next_req += 1
+        hid = self._next_req
+        peer = cmid.peer_address
+        meta = {"hid": hid, "qid": req.qid, "depth": depth,
+                "inline_size": limits.inline_data_size,
+                "max_unsent": limits.unsent_limit(depth, limits.inline_data_size),
+                "private_data": bytes(cmid.private_data), "peer": f"{peer[0]}:{peer[1]}"}
+        if not group.send(("rdma_queue", meta), (sock.fileno(),)):
+            return False
+        cmid._sock = None
+        sock.close()                # this process's copy: the connection lives on there
+        cmid.close()
+        session = QueueSession(t, lconf, provider, req)
+        session.queue = RemoteQueue(group, 0, req.qid, depth, peer,
+                                    f"{peer[0]} q{req.qid} g{group.index}", hid)
+        group.pending[hid] = session
+        t.sessions.add(session)
+        timeout = limits.connect_timeout
+        session.connect_timer = t.reactor.call_later(
+            timeout, lambda: t._connect_timed_out(session, timeout))
+        log.debug("%s qid %d depth %d: to poll group %d", peer, req.qid, depth, group.index)
+        return True
+
+    def _connect(self, g: Group, hid: int, connect: Any, data: bytes) -> None:
+        """A handed-over queue's Fabrics Connect, decoded and bounded by its worker: checked
+        against the registry as any queue's; the worker answers it with the verdict."""
+        from blockfabric.protocol.errors import ProtocolError  # noqa: PLC0415
+        from blockfabric.protocol.fabrics import ConnectData  # noqa: PLC0415
+        session = g.pending.get(hid)
+        if session is None:
+            g.send(("connected", hid, False, (0x6, True, 0)))      # internal error
+            return
+        t = self.target
+        remote = session.queue
+        try:
+            ctrl = t.connect(session, connect, ConnectData.unpack_from(memoryview(data)))
+        except ProtocolError as exc:
+            log.info("connect refused: qid=%d peer=%s (poll group %d): %s (status %#x)",
+                     session.qid, "%s:%s" % tuple(remote.cmid.peer_address[:2]), g.index,
+                     exc, exc.status)
+            g.send(("connected", hid, False, (exc.status, exc.dnr, exc.result or 0)))
+            return
+        del g.pending[hid]
+        session.controller = ctrl
+        if session.connect_timer is not None:
+            session.connect_timer.cancel()
+            session.connect_timer = None
+        remote.cntlid = ctrl.cntlid
+        g.queues[ctrl.cntlid, session.qid] = remote
+        peer = remote.cmid.peer_address
+        from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR  # noqa: PLC0415
+        g.send(("connected", hid, True, {
+            "cntlid": ctrl.cntlid, "hostnqn": ctrl.hostnqn, "hostid": ctrl.hostid,
+            "subnqn": ctrl.subnqn, "peer": f"{peer[0]}:{peer[1]}", "group": g.index,
+            "depth": remote.depth, "auth_policy": ctrl.auth_policy,
+            "result": ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0)}))
+        log.debug("%s qid=%d: connected in poll group %d", ctrl.name, session.qid, g.index)
+
+    def _pending_lost(self, g: Group, hid: int, reason: str) -> None:
+        session = g.pending.pop(hid, None)
+        if session is not None:
+            session.queue.closed = True
+            self.target.queue_broken(session, session.queue, reason)
+
+    def _auth_failed(self, g: Group, cntlid: int, qid: int, reason: str,
+                     explanation: int) -> None:
+        ctrl = self.target.controllers.get(cntlid)
+        remote = g.queues.get((cntlid, qid))
+        if ctrl is None or remote is None:
+            return
+
+        class _Failed:          # what Target.auth_failed reads of the exchange
+            pass
+        failed = _Failed()
+        failed.reason, failed.explanation = reason, explanation
+        self.target.auth_failed(ctrl, remote, failed)
+
     # -- messages from the workers ----------------------------------------------------------
     def _handle(self, g: Group, msg: tuple, fds: list[int]) -> None:
         for fd in fds:
@@ -263,6 +372,12 @@ class PollGroups:
             g.stats = msg[1]
         elif kind == "lost":
             self._queue_lost(g, msg[1], msg[2], msg[3])
+        elif kind == "connect":
+            self._connect(g, *msg[1:])
+        elif kind == "lost_pending":
+            self._pending_lost(g, msg[1], msg[2])
+        elif kind == "auth_failed":
+            self._auth_failed(g, *msg[1:])
         elif kind == "destroy":
             ctrl = self.target.controllers.get(msg[1])
             if ctrl is not None:
@@ -312,6 +427,8 @@ class PollGroups:
                   "starting it again", g.index, g.pid, reason, code, len(g.queues))
         for (cntlid, qid) in list(g.queues):
             self._queue_lost(g, cntlid, qid, f"poll group {g.index} exited")
+        for hid in list(g.pending):
+            self._pending_lost(g, hid, f"poll group {g.index} exited")
         for req in list(self._acks):
             self._acked(req, g)
         try:
@@ -470,6 +587,14 @@ class PollGroups:
         for c in target_snapshot["controllers"]:
             for q in c["queues"]:
                 q["group"] = where.get((c["cntlid"], q["qid"]), 0)
+
+
+def _authenticates(config: Any, lconf: Any) -> bool:
+    """Whether a host may have to authenticate its queues through ``lconf`` (DH-HMAC-CHAP
+    runs in the coordinator, which has the secrets; at the CM request the host is not
+    known yet, so such a listener's RDMA queues stay there)."""
+    return any(h.dhchap_secret is not None for sub in config.subsystems
+               if lconf in config.listeners_for(sub) for h in sub.hosts)
 
 
 def _readable(chan: Channel, timeout: float) -> bool:

@@ -504,6 +504,8 @@ class Target:
             cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
             cmid.close()
             return
+        if self.poll is not None and self.poll.handoff_rdma(lconf, provider, cmid, req):
+            return                              # a poll group accepts and serves it
         session = QueueSession(self, lconf, provider, req)
         depth = req.hsqsize + 1
         pd = self.pd_for(cmid)

@@ -28,7 +28,10 @@ from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.tcp import local_pd
+from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.fabric.tcp_target import TcpTargetQueue
+from blockfabric.protocol.cm import CMAccept
+from blockfabric.rdma import CONNECTION_ENDED, get_provider
 from blockfabric.protocol.controller import Phase, QueueState, admit
 from blockfabric.rdma import Access
 from blockfabric.target import config as cfg
@@ -40,7 +43,8 @@ from blockfabric.target.fairshare import BouncePool, FairExecutor
 from blockfabric.target.metrics import IoStats
 from blockfabric.target.namespace import Namespace
 from blockfabric.target.server import (BACKEND_THREADS, BOUNCE_FLOOR, BOUNCE_SLOTS,
-                                       CONTROL_SLOT, abort_command, close_queue)
+                                       CONTROL_SLOT, QueueSession, abort_command,
+                                       close_queue)
 from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger("blockfabric.target.worker")
@@ -135,6 +139,29 @@ class _Session:
         self.worker.queue_lost(self, reason, tell=True)
 
 
+class _RdmaSession(QueueSession):
+    """A soft-RDMA I/O queue handed over at its CM request: its Fabrics Connect arrives
+    here, is decoded and bounded as in the coordinator, and is checked by the coordinator
+    (the registry is there) before it is answered."""
+
+    def __init__(self, worker: Worker, hid: int, qid: int) -> None:
+        # the worker is what QueueSession asks of its daemon before the Connect:
+        # control_buffer (the Connect's check is the coordinator's, see _connect)
+        super().__init__(worker, None, "soft", None)   # type: ignore[arg-type]
+        self.worker = worker
+        self.hid = hid
+        self.qid = qid
+        self.ctrl: WorkerController | None = None
+
+    def _connect(self, cmd: Any, connect: Any, view: memoryview) -> None:
+        data = bytes(view[:len(view)])
+        self.worker.pending[self.hid] = (self, cmd, connect)
+        self.worker.send(("connect", self.hid, connect, data))
+
+    def queue_broken(self, queue: Any, reason: str) -> None:
+        self.worker.rdma_lost(self, reason)
+
+
 class ForwardStore:
     """A worker's reservation store: reads and compare-and-write go to the coordinator,
     which owns the state (its own store), pushes every change to all groups and answers
@@ -186,6 +213,11 @@ class Worker:
         self.sessions: dict[tuple[int, int], _Session] = {}
         self.subsystems: dict[str, Any] = {}
         self._answers: dict[int, list] = {}
+        #: handed-over RDMA queues whose Connect the coordinator is checking (or that
+        #: have not sent one yet): hand-over id -> session (and the Connect, once sent)
+        self.pending: dict[int, Any] = {}
+        self.rdma_sessions: dict[int, _RdmaSession] = {}
+        self._pds: dict[int, Any] = {}
         self._answer_lock = threading.Lock()
         self._next_req = 1
         self.resources = Resources(
@@ -195,7 +227,7 @@ class Worker:
             config=lambda: self.config)
         self.owner = Owner(
             destroy_controller=self.destroy_controller, end_queue=self.end_queue,
-            flush_subsystem=self.flush_subsystem, auth_failed=lambda *a: None,
+            flush_subsystem=self.flush_subsystem, auth_failed=self.auth_failed,
             discovery_log=lambda c: b"", controllers=self.controllers, ana=None,
             discovery_nqn="", discovery_serial="", firmware_revision="")
         for sub in config.subsystems:
@@ -237,6 +269,11 @@ class Worker:
             except OSError as exc:
                 log.error("group %d: flushing ns %d: %s", self.index, ns.nsid, exc)
 
+    def auth_failed(self, ctrl: Any, queue: Any, auth: Any) -> None:
+        """Counted and the peer's back-off: the coordinator's (it has the registry)."""
+        self.send(("auth_failed", ctrl.cntlid, queue.qid, str(auth.reason),
+                   int(auth.explanation)))
+
     def destroy_controller(self, ctrl: Any, reason: str) -> None:
         """The worker cannot end a controller: it asks the coordinator to."""
         self.send(("destroy", ctrl.cntlid, reason))
@@ -272,8 +309,8 @@ class Worker:
 
     def on_message(self, msg: tuple, fds: list[int]) -> None:
         kind = msg[0]
-        if kind == "queue":
-            self.take_queue(msg[1], fds[0])
+        if kind in ("queue", "rdma_queue"):
+            (self.take_queue if kind == "queue" else self.take_rdma_queue)(msg[1], fds[0])
             for fd in fds[1:]:
                 os.close(fd)
             return
@@ -283,6 +320,12 @@ class Worker:
             session = self.sessions.get((msg[1], msg[2]))
             if session is not None:
                 self.queue_lost(session, "closed by the coordinator", tell=False)
+        elif kind == "connected":
+            self.connected(*msg[1:])
+        elif kind == "close_pending":
+            session = self.rdma_sessions.get(msg[1])
+            if session is not None:
+                self.rdma_lost(session, "closed by the coordinator", tell=False)
         elif kind == "answer":
             with self._answer_lock:
                 entry = self._answers.pop(msg[1], None)
@@ -357,8 +400,91 @@ class Worker:
             self.reactor.call_soon(lambda: _parse_rest(queue))
         log.debug("group %d: %s qid %d taken (depth %d)", self.index, ctrl.name, qid, depth)
 
+    def take_rdma_queue(self, meta: dict, fd: int) -> None:
+        """A soft-RDMA connection request for an I/O queue (its private data checked by the
+        coordinator): accept it here; its Connect comes next (see _RdmaSession)."""
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(True)
+        hid, qid, depth = meta["hid"], meta["qid"], meta["depth"]
+        session = _RdmaSession(self, hid, qid)
+        try:
+            from blockfabric.rdma.soft.cm import SoftCMId  # noqa: PLC0415
+            cmid = SoftCMId(get_provider("soft"), sock, meta["private_data"])
+            pd = self._pds.get(id(cmid.context))
+            if pd is None:
+                pd = self._pds[id(cmid.context)] = cmid.context.alloc_pd()
+            queue = TargetQueue(cmid, pd, qid=qid, depth=depth,
+                                inline_size=meta["inline_size"], handler=session,
+                                name=f"{meta['peer']} q{qid} g{self.index}", recv_now=1)
+        except OSError as exc:
+            sock.close()
+            self.send(("lost_pending", hid, f"hand-over failed: {exc}"))
+            return
+        session.queue = queue
+        queue.qp.max_unsent = meta["max_unsent"]
+        queue.on_cm_event = lambda: self._on_cm_event(session)
+        try:
+            queue.post_all_receives()
+            queue.attach(self.reactor)
+            cmid.accept(CMAccept(crqsize=depth).pack())
+        except Exception as exc:  # noqa: BLE001  (this connection only)
+            queue.close()
+            self.send(("lost_pending", hid, f"accept failed: {exc}"))
+            return
+        self.rdma_sessions[hid] = session
+
+    def _on_cm_event(self, session: _RdmaSession) -> None:
+        queue = session.queue
+        while queue is not None and not queue.closed:
+            event = queue.cmid.get_event(0)
+            if event is None:
+                return
+            if event.type in CONNECTION_ENDED:
+                self.rdma_lost(session, "peer disconnected")
+                return
+
+    def connected(self, hid: int, ok: bool, info: Any) -> None:
+        """The coordinator's verdict on a handed-over RDMA queue's Connect."""
+        entry = self.pending.pop(hid, None)
+        if entry is None:
+            return
+        session, cmd, connect = entry
+        queue = session.queue
+        if queue is None or queue.closed:
+            return
+        if not ok:
+            status, dnr, result = info
+            cmd.respond(status, dnr=dnr, result=result)
+            return
+        ctrl = self.controllers.get(info["cntlid"])
+        if ctrl is None or ctrl.hostid != info["hostid"]:
+            ctrl = WorkerController(self.resources, self.owner, info,
+                                    self.subsystems.get(info["subnqn"]))
+            ctrl.auth_policy = info["auth_policy"]
+            self.controllers[ctrl.cntlid] = ctrl
+        session.controller = session.ctrl = ctrl
+        ctrl.queues[session.qid] = queue
+        self.sessions[ctrl.cntlid, session.qid] = session
+        session.handler = ctrl.queue_handler(session.qid)
+        queue.dispatch = session.handler
+        queue.sq_flow = not connect.sq_flow_control_disabled
+        queue.post_more_receives()
+        cmd.respond(result=info["result"])
+
+    def rdma_lost(self, session: _RdmaSession, reason: str, tell: bool = True) -> None:
+        if session.ctrl is not None:
+            self.queue_lost(session, reason, tell)      # type: ignore[arg-type]
+        self.rdma_sessions.pop(session.hid, None)
+        self.pending.pop(session.hid, None)
+        queue = session.queue
+        if queue is not None and not queue.closed:
+            close_queue(queue, () if self._bounce is None else (self._bounce,))
+        if tell and session.ctrl is None:
+            self.send(("lost_pending", session.hid, reason))
+
     def queue_lost(self, session: _Session, reason: str, tell: bool) -> None:
         ctrl, qid = session.ctrl, session.qid
+        self.rdma_sessions.pop(getattr(session, "hid", None), None)
         if self.sessions.pop((ctrl.cntlid, qid), None) is None:
             return
         queue = session.queue
@@ -429,6 +555,8 @@ class Worker:
     def close(self) -> None:
         for session in list(self.sessions.values()):
             self.queue_lost(session, "worker stopping", tell=False)
+        for rdma in list(self.rdma_sessions.values()):
+            self.rdma_lost(rdma, "worker stopping", tell=False)
         self.executor.shutdown()
         for sub in self.subsystems.values():
             self.flush_subsystem(sub)

@@ -102,7 +102,7 @@ class TargetProc:
 #: soft RDMA provider, and NVMe/TCP (issue 18).
 TRANSPORTS = ("rdma", "tcp")
 #: ... and with one poll group (one process) and two (a worker process beside the
-#: coordinator: NVMe/TCP I/O queues spread over both, RDMA queues stay in the first).
+#: coordinator: NVMe/TCP and soft-RDMA I/O queues spread over both).
 REACTORS = (1, 2)
 
 

@@ -92,23 +92,27 @@ def test_io_queues_of_one_controller_spread_over_groups_and_counts_add_up(two_gr
 
 
 def test_killing_a_worker_fails_only_its_queues(two_groups):
-    """SIGKILL the worker: the TCP host's queues there fail and it reconnects (its data
-    intact: the ramdisk is the coordinator's shared memory); the RDMA host, whose queues
-    are all in the coordinator, keeps its controller; a new worker takes new queues."""
+    """Two hosts of one I/O queue each: the TCP one's goes to the worker (a tie goes to a
+    worker), the soft-RDMA one's then to the coordinator (less loaded).  SIGKILL the worker:
+    the TCP host's queue fails and it reconnects (its data intact: the ramdisk is the
+    coordinator's shared memory); the RDMA host keeps its controller; a new worker takes
+    new queues."""
     tcp = Controller(ConnectOptions(traddr="127.0.0.1", trsvcid=two_groups.port, subnqn=NQN,
-                                    transport="tcp", hostnqn=HOSTNQN, nr_io_queues=2,
+                                    transport="tcp", hostnqn=HOSTNQN, nr_io_queues=1,
                                     keep_alive_tmo=1.0, reconnect_delay=0.3,
                                     ctrl_loss_tmo=30)).connect()
     rdma = Controller(ConnectOptions(traddr="127.0.0.1", trsvcid=two_groups.rdma_port,
                                      subnqn=NQN, provider="soft", hostnqn=OTHER_HOSTNQN,
-                                     nr_io_queues=2)).connect()
+                                     nr_io_queues=1)).connect()
     try:
         payload = os.urandom(1 << 20)
         tcp.namespaces[1].write(0, payload)
         st = _status(two_groups.socket)
         old = st["groups"][1]["pid"]
         before = {c["hostnqn"]: c["cntlid"] for c in st["controllers"]}
-        assert st["groups"][1]["queues"] >= 1
+        where = {c["hostnqn"]: [q["group"] for q in c["queues"] if q["qid"]]
+                 for c in st["controllers"]}
+        assert where == {HOSTNQN: [1], OTHER_HOSTNQN: [0]}, where
         os.kill(old, signal.SIGKILL)
         assert two_groups.wait_log("poll group 1 (pid", 10), two_groups.log
         # the TCP host reconnects and reads what it wrote; the RDMA host never noticed
@@ -120,12 +124,17 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
         assert after[OTHER_HOSTNQN] == before[OTHER_HOSTNQN]
         assert after[HOSTNQN] != before[HOSTNQN]          # a new controller: reconnected
         assert st["groups"][1]["alive"] and st["groups"][1]["pid"] != old
-        # the new worker takes new queues (the coordinator has the RDMA host's two)
-        with connect("127.0.0.1", NQN, two_groups.port, transport="tcp",
-                     hostnqn=THIRD_HOSTNQN, nr_io_queues=2) as third:
-            verify_workload(third.namespaces[1], seed=7, ops=50, inflight=8)
-            st = _status(two_groups.socket)
-        assert st["groups"][1]["queues"] >= 1, st["groups"]
+        # the new worker takes new queues, over either transport
+        for via in ({"transport": "tcp", "port": two_groups.port},
+                    {"provider": "soft", "port": two_groups.rdma_port}):
+            port = via.pop("port")
+            with connect("127.0.0.1", NQN, port, **via, hostnqn=THIRD_HOSTNQN,
+                         nr_io_queues=2) as third:
+                verify_workload(third.namespaces[1], seed=7, ops=50, inflight=8)
+                st = _status(two_groups.socket)
+            (c,) = [c for c in st["controllers"] if c["hostnqn"] == THIRD_HOSTNQN]
+            assert 1 in [q["group"] for q in c["queues"]], (via, c)
+        assert "exited" in two_groups.log
     finally:
         tcp.close()
         rdma.close()

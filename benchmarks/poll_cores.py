@@ -26,6 +26,34 @@ import cpu  # noqa: E402
 import systems  # noqa: E402
 
 
+#: The Write Zeroes load: one host (controller) with N queues, a thread per queue issuing
+#: Write Zeroes of SIZE bytes one after another for RUNTIME s; prints {"ops", "seconds"}.
+#: The target fills the zeros (its memory is registered, so no page is dropped instead)
+#: and the host only sends a command: a load whose cost is the target's.
+ZEROES = """
+import json, sys, threading, time
+from blockfabric.initiator.host import connect
+port, nqn, hostnqn, queues, runtime, size = sys.argv[1:]
+queues, runtime, size = int(queues), float(runtime), int(size)
+with connect("127.0.0.1", nqn, int(port), transport="tcp", hostnqn=hostnqn,
+             nr_io_queues=queues) as ctrl:
+    ns = ctrl.namespaces[1]
+    ns.write(0, bytes(4096))            # the volume's memory registered: zeros are written
+    count = [0]
+    end = time.monotonic() + runtime
+    def run(i):
+        at = (i * size) % (ns.size - size)
+        while time.monotonic() < end:
+            ns.write_zeroes(at, size)
+            count[0] += 1
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(queues)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    print(json.dumps({"ops": count[0], "seconds": time.monotonic() - t0}))
+"""
+
+
 def one_run(ws: systems.Workspace, reactors: int, a: argparse.Namespace) -> dict:
     port, pid, _cmd = ws.target(f"tcp-{reactors}r")
     time.sleep(1.0)                             # the workers start
@@ -34,6 +62,12 @@ def one_run(ws: systems.Workspace, reactors: int, a: argparse.Namespace) -> dict
     loads = []
     for h in range(a.hosts):
         hostnqn = f"{systems.HOSTNQN[:-4]}{h + 1:04d}"
+        if a.load == "zeroes":
+            argv = [sys.executable, "-c", ZEROES, str(port), systems.NQN, hostnqn,
+                    str(a.queues), str(a.runtime), str(a.zeroes_size)]
+            loads.append(subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+            continue
         argv = [str(systems.BIN / "blockfabric"), "bench",
                 *systems.connect_flags(port, "tcp")[:-4], "-q", hostnqn, "-t", "tcp",
                 "-i", str(a.queues), "--numjobs", str(a.queues), "--rw", a.rw, "--bs", "4k",
@@ -52,7 +86,11 @@ def one_run(ws: systems.Workspace, reactors: int, a: argparse.Namespace) -> dict
         out, err = p.communicate(timeout=a.runtime + 60)
         if p.returncode != 0:
             raise SystemExit(f"bench failed: {err}")
-        job = json.loads(out[out.index("{"):])["jobs"][0]
+        data = json.loads(out[out.index("{"):])
+        if "jobs" not in data:                  # the Write Zeroes load
+            iops += data["ops"] / data["seconds"]
+            continue
+        job = data["jobs"][0]
         iops += job["read"]["iops"] + job["write"]["iops"]
     return {"reactors": reactors, "cores": used, "total": sum(used.values()), "iops": iops}
 
@@ -64,6 +102,10 @@ def main() -> int:
     p.add_argument("--queues", type=int, default=2, help="I/O queues (and jobs) per host")
     p.add_argument("--iodepth", type=int, default=16)
     p.add_argument("--rw", default="randread")
+    p.add_argument("--load", choices=("bench", "zeroes"), default="bench",
+                   help="bench: blockfabric bench 4k; zeroes: Write Zeroes of --zeroes-size "
+                        "(the target's work, the host's little)")
+    p.add_argument("--zeroes-size", type=int, default=4 << 20)
     p.add_argument("--runtime", type=float, default=6.0)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
@@ -77,7 +119,9 @@ def main() -> int:
             shown = "  ".join(f"{k} {v:.2f}" for k, v in r["cores"].items())
             print(f"round {rnd + 1} reactors {n}: target {r['total']:.2f} cores ({shown})  "
                   f"{r['iops']:.0f} IOPS", flush=True)
-    print(f"\n{a.hosts} bench hosts x {a.queues} queues, {a.rw} 4k QD{a.iodepth}, "
+    what = (f"Write Zeroes of {a.zeroes_size >> 10} KiB, one per queue at a time"
+            if a.load == "zeroes" else f"{a.rw} 4k QD{a.iodepth}")
+    print(f"\n{a.hosts} hosts x {a.queues} queues, {what}, "
           f"{a.runtime:g} s, {a.rounds} rounds (medians):")
     for n in counts:
         tot = statistics.median(r["total"] for r in rows[n])

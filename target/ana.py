@@ -26,7 +26,8 @@ from blockfabric.target import config as cfg
 
 if TYPE_CHECKING:
     from blockfabric.target.controller import Controller
-    from blockfabric.target.server import Target
+    from blockfabric.fabric.reactor import Reactor
+    from blockfabric.target.namespace import Subsystem
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,15 @@ _STATUS = {lp.AnaState.INACCESSIBLE: StatusCode.ANA_INACCESSIBLE,
 
 
 class Ana:
-    """This gateway's ANA state (one per target with a ``gateway`` section)."""
+    """This gateway's ANA state (one per target with a ``gateway`` section).
+    ``subsystems``, ``controllers``: the target's (the live dicts: namespaces whose path
+    state it sets, controllers it tells of a change)."""
 
-    def __init__(self, target: Target, gw: cfg.Gateway) -> None:
-        self.target = target
+    def __init__(self, reactor: Reactor, subsystems: dict[str, Subsystem],
+                 controllers: dict[int, Controller], gw: cfg.Gateway) -> None:
+        self.reactor = reactor
+        self.subsystems = subsystems
+        self.controllers = controllers
         self.gw = gw
         self.others = (lp.AnaState.INACCESSIBLE if gw.others == "inaccessible"
                        else lp.AnaState.NON_OPTIMIZED)
@@ -70,7 +76,7 @@ class Ana:
         """Recompute every namespace's group and path flag (at start, after a change of
         ownership, after a reload), and the set of groups the coordinator looks after."""
         groups = set(self.gw.ana_groups)
-        for sub in self.target.subsystems.values():
+        for sub in self.subsystems.values():
             for ns in sub.namespaces.values():
                 ns.ana_group = ns.conf.ana_group_id
                 groups.add(ns.ana_group)
@@ -119,7 +125,7 @@ class Ana:
             self.owned[group] = max(self.owned[group], deadline)
 
     def start(self) -> None:
-        self._timer = self.target.reactor.call_later(0.25, self._check_leases)
+        self._timer = self.reactor.call_later(0.25, self._check_leases)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -131,11 +137,11 @@ class Ana:
         for group, deadline in list(self.owned.items()):
             if now >= deadline:
                 self.set_owned(group, False, why="lease not renewed in time")
-        self._timer = self.target.reactor.call_later(0.25, self._check_leases)
+        self._timer = self.reactor.call_later(0.25, self._check_leases)
 
     # -- hosts ------------------------------------------------------------------------
     def _tell_hosts(self) -> None:
-        for ctrl in list(self.target.controllers.values()):
+        for ctrl in list(self.controllers.values()):
             if ctrl.is_discovery or ctrl.dead or ctrl in self._told:
                 continue
             self._told.add(ctrl)

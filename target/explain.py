@@ -1,7 +1,7 @@
 """``blockfabric-target check --explain HOSTNQN``: why a host can or cannot connect.
 
 It reads only the configuration (the same rules the running target applies in
-``Target.connect`` and the discovery log), so it answers before anything is started, and
+``Connector.connect`` in sessions.py and the discovery log), so it answers before anything is started, and
 says what to change.
 """
 

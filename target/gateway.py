@@ -44,7 +44,7 @@ from blockfabric.target.rbdvolume import caps_hint
 if TYPE_CHECKING:
     from blockfabric.target.ana import Ana
     from blockfabric.target.namespace import Namespace
-    from blockfabric.target.server import Target
+    from blockfabric.fabric.reactor import Reactor
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class Coordinator:
     """The Ceph side of one gateway: a thread that holds, renews, takes and hands back the
     ANA group leases, and tells :class:`~blockfabric.target.ana.Ana` (on the reactor)."""
 
-    def __init__(self, target: Target, ana: Ana, gw: cfg.Gateway) -> None:
-        self.target = target
+    def __init__(self, reactor: Reactor, ana: Ana, gw: cfg.Gateway) -> None:
+        self.reactor = reactor      # reached from its thread by call_soon_threadsafe only
         self.ana = ana
         self.gw = gw
         self.prefix = f"blockfabric.gateway.{gw.group}"
@@ -361,7 +361,7 @@ class Coordinator:
 
     def _renewed(self, group: int, started: float) -> None:
         deadline = started + self.gw.lease - LEASE_MARGIN
-        self.target.reactor.call_soon_threadsafe(lambda: self.ana.renewed(group, deadline))
+        self.reactor.call_soon_threadsafe(lambda: self.ana.renewed(group, deadline))
 
     def _post(self, group: int, owned: bool, deadline: float = 0.0, why: str = "",
               wait: bool = False) -> bool:
@@ -371,7 +371,7 @@ class Coordinator:
             self.ana.set_owned(group, owned, deadline, why)
             done.set()
         try:
-            self.target.reactor.call_soon_threadsafe(apply)
+            self.reactor.call_soon_threadsafe(apply)
         except Exception:   # the reactor is closed
             return False
         return done.wait(5.0) if wait else True

@@ -197,7 +197,7 @@ class PollGroups:
     # -- where a queue goes ---------------------------------------------------------------
     def _own_load(self, placing: Any = None) -> int:
         """The I/O queues the coordinator serves (but ``placing``, the one being placed)."""
-        return sum(1 for s in self.target.sessions
+        return sum(1 for s in self.target.registry.sessions
                    if s.qid and s.controller is not None and s is not placing
                    and not isinstance(s.queue, RemoteQueue))
 
@@ -235,10 +235,10 @@ class PollGroups:
     def _pass(self, session: QueueSession, queue: TcpTargetQueue, cid: int, ctrl: Controller,
               group: Group, result: int) -> None:
         t = self.target
-        if queue.closed or ctrl.dead or session not in t.sessions:
+        if queue.closed or ctrl.dead or session not in t.registry.sessions:
             return
         if queue._out:          # cannot happen before the Connect's answer; be safe
-            t.queue_broken(session, queue, "unsent data at the hand-over")
+            t.registry.queue_broken(session, queue, "unsent data at the hand-over")
             return
         peer = queue.cmid.peer_address
         meta = {"cntlid": ctrl.cntlid, "qid": session.qid, "depth": queue.depth,
@@ -257,7 +257,7 @@ class PollGroups:
         queue.reactor = None
         if not group.send(("queue", meta), (fd,)):
             queue.reactor = t.reactor
-            t.queue_broken(session, queue, f"poll group {group.index} is gone")
+            t.registry.queue_broken(session, queue, f"poll group {group.index} is gone")
             return
         queue.closed = True
         queue.sock.close()          # this process's copy: the connection lives on there
@@ -280,7 +280,6 @@ class PollGroups:
         group = self.pick()
         if group is None:
             return False
-        from blockfabric.target.server import QueueSession  # noqa: PLC0415  (a cycle)
         t = self.target
         limits = t.config.limits
         depth = req.hsqsize + 1
@@ -296,14 +295,14 @@ class PollGroups:
         cmid._sock = None
         sock.close()                # this process's copy: the connection lives on there
         cmid.close()
-        session = QueueSession(t, lconf, provider, req)
+        session = t._new_session(lconf, provider, req)
         session.queue = RemoteQueue(group, 0, req.qid, depth, peer,
                                     f"{peer[0]} q{req.qid} g{group.index}", hid)
         group.pending[hid] = session
-        t.sessions.add(session)
+        t.registry.sessions.add(session)
         timeout = limits.connect_timeout
         session.connect_timer = t.reactor.call_later(
-            timeout, lambda: t._connect_timed_out(session, timeout))
+            timeout, lambda: t.listening._connect_timed_out(session, timeout))
         log.debug("%s qid %d depth %d: to poll group %d", peer, req.qid, depth, group.index)
         return True
 
@@ -319,7 +318,7 @@ class PollGroups:
         t = self.target
         remote = session.queue
         try:
-            ctrl = t.connect(session, connect, ConnectData.unpack_from(memoryview(data)))
+            ctrl = t.connector.connect(session, connect, ConnectData.unpack_from(memoryview(data)))
         except ProtocolError as exc:
             log.info("connect refused: qid=%d peer=%s (poll group %d): %s (status %#x)",
                      session.qid, "%s:%s" % tuple(remote.cmid.peer_address[:2]), g.index,
@@ -346,11 +345,11 @@ class PollGroups:
         session = g.pending.pop(hid, None)
         if session is not None:
             session.queue.closed = True
-            self.target.queue_broken(session, session.queue, reason)
+            self.target.registry.queue_broken(session, session.queue, reason)
 
     def _auth_failed(self, g: Group, cntlid: int, qid: int, reason: str,
                      explanation: int) -> None:
-        ctrl = self.target.controllers.get(cntlid)
+        ctrl = self.target.registry.controllers.get(cntlid)
         remote = g.queues.get((cntlid, qid))
         if ctrl is None or remote is None:
             return
@@ -359,7 +358,7 @@ class PollGroups:
             pass
         failed = _Failed()
         failed.reason, failed.explanation = reason, explanation
-        self.target.auth_failed(ctrl, remote, failed)
+        self.target.connector.auth_failed(ctrl, remote, failed)
 
     # -- messages from the workers ----------------------------------------------------------
     def _handle(self, g: Group, msg: tuple, fds: list[int]) -> None:
@@ -379,9 +378,9 @@ class PollGroups:
         elif kind == "auth_failed":
             self._auth_failed(g, *msg[1:])
         elif kind == "destroy":
-            ctrl = self.target.controllers.get(msg[1])
+            ctrl = self.target.registry.controllers.get(msg[1])
             if ctrl is not None:
-                self.target.destroy_controller(ctrl, f"poll group {g.index}: {msg[2]}")
+                self.target.registry.destroy_controller(ctrl, f"poll group {g.index}: {msg[2]}")
         elif kind == "ack":
             self._acked(msg[1], g)
         elif kind == "drained":
@@ -399,9 +398,9 @@ class PollGroups:
             return
         remote.closed = True        # the worker closed it already: no "close" back
         t = self.target
-        for session in list(t.sessions):
+        for session in list(t.registry.sessions):
             if session.queue is remote:
-                t.queue_broken(session, remote, reason)
+                t.registry.queue_broken(session, remote, reason)
                 return
 
     def _lost(self, g: Group, reason: str) -> None:
@@ -518,15 +517,15 @@ class PollGroups:
                 g.send(("answer", req, None))
                 return
             resvctl.set_state(ns, out.state)
-            resvctl._notify(self.target.controllers, ns, out.notices)
+            resvctl._notify(self.target.registry.controllers, ns, out.notices)
 
             def answered() -> None:
                 g.send(("answer", req, out.state))
             hosts = set(out.fenced)
             self.publish_resv(ns, out.state, out.fenced, lambda: resvctl._drained(
-                self.target.controllers, self.target.reactor, hosts, answered))
+                self.target.registry.controllers, self.target.reactor, hosts, answered))
 
-        self.target.run_blocking(work, finish, "poll-groups")
+        self.target.broker.run_blocking(work, finish, "poll-groups")
 
     # -- drain, reload, status -----------------------------------------------------------------
     def drain(self, timeout: float) -> None:

@@ -38,8 +38,9 @@ from blockfabric.target import config as cfg
 from blockfabric.target.backends import Backend, Unavailable, _bytes_view
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Reactor
+    from blockfabric.target.controller import Controller
     from blockfabric.target.namespace import Namespace, Subsystem
-    from blockfabric.target.server import Target
 
 log = logging.getLogger(__name__)
 
@@ -355,10 +356,23 @@ def open_rbd(ns: cfg.Namespace) -> RbdBackend:
 
 class VolumeWatch:
     """The target's side of volumes that live elsewhere (RBD): their availability, and their
-    size.  Everything here runs on the reactor."""
+    size.  Everything here runs on the reactor.
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
+    ``subsystems``: the target's (the live dict); ``destroy_where(condition, reason)``: end
+    the controllers that meet ``condition``; ``run_blocking(work, finish, host)``: the
+    backend threads; ``resize(subsystem, namespace, conf)``: apply a new size between
+    commands (:class:`~blockfabric.target.nschanges.NamespaceChanges`)."""
+
+    def __init__(self, reactor: Reactor, subsystems: dict[str, Subsystem],
+                 destroy_where: Callable[[Callable[[Controller], bool], str], None],
+                 run_blocking: Callable[[Callable[[], object],
+                                         Callable[[BaseException | None], None], str], None],
+                 resize: Callable[[Subsystem, Namespace, cfg.Namespace], None]) -> None:
+        self.reactor = reactor
+        self.subsystems = subsystems
+        self.destroy_where = destroy_where
+        self.run_blocking = run_blocking
+        self.resize = resize
         self._timer = None
         self.unavailable_events = 0
 
@@ -367,7 +381,6 @@ class VolumeWatch:
         """A command on ``namespaces`` failed because the cluster did not answer: mark the
         volume unavailable, end the controllers of its subsystems (the hosts hold their I/O
         and reconnect) and probe until it answers."""
-        target = self.target
         for ns in namespaces:
             backend = ns.backend
             # (a Flush of every namespace names them all: only RBD volumes can be away)
@@ -376,14 +389,14 @@ class VolumeWatch:
                 continue
             backend.unavailable = str(exc)
             self.unavailable_events += 1
-            subs = [s for s in target.subsystems.values() if s.namespaces.get(ns.nsid) is ns]
+            subs = [s for s in self.subsystems.values() if s.namespaces.get(ns.nsid) is ns]
             log.error("namespace unavailable: %s nsid=%d: %s; disconnecting its hosts, who "
                       "reconnect (Controller Busy until it answers) within their ctrl_loss_tmo",
                       ",".join(s.nqn for s in subs) or "-", ns.nsid, exc)
             for sub in subs:
-                target.destroy_where(lambda c, s=sub: c.subsystem is s,
-                                      f"namespace {ns.nsid} unavailable")
-            target.reactor.call_later(PROBE_INTERVAL, lambda n=ns: self._probe(n))
+                self.destroy_where(lambda c, s=sub: c.subsystem is s,
+                                   f"namespace {ns.nsid} unavailable")
+            self.reactor.call_later(PROBE_INTERVAL, lambda n=ns: self._probe(n))
 
     def _probe(self, ns: Namespace) -> None:
         backend = ns.backend
@@ -398,9 +411,9 @@ class VolumeWatch:
                 backend.unavailable = None
             else:
                 backend.unavailable = str(exc)
-                self.target.reactor.call_later(PROBE_INTERVAL, lambda: self._probe(ns))
+                self.reactor.call_later(PROBE_INTERVAL, lambda: self._probe(ns))
         try:
-            backend.start(self.target.reactor.call_soon_threadsafe, probed, "probe")
+            backend.start(self.reactor.call_soon_threadsafe, probed, "probe")
         except OSError as exc:
             probed(exc)
 
@@ -418,7 +431,7 @@ class VolumeWatch:
     # -- size -------------------------------------------------------------------------
     def start(self) -> None:
         if self._timer is None:
-            self._timer = self.target.reactor.call_later(1.0, self._tick)
+            self._timer = self.reactor.call_later(1.0, self._tick)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -436,8 +449,7 @@ class VolumeWatch:
         """Check the size of every RBD volume that is due (all of them: ``force``, after a
         reload) on the backend threads; a changed size is applied as a resize."""
         now = time.monotonic()
-        target = self.target
-        for sub in list(target.subsystems.values()):
+        for sub in list(self.subsystems.values()):
             for ns in list(sub.namespaces.values()):
                 backend = ns.backend
                 if not isinstance(backend, RbdBackend) or backend.closed \
@@ -457,8 +469,8 @@ class VolumeWatch:
                     if exc is not None:
                         log.warning("nsid %d: checking the image size: %s", n.nsid, exc)
                     elif r and r[0] != n.size and not n.backend.closed and not n.paused \
-                            and target.subsystems.get(s.nqn) is s:
+                            and self.subsystems.get(s.nqn) is s:
                         log.info("rbd image %s: size %s -> %s", n.backend.spec,
                                  format_size(n.size), format_size(r[0]))
-                        target.reloader.resize(s, n, dataclasses.replace(n.conf, size=r[0]))
-                target.run_blocking(work, finish, "(rbd size check)")
+                        self.resize(s, n, dataclasses.replace(n.conf, size=r[0]))
+                self.run_blocking(work, finish, "(rbd size check)")

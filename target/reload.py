@@ -1,6 +1,6 @@
 """What a configuration reload changes: a pure diff of the old and the new configuration.
 
-The server applies the plan in two phases (see ``Target.reload``): everything that can fail
+The reloader applies the plan in two phases (see ``Reloader.apply`` in reloader.py): everything that can fail
 (opening new listeners and volumes, refusing what cannot be done) happens before anything
 running is touched, so a reload is taken whole or not at all.
 """
@@ -64,7 +64,7 @@ class ReloadPlan:
     changed: list[SubsystemChange] = field(default_factory=list)
     metrics_changed: bool = False
     control_socket_changed: bool = False
-    #: The ``gateway`` section differs (Target.reload applies what it safely can, refuses
+    #: The ``gateway`` section differs (Reloader.apply applies what it safely can, refuses
     #: the rest: see gateway_refusal).
     gateway_changed: bool = False
 

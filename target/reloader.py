@@ -3,52 +3,95 @@
 :meth:`Reloader.apply` takes a new configuration in two phases: everything that can fail
 (opening new listeners and volumes, the gateway's checks with its group, a new metrics
 port) first, undone if any of it fails; then the commit, which changes the running target
-and is not expected to fail.  The namespace changes a running target makes (a namespace
-retired once idle, a resize between commands, the hosts told by an event) are here too: the
-RBD watch (an image resized in the cluster) uses them as a reload does.
+and is not expected to fail.  What it reads and changes of the target is
+:class:`Reloadable`; the namespace changes it makes (retire, resize, tell the hosts) are
+:mod:`.nschanges`'.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.rdma import Listener
+from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as cfg
-from blockfabric.target import metrics as mx
+from blockfabric.target import metrics
 from blockfabric.target import reload as rl
-from blockfabric.target import resvctl
 from blockfabric.target.gateway import refuse_exclusive_lock
 from blockfabric.target.namespace import Namespace, Subsystem
+from blockfabric.target.registry import may_stay
 
 if TYPE_CHECKING:
-    from blockfabric.target.server import Target
+    from blockfabric.target.ana import Ana
+    from blockfabric.target.control import ControlServer
+    from blockfabric.target.gateway import Coordinator
+    from blockfabric.target.listeners import Listeners
+    from blockfabric.target.nschanges import NamespaceChanges
+    from blockfabric.target.rbdvolume import VolumeWatch
+    from blockfabric.target.registry import ControllerRegistry
 
 log = logging.getLogger(__name__)
 
-#: How long a resize or removal waits for a namespace's I/O to finish, and how often it looks.
-IDLE_TIMEOUT = 10.0
-IDLE_POLL = 0.005
 
+class Reloadable(Protocol):
+    """What a reload reads and changes of the running target (the daemon,
+    :class:`~blockfabric.target.server.Target`, is one)."""
 
-def close_namespace(ns: Namespace) -> None:
-    """Flush (an error is logged) and close."""
-    try:
-        ns.backend.flush()
-    except OSError as exc:
-        log.error("flushing nsid=%d: %s", ns.nsid, exc)
-    ns.close()
+    config: cfg.TargetConfig
+    subsystems: dict[str, Subsystem]
+    listening: Listeners
+    registry: ControllerRegistry
+    namespaces: NamespaceChanges
+    volumes: VolumeWatch
+    ana: Ana | None
+    coordinator: Coordinator | None
+    metrics_server: metrics.MetricsServer | None
+    control_server: ControlServer | None
+    genctr: int                             # the discovery log's generation counter
+    reloads: int
+    last_reload_error: str | None
+
+    @property
+    def draining(self) -> bool: ...
+
+    def start_control(self) -> None: ...
+
+    def metrics_text(self) -> str: ...
+
+    def bind_reservations(self) -> None: ...
 
 
 class Reloader:
-    """Reloads and namespace changes of one running :class:`Target` (on its reactor)."""
+    """Reloads of one running target (on its reactor)."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Reloadable) -> None:
         self.target = target
+
+    def reload_from(self, load: Callable[[], cfg.TargetConfig]) -> bool:
+        """Load a new configuration and apply it; on any error keep the old one whole."""
+        t = self.target
+        if t.draining:
+            log.warning("reload ignored: the target is stopping")
+            return False
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            try:
+                new = load()
+            except BlockfabricError as exc:
+                self._failed(str(exc))
+                return False
+            return self.apply(new)
+        finally:
+            sd_notify("READY=1\nSTATUS=serving")
+
+    def _failed(self, error: str) -> None:
+        self.target.last_reload_error = error
+        log.error("reload rejected, the running configuration is unchanged: %s", error)
 
     def apply(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
@@ -57,14 +100,14 @@ class Reloader:
         opened: list[tuple[cfg.Listener, str, Listener]] = []
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
-        metrics = None
+        metrics_server = None
         gateway_prepared = False
         try:
             for change in plan.changed:
                 for ns_conf in change.resized:
                     self._check_resize(change.new.nqn, ns_conf)
             for lconf in plan.added_listeners:
-                opened.append(t._open_listener(lconf))
+                opened.append(t.listening.open(lconf))
             for sconf in plan.added_subsystems:
                 subsystems.append(Subsystem(sconf))
             for change in plan.changed:
@@ -81,8 +124,8 @@ class Reloader:
                 if old is not None and old.port == new.metrics.port:
                     old.close()      # the same port: it must be free for the new one
                     t.metrics_server = None
-                metrics = mx.MetricsServer(new.metrics.address, new.metrics.port,
-                                           t.metrics_text)
+                metrics_server = metrics.MetricsServer(new.metrics.address,
+                                                       new.metrics.port, t.metrics_text)
         except (OSError, BlockfabricError, ValueError) as exc:
             for _l, _p, listener in opened:
                 listener.close()
@@ -92,9 +135,9 @@ class Reloader:
                 ns.close()
             if gateway_prepared and t.coordinator is not None:
                 t.coordinator.rollback(new.gateway)
-            t._reload_failed(f"{new.source}: {exc}")
+            self._failed(f"{new.source}: {exc}")
             return False
-        self._commit(plan, new, opened, subsystems, namespaces, metrics)
+        self._commit(plan, new, opened, subsystems, namespaces, metrics_server)
         t.reloads += 1
         t.last_reload_error = None
         t.volumes.poll_sizes()               # an image resized in the cluster
@@ -111,7 +154,7 @@ class Reloader:
         if refusal is not None:
             raise ValueError(refusal)
         if (gw.cntlid_min, gw.cntlid_max) != (old.cntlid_min, old.cntlid_max):
-            outside = sorted(cntlid for cntlid, c in t.controllers.items()
+            outside = sorted(cntlid for cntlid, c in t.registry.controllers.items()
                              if not c.is_discovery
                              and not gw.cntlid_min <= cntlid <= gw.cntlid_max)
             if outside:
@@ -134,23 +177,22 @@ class Reloader:
     def _commit(self, plan: rl.ReloadPlan, new: cfg.TargetConfig,
                 opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
                 namespaces: dict[tuple[str, int], Namespace],
-                metrics: mx.MetricsServer | None) -> None:
+                metrics_server: metrics.MetricsServer | None) -> None:
         """Apply a prepared plan; nothing here is expected to fail."""
         t = self.target
         removed = {rl.listener_key(x) for x in plan.removed_listeners}
-        for entry in [e for e in t.listeners if rl.listener_key(e[0]) in removed]:
-            t._close_listener(entry)
+        for entry in [e for e in t.listening.entries if rl.listener_key(e[0]) in removed]:
+            t.listening.close_one(entry)
             log.info("stopped listening on %s", entry[0].endpoint)
-        renamed = {rl.listener_key(x): x for x in new.listeners}
-        t.listeners = [(renamed[rl.listener_key(lc)], p, li) for lc, p, li in t.listeners]
+        t.listening.rename(new.listeners)
         for entry in opened:
-            t._add_listener(entry)
+            t.listening.add(entry)
         t.config = new
         for nqn in plan.removed_subsystems:
             sub = t.subsystems.pop(nqn)
-            t.destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
+            t.registry.destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
             for ns in sub.namespaces.values():
-                self.retire(sub, ns)
+                t.namespaces.retire(sub, ns)
             sub.namespaces.clear()
             log.info("subsystem removed: subnqn=%s", nqn)
         for sub in subsystems:
@@ -161,20 +203,21 @@ class Reloader:
         # Controllers that came in on a listener that no longer exists, or that no longer
         # exposes their subsystem, or whose host is no longer allowed (or must now
         # authenticate differently), go.
-        t.destroy_where(lambda c: not c.is_discovery and not t.may_stay(c),
-                            "no longer allowed by the configuration")
-        t.destroy_where(lambda c: rl.listener_key(c.listener) in removed,
-                            "listener removed")
+        t.registry.destroy_where(
+            lambda c: not c.is_discovery and not may_stay(c, t.config, t.subsystems),
+            "no longer allowed by the configuration")
+        t.registry.destroy_where(lambda c: rl.listener_key(c.listener) in removed,
+                                 "listener removed")
         if plan.control_socket_changed:
             if t.control_server is not None:
                 t.control_server.close()
                 t.control_server = None
-            t._start_control()
+            t.start_control()
         if plan.metrics_changed:
             if t.metrics_server is not None:
                 t.metrics_server.close()
-            t.metrics_server = metrics.start() if metrics is not None else None
-        resvctl.bind(t)          # new namespaces: their shared reservation state
+            t.metrics_server = metrics_server.start() if metrics_server is not None else None
+        t.bind_reservations()    # new namespaces: their shared reservation state
         if t.ana is not None:
             if plan.gateway_changed:
                 t.ana.reconfigure(new.gateway)
@@ -186,7 +229,7 @@ class Reloader:
                 t.ana.refresh()  # new namespaces: their ANA group and path state
         if plan.discovery_changed:
             t.genctr += 1
-            for ctrl in list(t.controllers.values()):
+            for ctrl in list(t.registry.controllers.values()):
                 if ctrl.is_discovery:
                     ctrl.notify(AsyncNotice.DISCOVERY_CHANGE, LogPageId.DISCOVERY)
 
@@ -196,7 +239,7 @@ class Reloader:
         sub = t.subsystems[change.new.nqn]
         sub.conf = change.new
         for nsid in change.removed + [n.nsid for n in change.replaced]:
-            self.retire(sub, sub.namespaces.pop(nsid))
+            t.namespaces.retire(sub, sub.namespaces.pop(nsid))
         for ns_conf in change.added + change.replaced:
             sub.namespaces[ns_conf.nsid] = namespaces[sub.nqn, ns_conf.nsid]
         for ns_conf in change.flipped:
@@ -209,68 +252,6 @@ class Reloader:
             log.info("namespaces changed: subnqn=%s added=%s removed=%s replaced=%s "
                      "read_only=%s", sub.nqn, [n.nsid for n in change.added], change.removed,
                      [n.nsid for n in change.replaced], [n.nsid for n in change.flipped])
-        self.notify_ns_changed(sub, change.changed_nsids)
+        t.namespaces.notify_ns_changed(sub, change.changed_nsids)
         for ns_conf in change.resized:
-            self.resize(sub, sub.namespaces[ns_conf.nsid], ns_conf)
-
-    def notify_ns_changed(self, sub: Subsystem, nsids: tuple[int, ...]) -> None:
-        """Namespace Attribute Changed to every controller of ``sub`` (spec sheet 10)."""
-        t = self.target
-        if not nsids:
-            return
-        for ctrl in list(t.controllers.values()):
-            if ctrl.subsystem is sub and not ctrl.dead:
-                ctrl.notify(AsyncNotice.NS_ATTR_CHANGED, LogPageId.CHANGED_NS, nsids)
-
-    def retire(self, sub: Subsystem, ns: Namespace) -> None:
-        """A namespace left the configuration: no new command finds it; close it once the
-        commands already running on it are done."""
-        t = self.target
-        sub.retired.add(ns.stats)
-        t._closing.append(ns)
-        self.when_idle(ns, lambda: (close_namespace(ns), t._closing.remove(ns)),
-                        f"closing subnqn={sub.nqn} nsid={ns.nsid}")
-
-    def resize(self, sub: Subsystem, ns: Namespace, conf: cfg.Namespace) -> None:
-        """Hold new commands, wait for those running, resize, release, tell the hosts."""
-        ns.paused = True
-
-        def resize() -> None:
-            old = ns.size
-            try:
-                ns.resize(conf)
-            except OSError as exc:
-                log.error("resize failed: subnqn=%s nsid=%d: %s", sub.nqn, ns.nsid, exc)
-            else:
-                log.info("namespace resized: subnqn=%s nsid=%d %d -> %d bytes", sub.nqn,
-                         ns.nsid, old, ns.size)
-            finally:
-                ns.paused = False
-                held, ns.held = ns.held, []
-                for run in held:
-                    run()
-            self.notify_ns_changed(sub, (ns.nsid,))
-
-        self.when_idle(ns, resize, f"resizing subnqn={sub.nqn} nsid={ns.nsid}")
-
-    def when_idle(self, ns: Namespace, action: Callable[[], Any], what: str,
-                   timeout: float = IDLE_TIMEOUT) -> None:
-        """Run ``action`` on the reactor once ``ns`` has no command in flight.  A
-        BufferError means a posted RDMA operation still holds the volume's memory: retry."""
-        t = self.target
-        deadline = time.monotonic() + timeout
-
-        def attempt() -> None:
-            late = time.monotonic() >= deadline
-            if ns.stats.inflight and not late:
-                t.reactor.call_later(IDLE_POLL, attempt)
-                return
-            try:
-                action()
-            except BufferError:
-                if late:
-                    log.error("%s: the volume's memory is still in use after %.0f s", what,
-                              timeout)
-                    return
-                t.reactor.call_later(IDLE_POLL, attempt)
-        attempt()
+            t.namespaces.resize(sub, sub.namespaces[ns_conf.nsid], ns_conf)

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from blockfabric.fabric.reactor import Reactor
     from blockfabric.fabric.target_side import Command
     from blockfabric.target.controller import Controller
-    from blockfabric.target.namespace import Namespace
-    from blockfabric.target.server import Target
+    from blockfabric.target.namespace import Namespace, Subsystem
+    from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger(__name__)
 
@@ -249,21 +249,21 @@ def _drained(controllers: dict[int, Controller], reactor: Reactor, hosts: set[by
 
 
 # -- gateways: a state changed through another gateway (RBD) --------------------------
-def bind(target: Target) -> None:
-    """Watch the shared state of every namespace whose store is shared (at start, and
-    after a reload for the new namespaces)."""
-    for sub in target.subsystems.values():
+def bind(subsystems: dict[str, Subsystem], res: Resources, owner: Owner) -> None:
+    """Watch the shared state of every namespace of ``subsystems`` whose store is shared
+    (at start, and after a reload for the new namespaces)."""
+    for sub in subsystems.values():
         for ns in sub.namespaces.values():
             if ns.resv_bound:
                 continue
             ns.resv_bound = True
             if isinstance(ns.resv_store, RadosStore):
-                _watch(target, ns)
+                _watch(res, owner, ns)
             elif ns.resv_state is None:
-                _read_again(target, ns)
+                _read_again(res, owner, ns)
 
 
-def _read_again(target: Target, ns: Namespace) -> None:
+def _read_again(res: Resources, owner: Owner, ns: Namespace) -> None:
     """A state that could not be read at open (a sidecar unreadable or damaged): read it
     again every RETRY_INTERVAL seconds until it can be (the operator repairs or removes it;
     docs/reservations.md), I/O refused meanwhile."""
@@ -271,21 +271,21 @@ def _read_again(target: Target, ns: Namespace) -> None:
     box: list[rs.State] = []
 
     def finish(exc: BaseException | None) -> None:
-        if ns.resv_store is not store or target.draining:
+        if ns.resv_store is not store or owner.draining:
             return
         if exc is None:
             log.warning("ns %d: reservation state readable again: I/O resumes", ns.nsid)
             set_state(ns, box[0])
             return
-        target.reactor.call_later(RETRY_INTERVAL, attempt)
+        res.reactor.call_later(RETRY_INTERVAL, attempt)
 
     def attempt() -> None:
-        target.run_blocking(lambda: box.append(store.load()), finish, "")
+        res.run_blocking(lambda: box.append(store.load()), finish, "")
 
-    target.reactor.call_later(RETRY_INTERVAL, attempt)
+    res.reactor.call_later(RETRY_INTERVAL, attempt)
 
 
-def _watch(target: Target, ns: Namespace) -> None:
+def _watch(res: Resources, owner: Owner, ns: Namespace) -> None:
     store: RadosStore = ns.resv_store
     wait = NOTIFY_TIMEOUT_MS / 1000 - 1
 
@@ -296,12 +296,12 @@ def _watch(target: Target, ns: Namespace) -> None:
 
         def on_reactor() -> None:
             set_state(ns, out.state)
-            _notify(target.controllers, ns, out.notices)
+            _notify(owner.controllers, ns, out.notices)
             if out.fenced:
-                _drained(target.controllers, target.reactor, set(out.fenced), done.set)
+                _drained(owner.controllers, res.reactor, set(out.fenced), done.set)
             else:
                 done.set()
-        target.reactor.call_soon_threadsafe(on_reactor)
+        res.reactor.call_soon_threadsafe(on_reactor)
         if not done.wait(wait):
             log.warning("ns %d: reservation change from another gateway: fenced hosts "
                         "still busy after %.0f s", ns.nsid, wait)
@@ -312,11 +312,11 @@ def _watch(target: Target, ns: Namespace) -> None:
                       "again", ns.nsid)
             ns.resv_state = None
             ns.resv_open = False
-        target.reactor.call_soon_threadsafe(unknown)
+        res.reactor.call_soon_threadsafe(unknown)
         threading.Thread(target=again, name="resv-watch", daemon=True).start()
 
     def again() -> None:
-        while not store.closed and not target.draining:
+        while not store.closed and not owner.draining:
             try:
                 store.watch(apply, lost)
                 st = store.load()
@@ -324,7 +324,7 @@ def _watch(target: Target, ns: Namespace) -> None:
                 log.warning("ns %d: reservation watch: %s", ns.nsid, exc)
                 time.sleep(1.0)
                 continue
-            target.reactor.call_soon_threadsafe(lambda: set_state(ns, st))
+            res.reactor.call_soon_threadsafe(lambda: set_state(ns, st))
             return
 
     try:

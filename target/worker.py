@@ -42,9 +42,10 @@ from blockfabric.target.controller import Controller
 from blockfabric.target.fairshare import BouncePool, FairExecutor
 from blockfabric.target.metrics import IoStats
 from blockfabric.target.namespace import Namespace
-from blockfabric.target.server import (BACKEND_THREADS, BOUNCE_FLOOR, BOUNCE_SLOTS,
-                                       CONTROL_SLOT, QueueSession, abort_command,
-                                       close_queue)
+from blockfabric.target.broker import (BACKEND_THREADS, BOUNCE_FLOOR, BOUNCE_SLOTS,
+                                       CONTROL_SLOT, abort_command)
+from blockfabric.target.registry import close_queue
+from blockfabric.target.sessions import QueueSession
 from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger("blockfabric.target.worker")
@@ -478,7 +479,9 @@ class Worker:
         self.pending.pop(session.hid, None)
         queue = session.queue
         if queue is not None and not queue.closed:
-            close_queue(queue, () if self._bounce is None else (self._bounce,))
+            close_queue(queue)
+            if self._bounce is not None and self._bounce.ring:
+                self._bounce.drop_unwanted()
         if tell and session.ctrl is None:
             self.send(("lost_pending", session.hid, reason))
 
@@ -490,7 +493,9 @@ class Worker:
         queue = session.queue
         ctrl.queues.pop(qid, None)
         if queue is not None and not queue.closed:
-            close_queue(queue, () if self._bounce is None else (self._bounce,))
+            close_queue(queue)
+            if self._bounce is not None and self._bounce.ring:
+                self._bounce.drop_unwanted()
         if not ctrl.queues and not ctrl.io.inflight:
             self.controllers.pop(ctrl.cntlid, None)
             ctrl.dead = True

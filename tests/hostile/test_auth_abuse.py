@@ -209,7 +209,7 @@ def test_failed_authentications_from_one_address_are_backed_off(target, bystande
             ns.write(4096 * 1001, b"\x5a" * 4096)
             assert ns.read(4096 * 1001, 4096) == b"\x5a" * 4096
     (line,) = wait_lines(target, "failed authentications within 60 s", 1)
-    assert line.startswith(f"WARNING blockfabric.target.server: peer {ATTACKER}: 3 "), line
+    assert line.startswith(f"WARNING blockfabric.target.sessions: peer {ATTACKER}: 3 "), line
     assert f"for {BACKOFF} s" in line
     assert failures(target) == (MAX_FAILURES, MAX_FAILURES)
     assert_undisturbed(bystander.finish(), bystander)

@@ -78,7 +78,7 @@ def test_target_unit_settings():
     assert any("infiniband" in v for v in service["DeviceAllow"])
     assert "/run/blockfabric" in service["ReadWritePaths"][0]
     stop = int(service["TimeoutStopSec"][0])
-    from blockfabric.target.server import DRAIN_TIMEOUT
+    from blockfabric.target.drain import DRAIN_TIMEOUT
     assert DRAIN_TIMEOUT < stop, "a drain must end before systemd kills the daemon"
     watchdog = int(service["WatchdogSec"][0])
     assert watchdog > 0

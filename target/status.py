@@ -1,0 +1,91 @@
+"""The status snapshot: everything ``blockfabric-target status`` and the metrics show, copied
+on the reactor into plain data (dicts, lists, numbers, strings) that another thread may read.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from blockfabric import __version__
+from blockfabric.target import reload as rl
+
+if TYPE_CHECKING:
+    from blockfabric.target.server import Target
+
+
+def snapshot(target: Target) -> dict[str, Any]:
+    """``target``'s state now (call on its reactor); never a secret."""
+    registry = target.registry
+    config = target.config
+    per_listener: dict[tuple, int] = {}
+    for ctrl in registry.controllers.values():
+        key = rl.listener_key(ctrl.listener)
+        per_listener[key] = per_listener.get(key, 0) + 1
+    subsystems = []
+    for sub in target.subsystems.values():
+        subsystems.append({
+            "nqn": sub.nqn, "allow_any_host": sub.conf.allow_any_host,
+            "hosts": list(sub.conf.host_nqns),     # never the secrets
+            "listeners": [x.endpoint for x in config.listeners_for(sub.conf)],
+            "controllers": sum(1 for c in registry.controllers.values() if c.subsystem is sub),
+            "io": sub.stats(),
+            "namespaces": [{"nsid": ns.nsid, "backend": ns.conf.backend,
+                            "path": ns.conf.path, "size": ns.size,
+                            "block_size": ns.block_size, "read_only": ns.read_only,
+                            "io": ns.stats.copy()}
+                           for ns in sorted(sub.namespaces.values(), key=lambda n: n.nsid)]})
+    controllers = []
+    for ctrl in sorted(registry.controllers.values(), key=lambda c: c.cntlid):
+        controllers.append({
+            "cntlid": ctrl.cntlid, "hostnqn": ctrl.hostnqn, "subnqn": ctrl.subnqn,
+            "discovery": ctrl.is_discovery, "provider": ctrl.provider,
+            "listener": ctrl.listener.endpoint, "peer": ctrl.peer,
+            "kato_ms": ctrl.kato_ms, "created": ctrl.created,
+            "queues": [{"qid": qid, "depth": q.depth, "in_use": q.outstanding}
+                       for qid, q in sorted(ctrl.queues.items())],
+            "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors,
+            # DH-HMAC-CHAP: whether its queues must authenticate, and which have
+            "auth_required": ctrl.auth_policy is not None,
+            "authenticated_queues": sorted(q for q, a in ctrl.auth.items()
+                                           if a.authenticated)})
+    bounce = target.broker.bounce_pools
+    executor = target.broker.executor
+    now = time.time()
+    return {
+        "version": __version__, "pid": os.getpid(), "config": config.source,
+        "started": target.started, "uptime_s": now - target.started,
+        "state": "draining" if target.draining else "serving",
+        "reloads": target.reloads, "last_reload_error": target.last_reload_error,
+        "genctr": target.genctr, "auth_failures": target.connector.auth_failures,
+        "buffer_hold_disconnects": registry.hold_disconnects,
+        "listeners": [{"endpoint": lc.endpoint, "name": lc.name, "address": lc.address,
+                       "port": lc.port, "provider": p,
+                       "controllers": per_listener.get(rl.listener_key(lc), 0)}
+                      for lc, p, _li in target.listeners],
+        "subsystems": subsystems, "controllers": controllers,
+        "gateway": target.ana.snapshot() if target.ana is not None else None,
+        # What hosts hold right now: a host that vanished must leave all of it at rest.
+        "resources": {
+            "connections": len(registry.sessions),
+            "commands_in_flight": target.inflight(),
+            "bounce_buffers_in_use": sum(p.used for p in bounce),
+            "bounce_waiters": sum(p.waiting for p in bounce),
+            # per host (its fair share is what fairshare.py says)
+            "bounce_buffers_by_host": _by_host(bounce),
+            "backend_threads": {"busy": executor.used,
+                                "waiting": executor.waiting,
+                                "by_host": _by_host([executor])},
+        },
+    }
+
+
+def _by_host(pools: Any) -> dict[str, int]:
+    """Units held per host NQN, summed over ``pools``."""
+    out: dict[str, int] = {}
+    for pool in pools:
+        for h in pool.hosts.values():
+            if h.held:
+                out[h.key] = out.get(h.key, 0) + h.held
+    return out

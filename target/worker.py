@@ -44,6 +44,7 @@ from blockfabric.target.metrics import IoStats
 from blockfabric.target.namespace import Namespace
 from blockfabric.target.broker import (BACKEND_THREADS, BOUNCE_FLOOR, BOUNCE_SLOTS,
                                        CONTROL_SLOT, abort_command)
+from blockfabric.target.drain import flush_subsystem
 from blockfabric.target.registry import close_queue
 from blockfabric.target.sessions import QueueSession
 from blockfabric.target.services import Owner, Resources
@@ -228,7 +229,7 @@ class Worker:
             config=lambda: self.config)
         self.owner = Owner(
             destroy_controller=self.destroy_controller, end_queue=self.end_queue,
-            flush_subsystem=self.flush_subsystem, auth_failed=self.auth_failed,
+            flush_subsystem=flush_subsystem, auth_failed=self.auth_failed,
             discovery_log=lambda c: b"", controllers=self.controllers, ana=None,
             discovery_nqn="", discovery_serial="", firmware_revision="")
         for sub in config.subsystems:
@@ -260,15 +261,6 @@ class Worker:
 
     def executor_submit(self, work: Callable, finish: Callable, host: str) -> None:
         self.executor.submit(host, work, finish)
-
-    def flush_subsystem(self, sub: Any) -> None:
-        if sub is None:
-            return
-        for ns in sub.namespaces.values():
-            try:
-                ns.backend.flush()
-            except OSError as exc:
-                log.error("group %d: flushing ns %d: %s", self.index, ns.nsid, exc)
 
     def auth_failed(self, ctrl: Any, queue: Any, auth: Any) -> None:
         """Counted and the peer's back-off: the coordinator's (it has the registry)."""
@@ -543,7 +535,7 @@ class Worker:
                 self.reactor.call_later(0.005, check)
                 return
             for sub in self.subsystems.values():
-                self.flush_subsystem(sub)
+                flush_subsystem(sub)
             self.send(("stats", self.stats()))
             self.send(("drained",))
         check()
@@ -564,7 +556,7 @@ class Worker:
             self.rdma_lost(rdma, "worker stopping", tell=False)
         self.executor.shutdown()
         for sub in self.subsystems.values():
-            self.flush_subsystem(sub)
+            flush_subsystem(sub)
             for ns in sub.namespaces.values():
                 ns.close()
         for pool in (self._control, self._zeros, self._bounce):

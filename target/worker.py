@@ -207,9 +207,10 @@ class Worker:
         self.config = config
         self.reactor = Reactor(f"group{index}")
         self.pd = local_pd()
-        self._control: BufferPool | None = None
-        self._zeros: BufferPool | None = None
-        self._bounce: BouncePool | None = None
+        self._control: dict[int, BufferPool] = {}
+        self._zeros: dict[int, BufferPool] = {}
+        self._old: list[BufferPool] = []
+        self._bounce: dict[int, BouncePool] = {}
         self.executor = FairExecutor(self.reactor, BACKEND_THREADS)
         self.controllers: dict[int, WorkerController] = {}
         self.sessions: dict[tuple[int, int], _Session] = {}
@@ -236,28 +237,43 @@ class Worker:
             self.subsystems[sub.nqn] = _WorkerSubsystem(self, sub, memfds)
 
     # -- what controllers use -----------------------------------------------------------
+    # Registered memory per protection domain: the queue's (NVMe/TCP queues share the
+    # worker's local one; soft-RDMA queues have their device context's).
     def control_buffer(self, queue: Any, length: int) -> tuple:
+        pd = queue.pd
         if length <= CONTROL_SLOT:
-            if self._control is None:
-                self._control = BufferPool(self.pd, 64, CONTROL_SLOT)
-            pool = self._control
+            pool = self._control.get(id(pd))
+            if pool is None:
+                pool = self._control[id(pd)] = BufferPool(pd, 64, CONTROL_SLOT)
             index = pool.get()
             if index is not None:
                 return pool.views[index], pool.sge(index, length), lambda _c: pool.put(index)
-        one = BufferPool(self.pd, 1, max(length, 1))
+        one = BufferPool(pd, 1, max(length, 1))
         return one.views[0], one.sge(0, length), lambda _c: one.close()
 
     def zeros(self, queue: Any, length: int) -> Any:
-        if self._zeros is None or self._zeros.size < length:
-            self._zeros = BufferPool(self.pd, 1, max(length, self.config.limits.mdts),
-                                     Access(0))
-        return self._zeros.sge(0, length)
+        pd = queue.pd
+        pool = self._zeros.get(id(pd))
+        if pool is None or pool.size < length:
+            if pool is not None:
+                self._old.append(pool)          # may still be read by a posted WRITE
+            pool = self._zeros[id(pd)] = BufferPool(
+                pd, 1, max(length, self.config.limits.mdts), Access(0))
+        return pool.sge(0, length)
 
     def with_bounce(self, cmd: Any, host: str, length: int, use: Callable) -> None:
-        if self._bounce is None:
-            self._bounce = BouncePool(BufferPool(self.pd, BOUNCE_SLOTS, self.config.limits.mdts),
-                                      BOUNCE_FLOOR, abort_command)
-        self._bounce.request(host, (cmd, length, use))
+        pd = cmd.queue.pd
+        pool = self._bounce.get(id(pd))
+        if pool is None:
+            pool = self._bounce[id(pd)] = BouncePool(
+                BufferPool(pd, BOUNCE_SLOTS, self.config.limits.mdts), BOUNCE_FLOOR,
+                abort_command)
+        pool.request(host, (cmd, length, use))
+
+    def _drop_unwanted(self) -> None:
+        for pool in self._bounce.values():
+            if pool.ring:
+                pool.drop_unwanted()
 
     def executor_submit(self, work: Callable, finish: Callable, host: str) -> None:
         self.executor.submit(host, work, finish)
@@ -472,8 +488,7 @@ class Worker:
         queue = session.queue
         if queue is not None and not queue.closed:
             close_queue(queue)
-            if self._bounce is not None and self._bounce.ring:
-                self._bounce.drop_unwanted()
+            self._drop_unwanted()
         if tell and session.ctrl is None:
             self.send(("lost_pending", session.hid, reason))
 
@@ -486,8 +501,7 @@ class Worker:
         ctrl.queues.pop(qid, None)
         if queue is not None and not queue.closed:
             close_queue(queue)
-            if self._bounce is not None and self._bounce.ring:
-                self._bounce.drop_unwanted()
+            self._drop_unwanted()
         if not ctrl.queues and not ctrl.io.inflight:
             self.controllers.pop(ctrl.cntlid, None)
             ctrl.dead = True
@@ -559,9 +573,11 @@ class Worker:
             flush_subsystem(sub)
             for ns in sub.namespaces.values():
                 ns.close()
-        for pool in (self._control, self._zeros, self._bounce):
-            if pool is not None:
-                pool.close()
+        for pool in [*self._control.values(), *self._zeros.values(), *self._old,
+                     *self._bounce.values()]:
+            pool.close()
+        for pd in self._pds.values():
+            pd.close()
         self.chan.close()
 
 

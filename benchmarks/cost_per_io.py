@@ -66,6 +66,10 @@ SYSTEMS = {
     "bench-thread": ("blockfabric bench (thread)", "bench", "thread"),
     "mount-tcp": ("fio on blockfabric mount (NVMe/TCP)", "mount", "tcp"),
     "bench-tcp": ("blockfabric bench (NVMe/TCP)", "bench", "tcp"),
+    # the target with two poll groups (a worker process beside the coordinator): the
+    # target's CPU is its process tree's
+    "mount-tcp-2r": ("fio on blockfabric mount (NVMe/TCP, reactors 2)", "mount", "tcp-2r"),
+    "bench-tcp-2r": ("blockfabric bench (NVMe/TCP, reactors 2)", "bench", "tcp-2r"),
     "nbd-memory": ("fio on nbdkit memory + nbdfuse", "nbd-memory", None),
     "nbd-python": ("fio on nbdkit python + nbdfuse", "nbd-python", None),
     "libnbd": ("libnbd Python on nbdkit memory", "libnbd", None),

@@ -176,10 +176,29 @@ class RamdiskBackend(Backend):
     MAP_NORESERVE), so a ramdisk larger than RAM + swap fails at start rather than getting
     the daemon OOM-killed later."""
 
-    def __init__(self, size: int, block_size: int = 4096, read_only: bool = False) -> None:
+    #: Set by a target with poll groups (target.pollgroups): ramdisks are then made in
+    #: shared memory (a memfd mapped MAP_SHARED) so that every worker maps the same bytes.
+    shared = False
+
+    def __init__(self, size: int, block_size: int = 4096, read_only: bool = False,
+                 fd: int | None = None) -> None:
         super().__init__(size, block_size, read_only)
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        #: the memfd behind a shared ramdisk (``fd``: another process's, inherited), or None
+        self.memfd: int | None = None
+        if fd is None and self.shared:
+            fd = os.memfd_create(f"blockfabric-ramdisk-{size}", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                os.close(fd)
+                raise
+        if fd is None:
+            self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            self.memfd = fd
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
         numa.bind_region(self._map, "ramdisks")     # before any page is touched
         self._view = memoryview(self._map)
 
@@ -202,7 +221,9 @@ class RamdiskBackend(Backend):
         # straight out of the MR) would return the discarded data (seen on rxe in the lab).
         if last > first and not self.pinned:
             _fill_zero(self._view[offset:first])
-            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            # shared memory keeps its pages through MADV_DONTNEED: MADV_REMOVE frees them
+            self._map.madvise(mmap.MADV_DONTNEED if self.memfd is None else mmap.MADV_REMOVE,
+                              first, last - first)
             _fill_zero(self._view[last:offset + length])
         else:
             _fill_zero(self._view[offset:offset + length])
@@ -219,6 +240,9 @@ class RamdiskBackend(Backend):
     def _close(self) -> None:
         self._view.release()
         self._map.close()   # BufferError here means a memory region still holds the volume
+        if self.memfd is not None:
+            os.close(self.memfd)
+            self.memfd = None
 
 
 _FALLOC_FL_KEEP_SIZE = 0x01

@@ -96,6 +96,8 @@ MAX_CNTLID = 0xFFEF
 #: What a gateway reports for the ANA groups it does not own.
 ANA_OTHERS = ("non-optimized", "inaccessible")
 PROVIDERS = ("auto", "soft", "verbs")
+#: The most poll groups (``reactors``) a target runs.
+REACTORS_MAX = 256
 DEFAULT_CONTROL_SOCKET = "/run/blockfabric/target.sock"
 #: The embedded default configuration, shipped inside the package (same text as
 #: configs/target.yaml in the source tree).
@@ -108,6 +110,29 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _NGUID_RE = re.compile(r"[0-9a-fA-F]{32}")
 _UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
                       r"[0-9a-fA-F]{12}")
+
+class Reactors(Kind):
+    """``reactors``: a number of poll groups, or ``auto`` (one per CPU this process may
+    run on)."""
+
+    expected = f"an integer from 1 to {REACTORS_MAX} or \"auto\" (one per usable CPU)"
+
+    def load(self, value: Any, where: Where) -> Any:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= REACTORS_MAX:
+            where.fail(self.expected, value)
+        return value
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a systemd CPUAffinity=)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
 
 class NumaNode(Kind):
     expected = "auto, none or a NUMA node number"
@@ -588,6 +613,12 @@ class TargetConfig(Model):
     #: (adaptive: spins that find nothing shrink it, down to none; see
     #: docs/performance.md).  0: never spin; unset: $BLOCKFABRIC_REACTOR_SPIN_US, else 80.
     spin_us: int | None = setting(Int(0, 10_000, unit="microseconds"), None)
+    #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
+    #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:
+    #: one per CPU the process may run on.  NVMe/TCP and soft-RDMA I/O queues are spread
+    #: over the groups.  Not with verbs listeners, rbd namespaces or a gateway section
+    #: (yet); a reload cannot change it.
+    reactors: int | str = setting(Reactors(), 1)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
 
@@ -642,7 +673,37 @@ class TargetConfig(Model):
                 numa.resolve(self.numa_node, self.cpus)
             except numa.PlacementError as exc:
                 where.at(exc.key).fail(exc.expected, Plain(str(exc.got)))
+        self._check_reactors(where)
         return dataclasses.replace(self, source=where.file)
+
+    @property
+    def reactor_count(self) -> int:
+        """How many poll groups ``reactors`` means on this machine."""
+        return usable_cpus() if self.reactors == "auto" else int(self.reactors)
+
+    def _check_reactors(self, where: Where) -> None:
+        """What poll groups cannot serve yet is refused at start, naming the key, rather
+        than served wrong (docs/scaling.md says what each would take)."""
+        if self.reactor_count == 1:
+            return
+        here = where.at("reactors")
+        shown = f"{self.reactors}" + (f" ({self.reactor_count} CPUs)"
+                                      if self.reactors == "auto" else "")
+        for x in self.listeners:
+            if x.transport == "rdma" and x.provider != "soft":
+                here.fail(f"1 with a provider: {x.provider} listener ({x.endpoint}): "
+                          "rdma_cm ids cannot move between processes, poll groups serve "
+                          "NVMe/TCP and the soft provider only (set provider: soft, or "
+                          "reactors: 1)", Plain(shown))
+        for s in self.subsystems:
+            for ns in s.namespaces:
+                if ns.backend == "rbd":
+                    here.fail(f"1 with backend: rbd namespaces ({s.nqn} nsid {ns.nsid}): "
+                              "poll groups do not open RBD images per worker yet",
+                              Plain(shown))
+        if self.gateway is not None:
+            here.fail("1 in a gateway (the gateway section): ANA state is not shared with "
+                      "poll groups yet", Plain(shown))
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "<dict>") -> TargetConfig:

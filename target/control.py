@@ -204,7 +204,8 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"controllers: {len(st['controllers'])}")
     for c in st["controllers"]:
-        queues = " ".join(f"q{q['qid']}:{q['in_use']}/{q['depth']}" for q in c["queues"])
+        queues = " ".join(f"q{q['qid']}:{q['in_use']}/{q['depth']}"
+                          + (f"@g{q['group']}" if q.get("group") else "") for q in c["queues"])
         # a host NQN is the peer's: never raw bytes on an operator's terminal
         lines.append(f"  ctrl {c['cntlid']}  {printable(c['hostnqn'])} -> {c['subnqn']}")
         auth = ""
@@ -214,4 +215,13 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"    via {c['listener']} ({c['provider']}) from {c['peer']}  "
                      f"kato {c['kato_ms']} ms  queues {queues}{auth}")
         lines.append(f"    {_io_line(c['io'])}  admin errors {c['admin_errors']}")
+    groups = st.get("groups")
+    if groups:
+        lines.append("")
+        lines.append(f"poll groups: {len(groups)} (reactors)")
+        for g in groups:
+            state = "" if g.get("alive", True) else "  NOT RUNNING"
+            lines.append(f"  group {g['index']} ({g['role']}, pid {g['pid']})  I/O queues "
+                         f"{g['queues']}  cpu {g['cpu_s']:.2f} s{state}")
+            lines.append(f"    {_io_line(g['io'])}")
     return "\n".join(lines) + "\n"

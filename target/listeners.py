@@ -112,6 +112,9 @@ class Listeners:
         #: id(listener) -> the timer that calls it back at its deadline() (see _on_requests)
         self._timers: dict[int, Timer] = {}
         self._shed_log = Episode(log, "connection requests")
+        #: With ``reactors`` > 1 (target.pollgroups): hands soft-RDMA I/O queues to a
+        #: worker at their CM request; None: every queue is accepted here.
+        self.poll: Any = None
 
     # -- open and close --------------------------------------------------------------------
     def open(self, lconf: cfg.Listener) -> Entry:
@@ -227,6 +230,8 @@ class Listeners:
             cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
             cmid.close()
             return
+        if self.poll is not None and self.poll.handoff_rdma(lconf, provider, cmid, req):
+            return                              # a poll group accepts and serves it
         session = self.new_session(lconf, provider, req)
         depth = req.hsqsize + 1
         pd = self.broker.pd_for(cmid)

@@ -294,5 +294,17 @@ def render_metrics(st: dict[str, Any]) -> str:
         queues.samples.append((labels, len(c["queues"])))
         for q in c["queues"]:
             depth.samples.append((dict(labels, qid=str(q["qid"])), q["in_use"]))
+    group_fams = IoFamilies("poll_group")
+    group_queues = Family("blockfabric_poll_group_queues", "gauge",
+                          "I/O queues each poll group (reactors) serves.")
+    group_cpu = Family("blockfabric_poll_group_cpu_seconds_total", "counter",
+                       "CPU time (user + system) of each poll group's process.")
+    for g in st.get("groups") or ():
+        labels = {"group": str(g["index"])}
+        group_fams.add(labels, g["io"])
+        group_queues.samples.append((labels, g["queues"]))
+        group_cpu.samples.append((labels, g["cpu_s"]))
+    extra = [group_queues, group_cpu] + group_fams.families() if st.get("groups") else []
     return render([up, reloads, reload_ok, auth_failed, hold, listeners, conns, size, queues,
-                   depth] + placement_families(st.get("placement")) + sub_fams.families() + ns_fams.families() + ctrl_fams.families())
+                   depth] + placement_families(st.get("placement")) + sub_fams.families()
+                  + ns_fams.families() + ctrl_fams.families() + extra)

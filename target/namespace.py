@@ -27,12 +27,16 @@ log = logging.getLogger(__name__)
 class Namespace:
     """One exported namespace: its configuration, backend and registrations."""
 
-    def __init__(self, conf: cfg.Namespace) -> None:
+    def __init__(self, conf: cfg.Namespace, backend: Backend | None = None,
+                 resv: bool = True) -> None:
+        """``backend``: the volume already open (a poll-group worker's view of a shared
+        ramdisk); ``resv`` False: the reservation state is not read from its store but
+        given (a worker's comes from its coordinator, see target.worker)."""
         self.conf = conf
         self.nsid = conf.nsid
         self.block_size = conf.block_size
         self.read_only = conf.read_only
-        self.backend: Backend = open_backend(conf)
+        self.backend: Backend = open_backend(conf) if backend is None else backend
         self.nblocks = self.backend.size // self.block_size
         self.uuid = uuid.UUID(conf.uuid).bytes if conf.uuid else bytes(16)
         self.nguid = bytes.fromhex(conf.nguid) if conf.nguid else bytes(16)
@@ -54,6 +58,8 @@ class Namespace:
         self.resv_store: Store      # set by resvctl.attach, just below
         self.resv_bound = False     # resvctl.bind: its store's watch is set up
         self.resv_open = True
+        if not resv:
+            return
         try:
             resvctl.attach(self)
         except OSError:

@@ -36,6 +36,23 @@ PASS_FLOOR = 16
 MAX_CNTLID = 0xFFEF
 
 
+def close_queue(queue: TargetQueue) -> None:
+    """Close a queue and let go of everything its commands still hold."""
+    queue.close()
+    # Answered commands whose response SEND will now never complete still hold a
+    # bounce buffer or a namespace's memory: let go of them.
+    for cmd in queue.commands:
+        if cmd.responded and cmd.on_released is not None:
+            release, cmd.on_released = cmd.on_released, None
+            release(cmd)
+    # Commands whose RDMA READ of the host's data will now never complete: undo
+    # what they hold (in-flight counts, bounce or control buffers).
+    for cmd in queue.commands:
+        if cmd.on_fetched is not None:
+            cmd.on_fetched = None
+            abort_command(cmd)
+
+
 class ControllerRegistry:
     """Controllers and queue sessions of one target.  ``cntlid_range()``: the controller ids
     this target may hand out (a gateway's range, else all)."""
@@ -101,19 +118,7 @@ class ControllerRegistry:
             session.connect_timer.cancel()
             session.connect_timer = None
         if queue is not None and not queue.closed:
-            queue.close()
-            # Answered commands whose response SEND will now never complete still hold a
-            # bounce buffer or a namespace's memory: let go of them.
-            for cmd in queue.commands:
-                if cmd.responded and cmd.on_released is not None:
-                    release, cmd.on_released = cmd.on_released, None
-                    release(cmd)
-            # Commands whose RDMA READ of the host's data will now never complete: undo
-            # what they hold (in-flight counts, bounce or control buffers).
-            for cmd in queue.commands:
-                if cmd.on_fetched is not None:
-                    cmd.on_fetched = None
-                    abort_command(cmd)
+            close_queue(queue)
             # Commands still waiting for a bounce buffer will never need it.
             self.broker.drop_unwanted_waiters()
 

@@ -85,13 +85,13 @@ class Reloader:
             try:
                 new = load()
             except BlockfabricError as exc:
-                self._failed(str(exc))
+                self.failed(str(exc))
                 return False
             return t.reload(new)        # Target.reload: apply, and say what a reload cannot
         finally:
             sd_notify("READY=1\nSTATUS=serving")
 
-    def _failed(self, error: str) -> None:
+    def failed(self, error: str) -> None:
         self.target.last_reload_error = error
         log.error("reload rejected, the running configuration is unchanged: %s", error)
 
@@ -137,7 +137,7 @@ class Reloader:
                 ns.close()
             if gateway_prepared and t.coordinator is not None and new.gateway is not None:
                 t.coordinator.rollback(new.gateway)
-            self._failed(f"{new.source}: {exc}")
+            self.failed(f"{new.source}: {exc}")
             return False
         self._commit(plan, new, opened, subsystems, namespaces, metrics_server)
         t.reloads += 1

@@ -202,10 +202,17 @@ def run_update(ctrl: Controller, cmd: Command, ns: Namespace,
             log.info("%s: ns %d: reservation %s", ctrl.name, ns.nsid,
                      reservations.describe(out.state))
         _notify(ctrl.owner.controllers, ns, out.notices)
-        if out.fenced:
-            _fence(ctrl, ns, set(out.fenced), cmd)
-        else:
-            _answer(cmd)
+
+        def then() -> None:
+            if out.fenced:
+                _fence(ctrl, ns, set(out.fenced), cmd)
+            else:
+                _answer(cmd)
+        publish = ctrl.owner.publish_resv
+        if publish is None:
+            then()
+        else:       # every poll group has the new state before the command is answered
+            publish(ns, out.state, out.fenced, then)
 
     ctrl.res.run_blocking(work, finish, ctrl.hostnqn)
 

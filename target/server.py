@@ -34,6 +34,7 @@ from blockfabric.protocol.fabrics import DISCOVERY_NQN
 from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics
+from blockfabric.target import pollgroups
 from blockfabric.target import resvctl
 from blockfabric.target.ana import Ana
 from blockfabric.target.broker import BufferBroker
@@ -92,6 +93,9 @@ class Target:
             config=live_config, subsystems=self.subsystems, registry=self.registry,
             volumes=self.volumes, listener_now=self.listening.now,
             control_buffer=self.broker.control_buffer, new_controller=self._new_controller)
+        #: The worker processes of ``reactors`` > 1 (target.pollgroups), started by start().
+        self.poll: pollgroups.PollGroups | None = None
+        pollgroups.prepare(config.reactor_count)
         try:
             for sub in config.subsystems:
                 self.subsystems[sub.nqn] = Subsystem(sub)
@@ -173,6 +177,11 @@ class Target:
             if self.ana is not None:        # join the group first: it may refuse us
                 self.coordinator = Coordinator(self.reactor, self.ana, self.config.gateway)
                 self.coordinator.connect()
+            if self.config.reactor_count > 1:
+                self.poll = pollgroups.PollGroups(self, self.config.reactor_count)
+                self.owner.publish_resv = self.poll.publish_resv
+                self.listening.poll = self.connector.poll = self.poll
+                self.poll.start()
             for lconf in self.config.listeners:
                 self.listening.add(self.listening.open(lconf))
             self._start_metrics()
@@ -234,23 +243,38 @@ class Target:
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
         """Stop accepting, let the commands in flight finish, flush, disconnect, stop
         (see drain.py)."""
+        poll = self.poll
+        if poll is not None and not self.draining:
+            poll.drain(timeout)             # the workers' commands in flight count too
         start_drain(reactor=self.reactor, owner=self.owner, listeners=self.listening,
                     registry=self.registry, subsystems=self.subsystems,
-                    inflight=self.inflight, timeout=timeout)
+                    inflight=self.inflight if poll is None else
+                    lambda: self.inflight() + poll.draining_left(), timeout=timeout)
 
     def reload_from(self, load: Callable[[], cfg.TargetConfig]) -> bool:
-        """Load a new configuration and apply it; on any error keep the old one whole."""
+        """Load a new configuration and apply it (through :meth:`reload`); on any error
+        keep the old one whole."""
         return self.reloader.reload_from(load)
 
     def reload(self, new: cfg.TargetConfig) -> bool:
         """Apply ``new`` (see :class:`~blockfabric.target.reloader.Reloader`)."""
+        refusal = pollgroups.reload_refusal(self.config, new)
+        if refusal is not None:             # what poll groups cannot change while running
+            self.reloader.failed(f"{new.source}: {refusal}")
+            return False
         old = self.config
         done = self.reloader.apply(new)
         if done and (old.numa_node, old.cpus, old.numa_memory) != (
                 new.numa_node, new.cpus, new.numa_memory):
             log.warning("numa_node, cpus or numa_memory changed: a reload does not move a "
                         "running target; restart it to apply (docs/numa.md)")
-        return done
+        return self._pushed(done)
+
+    def _pushed(self, applied: bool) -> bool:
+        """After a reload: the poll groups get the configuration too (limits)."""
+        if applied and self.poll is not None:
+            self.poll.push_config(self.config)
+        return applied
 
     # -- status and metrics -------------------------------------------------------------
     def _control_request(self, request: dict[str, Any]) -> Any:
@@ -275,13 +299,19 @@ class Target:
 
     def snapshot(self) -> dict[str, Any]:
         """Everything ``status`` and the metrics show, copied on the reactor."""
-        return snapshot(self)
+        out = snapshot(self)
+        if self.poll is not None:
+            self.poll.snapshot(out)         # per group, and the workers' counts in the totals
+        return out
 
     # -- teardown --------------------------------------------------------------------
     def close(self) -> None:
         """Stop accepting, close every queue, flush and close every volume; idempotent."""
         self.listening.close()
         self.registry.close()
+        if self.poll is not None:
+            self.poll.close()
+            self.poll = None
         for server in (self.control_server, self.metrics_server):
             if server is not None:
                 server.close()

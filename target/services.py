@@ -78,7 +78,7 @@ class Owner:
 
     __slots__ = ("destroy_controller", "end_queue", "flush_subsystem", "auth_failed",
                  "discovery_log", "draining", "controllers", "ana", "discovery_nqn",
-                 "discovery_serial", "firmware_revision")
+                 "discovery_serial", "firmware_revision", "publish_resv")
 
     def __init__(self, *, destroy_controller: Callable[[Controller, str], None],
                  end_queue: Callable[[TargetQueue, str], None],
@@ -102,3 +102,7 @@ class Owner:
         self.discovery_nqn = discovery_nqn
         self.discovery_serial = discovery_serial
         self.firmware_revision = firmware_revision
+        #: With poll groups (target.pollgroups): ``publish_resv(ns, state, fenced, then)``
+        #: gives every group a namespace's new reservation state, ``then()`` once they
+        #: all have it; None: this process is the only one.
+        self.publish_resv: Callable[..., None] | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.logutil import printable
@@ -110,11 +110,15 @@ class QueueSession:
         self.handler = ctrl.queue_handler(self.qid)
         self.queue.dispatch = self.handler      # the queue calls it without this session
         self.queue.sq_flow = not connect.sq_flow_control_disabled
+        result = ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0)
+        poll = self.connector.poll
+        if poll is not None and poll.handoff(self, cmd, ctrl, result):
+            return                              # a poll group answers it and serves it
         # The rest of the queue's receive slots, before the answer: a host sends nothing
         # else on this queue until it has the Connect response.
         self.queue.post_more_receives()
         # ATR: authenticate this queue before anything else (nvmet_connect_result)
-        cmd.respond(result=ctrl.cntlid | (CONNECT_AUTHREQ_ATR if ctrl.auth_policy else 0))
+        cmd.respond(result=result)
 
     def queue_broken(self, queue: TargetQueue, reason: str) -> None:
         self.connector.queue_broken(self, queue, reason)
@@ -178,6 +182,9 @@ class Connector:
         self.auth_failures = 0                  # failed DH-HMAC-CHAP exchanges
         #: Peer addresses whose authentications keep failing (limits.auth_max_failures).
         self.auth_backoff = PeerBackoff()
+        #: With ``reactors`` > 1 (target.pollgroups): hands NVMe/TCP I/O queues to a
+        #: worker at their Connect; None: every queue is served here.
+        self.poll: Any = None
 
     def connect(self, session: QueueSession, connect: ConnectCommand,
                 data: ConnectData) -> Controller:

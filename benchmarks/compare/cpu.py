@@ -166,6 +166,8 @@ def counted_span(out: dict, runtime: float | None = None) -> tuple[float, float,
 
 
 def _cpu_or_none(pid: int) -> float | None:
+    """utime + stime of ``pid`` and of its living children (a target's poll-group workers:
+    the server is the process tree), None once ``pid`` is gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -173,7 +175,24 @@ def _cpu_or_none(pid: int) -> float | None:
         return None
     if fields[0] == "Z":       # exited, not yet reaped: its times are final but unreliable
         return None
-    return _precise((int(fields[11]) + int(fields[12])) / TICK, pid)
+    return _precise((int(fields[11]) + int(fields[12])) / TICK, pid) + sum(
+        cpu_seconds(child) for child in children(pid))
+
+
+def children(pid: int) -> list[int]:
+    """The living children of ``pid`` (from every thread's ``children`` list)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
 
 
 def _interp(pts: list[tuple[float, float]], t: float) -> float:

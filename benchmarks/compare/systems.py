@@ -168,6 +168,7 @@ class Workspace:
         """A ramdisk target on the soft provider (``progress`` "tcp": an NVMe/TCP listener
         instead), its metrics on port + 1 (so that a load can tell when its hosts are
         connected); returns (port, pid, command)."""
+        reactors = reactors_of(progress)
         transport, progress = variant(progress)
         port = free_port()
         while not port_free(port + 1):
@@ -183,7 +184,8 @@ class Workspace:
             "    namespaces:\n"
             f"      - {{nsid: 1, backend: ramdisk, size: {VOLUME}, block_size: 4096}}\n"
             f"control_socket: {self.tmp}/control-{port}.sock\n"
-            f"metrics: {{port: {port + 1}}}\n")
+            f"metrics: {{port: {port + 1}}}\n"
+            f"reactors: {reactors}\n")
         env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
         argv = [BIN / "blockfabric-target", "run", "-C", config]
         proc, log = self.spawn(f"target-{port}", argv, env)
@@ -202,7 +204,9 @@ class Workspace:
         pid = mount_pid(mnt)
         if pid is not None:   # the daemon outlives the command: unmount, then end it
             self._undo.append(lambda: (unmount(mnt), stop(pid, None)))
-        label = "blockfabric (NVMe/TCP)" if transport == "tcp" else f"blockfabric ({progress})"
+        label = ("blockfabric (NVMe/TCP)" if transport == "tcp" else
+                 f"blockfabric ({progress})") + (f", reactors {reactors_of(progress)}"
+                                                 if reactors_of(progress) > 1 else "")
         return System(f"bf-{progress}", label, mnt / "n1",
                       [target_cmd, shell(argv, env)], target_pid, pid, port)
 
@@ -291,7 +295,14 @@ def variant(progress: str) -> tuple[str, str]:
     """(transport, soft provider progress) of a blockfabric system's key: "thread" and
     "poll" are the soft RDMA provider's two progress modes, "tcp" is NVMe/TCP (whose host
     and target run their connections on their reactors, like poll)."""
-    return ("tcp", "poll") if progress == "tcp" else ("rdma", progress)
+    base = progress.split("-", 1)[0]
+    return ("tcp", "poll") if base == "tcp" else ("rdma", base)
+
+
+def reactors_of(progress: str) -> int:
+    """The target's poll groups: a progress "tcp-2r" is NVMe/TCP with ``reactors: 2``."""
+    tail = progress.split("-", 1)[1] if "-" in progress else "1r"
+    return int(tail.rstrip("r"))
 
 
 def mount_pid(mnt: pathlib.Path) -> int | None:

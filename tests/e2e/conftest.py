@@ -101,6 +101,9 @@ class TargetProc:
 #: What the suites that run over every transport are parametrised with: NVMe-oF over the
 #: soft RDMA provider, and NVMe/TCP (issue 18).
 TRANSPORTS = ("rdma", "tcp")
+#: ... and with one poll group (one process) and two (a worker process beside the
+#: coordinator: NVMe/TCP and soft-RDMA I/O queues spread over both).
+REACTORS = (1, 2)
 
 
 def listener(port: int, address: str = "127.0.0.1", transport: str = "rdma"
@@ -122,16 +125,25 @@ def cli_via(transport: str = "rdma") -> list[str]:
 
 
 def ram_config(port: int, address: str = "127.0.0.1", transport: str = "rdma",
-               **subsystem: Any) -> dict[str, Any]:
+               reactors: int = 1, **subsystem: Any) -> dict[str, Any]:
     sub = {"nqn": NQN, "allow_any_host": True,
            "namespaces": [{"nsid": 1, "backend": "ramdisk", "size": "64MiB"}]}
     sub.update(subsystem)
-    return {"listeners": [listener(port, address, transport)], "subsystems": [sub]}
+    config = {"listeners": [listener(port, address, transport)], "subsystems": [sub]}
+    if reactors != 1:
+        config["reactors"] = reactors
+    return config
 
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request) -> str:
     """Each transport in turn (the test runs once per transport)."""
+    return request.param
+
+
+@pytest.fixture(params=REACTORS, ids=lambda n: f"{n}r")
+def reactors(request) -> int:
+    """One poll group, then two (the test runs once per count)."""
     return request.param
 
 
@@ -172,13 +184,17 @@ def ram_target(start_target):
     return proc
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=[(t, r) for t in TRANSPORTS for r in REACTORS],
+                ids=lambda p: f"{p[0]}-{p[1]}r")
 def module_any_target(request, tmp_path_factory):
-    """One ramdisk target per transport shared by a whole test module (``proc.via``)."""
+    """One ramdisk target per transport and poll-group count shared by a whole test module
+    (``proc.via``)."""
     port = free_port()
-    proc = TargetProc(ram_config(port, transport=request.param),
+    transport, reactors = request.param
+    proc = TargetProc(ram_config(port, transport=transport, reactors=reactors),
                       tmp_path_factory.mktemp("target")).start()
-    proc.port, proc.transport, proc.via = port, request.param, via(request.param)
+    proc.port, proc.transport, proc.via = port, transport, via(transport)
+    proc.reactors = reactors
     yield proc
     if proc.alive():
         proc.stop()
@@ -186,9 +202,11 @@ def module_any_target(request, tmp_path_factory):
 
 
 @pytest.fixture
-def any_target(start_target, transport):
-    """A ramdisk target listening on ``transport`` (``proc.via``: how to connect to it)."""
+def any_target(start_target, transport, reactors):
+    """A ramdisk target listening on ``transport`` with ``reactors`` poll groups
+    (``proc.via``: how to connect to it)."""
     port = free_port()
-    proc = start_target(ram_config(port, transport=transport))
+    proc = start_target(ram_config(port, transport=transport, reactors=reactors))
     proc.port, proc.transport, proc.via = port, transport, via(transport)
+    proc.reactors = reactors
     return proc

@@ -33,10 +33,10 @@ def test_random_io_ramdisk_many_in_flight_on_several_queues(any_target):
     assert max(stats[q]["max_inflight"] for q in (1, 2, 3)) > 1, stats
 
 
-def test_random_io_file_backend(start_target, tmp_path, transport):
+def test_random_io_file_backend(start_target, tmp_path, transport, reactors):
     port = free_port()
     path = tmp_path / "vol.img"
-    start_target(ram_config(port, transport=transport, namespaces=[
+    start_target(ram_config(port, transport=transport, reactors=reactors, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(path), "size": "32MiB",
          "block_size": 512}]))
     with connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,

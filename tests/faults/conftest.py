@@ -12,16 +12,17 @@ import pytest
 from blockfabric.initiator.host import ConnectOptions, Controller
 
 from e2e.conftest import (HOSTNQN, NQN, TargetProc, free_port, ram_config,  # noqa: F401
-                          start_target, transport, via)
+                          reactors, start_target, transport, via)
 from helpers.netns import netns_pair  # noqa: F401
 
 FAST = dict(keep_alive_tmo=1.0, reconnect_delay=0.5, connect_timeout=1.0)
 
 
 def file_config(port: int, volume: pathlib.Path, address: str = "127.0.0.1",
-                extra_ports: tuple[int, ...] = (), transport: str = "rdma") -> dict[str, Any]:
+                extra_ports: tuple[int, ...] = (), transport: str = "rdma",
+                reactors: int = 1) -> dict[str, Any]:
     """One file-backed namespace (it survives SIGKILL: the data is in the file)."""
-    config = ram_config(port, address, transport, namespaces=[
+    config = ram_config(port, address, transport, reactors, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(volume), "size": "32MiB"}])
     config["listeners"] += [{"provider": "soft", "address": address, "port": p}
                             for p in extra_ports]
@@ -74,11 +75,12 @@ def file_target(tmp_path):
 
 
 @pytest.fixture
-def any_file_target(tmp_path, transport):
-    """:func:`file_target` listening on ``transport`` (``.via``: the host's keywords)."""
+def any_file_target(tmp_path, transport, reactors):
+    """:func:`file_target` listening on ``transport`` with ``reactors`` poll groups
+    (``.via``: the host's keywords)."""
     port = free_port()
-    target = Restartable(file_config(port, tmp_path / "vol.img", transport=transport),
-                         tmp_path)
+    target = Restartable(file_config(port, tmp_path / "vol.img", transport=transport,
+                                     reactors=reactors), tmp_path)
     target.port, target.via = port, via(transport)
     yield target
     target.stop()

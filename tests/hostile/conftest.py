@@ -20,7 +20,13 @@ MAX_CONN = 6
 
 
 @pytest.fixture
-def target(start_target, request, tmp_path):
+def target_reactors() -> int:
+    """The target's poll groups; a module overrides it to run its tests with 1 and 2."""
+    return 1
+
+
+@pytest.fixture
+def target(start_target, request, tmp_path, target_reactors):
     """Parametrize indirectly with a mapping to set further ``limits`` keys (and
     ``nofile``: run the target with that RLIMIT_NOFILE); with ``backend: file`` in it, the
     namespace is a file in ``tmp_path`` instead of a ramdisk (I/O through the shared bounce
@@ -29,7 +35,7 @@ def target(start_target, request, tmp_path):
     port = free_port()
     limits = dict(getattr(request, "param", {}))
     backend = limits.pop("backend", "ramdisk")
-    config = ram_config(port)
+    config = ram_config(port, reactors=target_reactors)
     tcp_port = free_port()      # and NVMe/TCP beside it: the same subsystem, the same limits
     config["listeners"].append(listener(tcp_port, transport="tcp"))
     padded_port = free_port()   # and one that asks for 16-byte aligned data (CPDA 3)

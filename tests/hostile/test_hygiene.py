@@ -21,6 +21,14 @@ from .attacker import admin_queue, attacker, raw_connect
 from .conftest import (HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_accepts_new_host,
                        assert_undisturbed, free_port, ram_config)
 
+
+@pytest.fixture(params=(1, 2), ids=lambda n: f"{n}r")
+def target_reactors(request) -> int:
+    """Every test here with one poll group and with two (NVMe/TCP I/O queues in a
+    worker process: resources at rest there too)."""
+    return request.param
+
+
 FORGED = "ERROR blockfabric.target: FORGED by the peer"
 BAD = "nqn.2026-12.io.x:"
 

@@ -19,6 +19,13 @@ BS = 4096
 MDTS = MiB              # the target's default limits.mdts
 
 
+@pytest.fixture(params=(1, 2), ids=lambda n: f"{n}r")
+def target_reactors(request) -> int:
+    """Every test here with one poll group and with two (an attacker's NVMe/TCP I/O queues
+    in a worker process)."""
+    return request.param
+
+
 def keyed(ctrl, opcode: IOOpcode, nlb: int, length: int, key: int | None = None) -> bytes:
     mr = ctrl.arena.mr
     return ReadWrite(opcode, 1, 0, nlb).to_sqe(

@@ -22,6 +22,14 @@ from blockfabric.protocol.tcp_pdu import Fes
 
 from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed
 
+
+@pytest.fixture(params=(1, 2), ids=lambda n: f"{n}r")
+def target_reactors(request) -> int:
+    """Every test here with one poll group and with two (NVMe/TCP I/O queues in a
+    worker process: malformed PDUs there too)."""
+    return request.param
+
+
 MAXH2CDATA = 128 << 10          # what the target's ICResp offers
 TRANSIENT_TRANSPORT_ERROR = 0x22
 

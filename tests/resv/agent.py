@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--nqn", required=True)
     ap.add_argument("--name", required=True)
+    ap.add_argument("--transport", choices=("rdma", "tcp"), default="rdma")
     args = ap.parse_args()
     if args.netns:
         from blockfabric.net import enter_netns
@@ -41,7 +42,8 @@ def main() -> int:
 
     hostid = uuid.uuid5(uuid.NAMESPACE_DNS, args.name)
     ctrl = Controller(ConnectOptions(
-        traddr=args.traddr, trsvcid=args.port, subnqn=args.nqn, provider="soft",
+        traddr=args.traddr, trsvcid=args.port, subnqn=args.nqn,
+        **({"transport": "tcp"} if args.transport == "tcp" else {"provider": "soft"}),
         hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{hostid}", hostid=hostid.bytes,
         nr_io_queues=2, keep_alive_tmo=5, reconnect_delay=0.5, ctrl_loss_tmo=30)).connect()
     ns = ctrl.namespaces[1]

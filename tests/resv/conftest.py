@@ -23,11 +23,12 @@ class Host:
     """One agent: ``host.do(op, **fields)`` returns its JSON answer."""
 
     def __init__(self, name: str, netns: str | None, traddr: str, port: int,
-                 nqn: str = NQN) -> None:
+                 nqn: str = NQN, transport: str = "rdma") -> None:
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, str(AGENT), *(["--netns", netns] if netns else []),
-             "--traddr", traddr, "--port", str(port), "--nqn", nqn, "--name", name],
+             "--traddr", traddr, "--port", str(port), "--nqn", nqn, "--name", name,
+             "--transport", transport],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def register(self, key: int, **fields: Any) -> int:
@@ -81,18 +82,24 @@ def fence_a_writer(x: Host, y: Host, blocks: int = 256, depth: int = 32) -> str:
     return after
 
 
-@pytest.fixture(scope="module")
-def resv_lab(tmp_path_factory):
+@pytest.fixture(scope="module", params=[("rdma", 1), ("tcp", 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}r")
+def resv_lab(tmp_path_factory, request):
     """(target, x, y, z) for a whole module: a file-volume target in namespace B; hosts x
-    and y in A, z in B (on B's address).  Tests start from :func:`reset`."""
+    and y in A, z in B (on B's address).  Tests start from :func:`reset`.  Once over the
+    soft provider with one poll group, once over NVMe/TCP with two: each host's two I/O
+    queues are then in different groups (processes), and the reservation must hold in
+    both."""
     require_netns()
+    transport, reactors = request.param
     tmp = tmp_path_factory.mktemp("resv")
     with _netns_pair("bfr") as pair:
         port = 4420 + free_port() % 1000
         addr = pair.ipv4[1]
-        target = Restartable(file_config(port, tmp / "vol.img", addr), tmp,
-                             netns=pair.names[1])
-        hosts = [Host(n, pair.names[i // 2], addr, port) for i, n in enumerate("xyz")]
+        target = Restartable(file_config(port, tmp / "vol.img", addr, transport=transport,
+                                         reactors=reactors), tmp, netns=pair.names[1])
+        hosts = [Host(n, pair.names[i // 2], addr, port, transport=transport)
+                 for i, n in enumerate("xyz")]
         try:
             yield (target, *[h.connected() for h in hosts])
         finally:

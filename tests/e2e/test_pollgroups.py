@@ -1,0 +1,247 @@
+"""Poll groups (``reactors: 2``): I/O queues of one controller spread over processes, a
+worker that dies takes only its queues with it, reservations hold in every group, status
+counts add up, and what poll groups cannot serve is refused at load, naming the key."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from blockfabric.errors import BlockfabricError
+from blockfabric.initiator import resv
+from blockfabric.initiator.host import ConnectOptions, Controller, NvmeError, connect
+from blockfabric.target import config as cfg
+from blockfabric.target.backends import RamdiskBackend
+
+from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config
+from .workload import verify_workload
+
+CONFLICT = 0x083
+THIRD_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:33333333-2222-3333-4444-555555555555"
+
+
+def _status(sock: str) -> dict:
+    out = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket", sock,
+                          "--output-format", "json"], capture_output=True, text=True,
+                         timeout=20, check=True)
+    return json.loads(out.stdout)
+
+
+def _settled(sock: str, check, timeout: float = 5.0) -> dict:
+    """The status once ``check(status)`` holds (workers report every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = _status(sock)
+        if check(st) or time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def two_groups(start_target, tmp_path):
+    port = free_port()
+    config = ram_config(port, transport="tcp", reactors=2)
+    config["listeners"].append(listener(free_port()))       # and the soft provider
+    config["control_socket"] = str(tmp_path / "control.sock")
+    config["metrics"] = {"port": free_port()}
+    proc = start_target(config)
+    proc.port, proc.rdma_port = port, config["listeners"][1]["port"]
+    proc.socket, proc.metrics = config["control_socket"], config["metrics"]["port"]
+    return proc
+
+
+def test_io_queues_of_one_controller_spread_over_groups_and_counts_add_up(two_groups):
+    with connect("127.0.0.1", NQN, two_groups.port, transport="tcp", hostnqn=HOSTNQN,
+                 nr_io_queues=4, queue_size=32) as ctrl:
+        summary = verify_workload(ctrl.namespaces[1], seed=3, ops=400, inflight=64)
+        stats = ctrl.queue_stats()
+        st = _settled(two_groups.socket, lambda s: sum(
+            g["io"]["writes"] for g in s["groups"]) == s["controllers"][0]["io"]["writes"]
+            and all(g["io"]["writes"] for g in s["groups"]))
+        text = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket",
+                               two_groups.socket], capture_output=True, text=True,
+                              check=True).stdout
+    assert summary["bytes_verified"] > 0
+    assert all(stats[q]["completed"] > 0 and stats[q]["errors"] == 0 for q in (1, 2, 3, 4))
+    (c,) = st["controllers"]
+    placed = {q["qid"]: q["group"] for q in c["queues"]}
+    assert placed[0] == 0                                       # admin: the coordinator
+    assert sorted(placed[q] for q in (1, 2, 3, 4)) == [0, 0, 1, 1], placed
+    groups = st["groups"]
+    assert [g["index"] for g in groups] == [0, 1] and groups[1]["pid"] != groups[0]["pid"]
+    assert [g["queues"] for g in groups] == [2, 2]
+    # every group served I/O, and the totals are the sums of the groups
+    for key in ("reads", "writes", "read_bytes", "written_bytes"):
+        assert all(g["io"][key] > 0 for g in groups), (key, groups)
+        total = sum(g["io"][key] for g in groups)
+        assert total == c["io"][key] == st["subsystems"][0]["io"][key] \
+            == st["subsystems"][0]["namespaces"][0]["io"][key], key
+    assert "poll groups: 2" in text and "@g1" in text, text
+    import urllib.request
+    body = urllib.request.urlopen(f"http://127.0.0.1:{two_groups.metrics}/metrics",
+                                  timeout=10).read().decode()
+    assert 'blockfabric_poll_group_queues{group="1"} 0' in body, body     # disconnected
+    assert 'blockfabric_poll_group_io_total{group="1",op="write"}' in body
+    assert 'blockfabric_poll_group_cpu_seconds_total{group="1"}' in body
+
+
+def test_killing_a_worker_fails_only_its_queues(two_groups):
+    """Two hosts of one I/O queue each: the TCP one's goes to the worker (a tie goes to a
+    worker), the soft-RDMA one's then to the coordinator (less loaded).  SIGKILL the worker:
+    the TCP host's queue fails and it reconnects (its data intact: the ramdisk is the
+    coordinator's shared memory); the RDMA host keeps its controller; a new worker takes
+    new queues."""
+    tcp = Controller(ConnectOptions(traddr="127.0.0.1", trsvcid=two_groups.port, subnqn=NQN,
+                                    transport="tcp", hostnqn=HOSTNQN, nr_io_queues=1,
+                                    keep_alive_tmo=1.0, reconnect_delay=0.3,
+                                    ctrl_loss_tmo=30)).connect()
+    rdma = Controller(ConnectOptions(traddr="127.0.0.1", trsvcid=two_groups.rdma_port,
+                                     subnqn=NQN, provider="soft", hostnqn=OTHER_HOSTNQN,
+                                     nr_io_queues=1)).connect()
+    try:
+        payload = os.urandom(1 << 20)
+        tcp.namespaces[1].write(0, payload)
+        st = _status(two_groups.socket)
+        old = st["groups"][1]["pid"]
+        before = {c["hostnqn"]: c["cntlid"] for c in st["controllers"]}
+        where = {c["hostnqn"]: [q["group"] for q in c["queues"] if q["qid"]]
+                 for c in st["controllers"]}
+        assert where == {HOSTNQN: [1], OTHER_HOSTNQN: [0]}, where
+        os.kill(old, signal.SIGKILL)
+        assert two_groups.wait_log("poll group 1 (pid", 10), two_groups.log
+        # the TCP host reconnects and reads what it wrote; the RDMA host never noticed
+        assert tcp.namespaces[1].read(0, len(payload)) == payload
+        verify_workload(rdma.namespaces[1], seed=5, ops=100, inflight=8)
+        verify_workload(tcp.namespaces[1], seed=6, ops=100, inflight=8)
+        st = _settled(two_groups.socket, lambda s: s["groups"][1]["alive"])
+        after = {c["hostnqn"]: c["cntlid"] for c in st["controllers"]}
+        assert after[OTHER_HOSTNQN] == before[OTHER_HOSTNQN]
+        assert after[HOSTNQN] != before[HOSTNQN]          # a new controller: reconnected
+        assert st["groups"][1]["alive"] and st["groups"][1]["pid"] != old
+        # the new worker takes new queues, over either transport
+        for via in ({"transport": "tcp", "port": two_groups.port},
+                    {"provider": "soft", "port": two_groups.rdma_port}):
+            port = via.pop("port")
+            with connect("127.0.0.1", NQN, port, **via, hostnqn=THIRD_HOSTNQN,
+                         nr_io_queues=2) as third:
+                verify_workload(third.namespaces[1], seed=7, ops=50, inflight=8)
+                st = _status(two_groups.socket)
+            (c,) = [c for c in st["controllers"] if c["hostnqn"] == THIRD_HOSTNQN]
+            assert 1 in [q["group"] for q in c["queues"]], (via, c)
+        assert "exited" in two_groups.log
+    finally:
+        tcp.close()
+        rdma.close()
+
+
+def test_reservations_hold_in_every_group(two_groups):
+    """Host A holds Write Exclusive; host B's writes conflict on every one of its queues,
+    whichever group serves it, and A's succeed on all of its; B's preempt-and-abort is in
+    force in every group when it answers."""
+    opts = dict(traddr="127.0.0.1", trsvcid=two_groups.port, subnqn=NQN, transport="tcp",
+                nr_io_queues=2)
+    a = Controller(ConnectOptions(hostnqn=HOSTNQN, hostid=b"A" * 16, **opts)).connect()
+    b = Controller(ConnectOptions(hostnqn=OTHER_HOSTNQN, hostid=b"B" * 16, **opts)).connect()
+    try:
+        st = _status(two_groups.socket)
+        for c in st["controllers"]:
+            assert sorted(q["group"] for q in c["queues"] if q["qid"]) == [0, 1], c
+        na, nb = a.namespaces[1], b.namespaces[1]
+        resv.register(na, nrkey=0xA)
+        resv.register(nb, nrkey=0xB)
+        resv.acquire(na, crkey=0xA, rtype=1)            # write exclusive
+        # each host's commands go round-robin over its queues: four of each reach both
+        for i in (1, 2, 3, 4):
+            na.write(4096 * i, b"a" * 4096)
+            with pytest.raises(NvmeError) as err:
+                nb.write(4096 * i, b"b" * 4096)
+            assert err.value.status == CONFLICT, i
+            assert nb.read(4096 * i, 4096) == b"a" * 4096
+        resv.acquire(nb, crkey=0xB, prkey=0xA, rtype=1, racqa=2)     # preempt and abort
+        for i in (1, 2, 3, 4):
+            with pytest.raises(NvmeError) as err:
+                na.write(4096 * i, b"x" * 4096)
+            assert err.value.status == CONFLICT, i
+            nb.write(4096 * i, b"b" * 4096)
+        assert na.read(4096, 4 * 4096) == b"b" * 4 * 4096
+        # four conflicts each, two per queue, so two in each group; counted in the one
+        # controller whichever group answered them
+        st = _settled(two_groups.socket, lambda s: sorted(
+            c["io"]["errors"] for c in s["controllers"]) == [4, 4])
+        assert sorted(c["io"]["errors"] for c in st["controllers"]) == [4, 4], st
+    finally:
+        a.close()
+        b.close()
+
+
+def test_shared_ramdisk_is_one_memory_in_every_mapping():
+    """A ramdisk of a target with poll groups is a memfd: another mapping of it (a worker's)
+    sees every write, and Write Zeroes frees whole pages without leaving the old bytes
+    behind (MADV_DONTNEED would, on shared memory)."""
+    RamdiskBackend.shared = True
+    try:
+        vol = RamdiskBackend(1 << 20)
+    finally:
+        RamdiskBackend.shared = False
+    other = RamdiskBackend(1 << 20, fd=os.dup(vol.memfd))
+    try:
+        vol.write(8192, b"z" * 3 * mmap.PAGESIZE)
+        assert bytes(other.memory[8192:8192 + 3 * mmap.PAGESIZE]) == b"z" * 3 * mmap.PAGESIZE
+        vol.write_zeroes(8192, 3 * mmap.PAGESIZE)
+        assert bytes(other.memory[8192:8192 + 3 * mmap.PAGESIZE]) == bytes(3 * mmap.PAGESIZE)
+    finally:
+        other.close()
+        vol.close()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"listeners": [{"address": "127.0.0.1", "port": 4420, "provider": "verbs"}]},
+     ["reactors", "verbs", "rdma_cm"]),
+    ({"listeners": [{"address": "127.0.0.1", "port": 4420}]},          # provider: auto
+     ["reactors", "auto"]),
+    ({"subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
+        {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}]},
+     ["reactors", "rbd"]),
+])
+def test_what_poll_groups_cannot_serve_is_refused_at_load(change, words):
+    config = {**ram_config(4420, transport="tcp", reactors=2), **change}
+    with pytest.raises(BlockfabricError) as err:
+        cfg.TargetConfig.from_dict(config)
+    for word in words:
+        assert word in str(err.value), err.value
+    # one poll group serves all of them as before
+    cfg.TargetConfig.from_dict({**config, "reactors": 1})
+
+
+@pytest.mark.parametrize("value", [0, -1, 257, True, "all", 1.5])
+def test_reactors_values(value):
+    with pytest.raises(BlockfabricError, match="reactors: expected an integer from 1 to 256 "
+                                                 'or "auto"'):
+        cfg.TargetConfig.from_dict({**ram_config(4420, transport="tcp"), "reactors": value})
+    auto = cfg.TargetConfig.from_dict({**ram_config(4420, transport="tcp"), "reactors": "auto"})
+    assert auto.reactor_count == len(os.sched_getaffinity(0))
+    assert cfg.TargetConfig.from_dict(ram_config(4420)).reactor_count == 1
+
+
+def test_a_reload_cannot_change_reactors(two_groups, tmp_path):
+    import yaml
+    config = yaml.safe_load(two_groups.path.read_text())
+    two_groups.path.write_text(yaml.safe_dump({**config, "reactors": 1}))
+    two_groups.proc.send_signal(signal.SIGHUP)
+    st = _settled(two_groups.socket, lambda s: s["last_reload_error"])
+    assert "reactors: 2 -> 1: cannot change on reload" in st["last_reload_error"]
+    assert len(st["groups"]) == 2
+    # limits may change: the workers get them too, and serve on
+    two_groups.path.write_text(yaml.safe_dump({**config, "limits": {"mdts": "256KiB"}}))
+    two_groups.proc.send_signal(signal.SIGHUP)
+    st = _settled(two_groups.socket, lambda s: s["reloads"] == 1)
+    assert st["reloads"] == 1 and st["last_reload_error"] is None
+    with connect("127.0.0.1", NQN, two_groups.port, transport="tcp", hostnqn=HOSTNQN,
+                 nr_io_queues=2) as ctrl:
+        verify_workload(ctrl.namespaces[1], seed=9, ops=100, inflight=16)

@@ -18,6 +18,7 @@ teardown), never on the I/O path.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.tcp_target import PeerInfo, TcpTargetQueue
-from blockfabric.target import reservations as rs
+from blockfabric.target import reservations
 from blockfabric.target import resvctl
 from blockfabric.target.backends import RamdiskBackend
 from blockfabric.target.metrics import IoStats
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from blockfabric.target.namespace import Namespace
     from blockfabric.target.server import QueueSession, Target
 
+#: How a worker learns the coordinator's NUMA placement (JSON), to take its share of it.
+PLACEMENT_ENV = "BLOCKFABRIC_WORKER_PLACEMENT"
 log = logging.getLogger(__name__)
 
 #: How long a worker has to start (import, open its volumes) before the target gives up.
@@ -102,15 +105,22 @@ class Group:
         self.chan: Channel | None = None
         self.pid = 0
 
-    def start(self, config: Any, memfds: dict, states: dict) -> None:
+    def start(self, config: Any, memfds: dict, states: dict, placement: Any = None,
+              count: int = 1) -> None:
         chan, theirs = Channel.pair()
         fds = [theirs.fileno(), *memfds.values()]
         try:
             level = logging.getLogger("blockfabric").getEffectiveLevel()
+            env = dict(os.environ, BLOCKFABRIC_WORKER_LOG=logging.getLevelName(level))
+            if placement is not None and placement.placed:
+                # the coordinator's placement, for this worker's share of it (worker.py)
+                env[PLACEMENT_ENV] = json.dumps(
+                    {"cpus": sorted(placement.cpus) if placement.cpus is not None else None,
+                     "node": placement.node, "policy": placement.policy,
+                     "reason": placement.reason, "count": count})
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "blockfabric.target.worker", str(theirs.fileno()),
-                 str(self.index)], pass_fds=fds, close_fds=True,
-                env=dict(os.environ, BLOCKFABRIC_WORKER_LOG=logging.getLevelName(level)))
+                 str(self.index)], pass_fds=fds, close_fds=True, env=env)
         finally:
             theirs.close()
         self.chan = chan
@@ -151,7 +161,7 @@ class PollGroups:
                 for sub in self.target.subsystems.values() for ns in sub.namespaces.values()
                 if getattr(ns.backend, "memfd", None) is not None}
 
-    def _states(self) -> dict[tuple[str, int], rs.State | None]:
+    def _states(self) -> dict[tuple[str, int], reservations.State | None]:
         return {(sub.nqn, ns.nsid): ns.resv_state
                 for sub in self.target.subsystems.values() for ns in sub.namespaces.values()}
 
@@ -177,7 +187,8 @@ class PollGroups:
                  ", ".join(str(g.pid) for g in self.groups))
 
     def _spawn(self, g: Group) -> None:
-        g.start(self.target.config, self._memfds(), self._states())
+        g.start(self.target.config, self._memfds(), self._states(),
+                getattr(self.target, "placement", None), self.count)
 
     def close(self) -> None:
         self.respawn = False
@@ -443,7 +454,7 @@ class PollGroups:
         sub = self.target.subsystems.get(nqn)
         return sub.namespaces.get(nsid) if sub is not None else None
 
-    def publish_resv(self, ns: Namespace, state: rs.State, fenced: list[bytes],
+    def publish_resv(self, ns: Namespace, state: reservations.State, fenced: list[bytes],
                      then: Callable[[], None]) -> None:
         """A namespace's new reservation state: to every group; ``then()`` once each has it
         and none still runs a command of a ``fenced`` host (or ACK_TIMEOUT passed)."""
@@ -490,7 +501,7 @@ class PollGroups:
             entry[1]()
 
     def _resv_put(self, g: Group, req: int, nqn: str, nsid: int, base: int,
-                  state: rs.State, notices: list, fenced: list[bytes]) -> None:
+                  state: reservations.State, notices: list, fenced: list[bytes]) -> None:
         """A worker's reservation command: store ``state`` if the stored one is still
         version ``base``, then as a change made here (notices, every group, fence), and
         answer the stored state (None: it changed meanwhile, the worker tries again)."""
@@ -500,10 +511,10 @@ class PollGroups:
             return
         box: list = []
 
-        def change(cur: rs.State) -> rs.Outcome:
+        def change(cur: reservations.State) -> reservations.Outcome:
             if cur.version != base:
-                return rs.Outcome(rs.CONFLICT, cur)
-            return rs.Outcome(rs.OK, state, list(notices), list(fenced))
+                return reservations.Outcome(reservations.CONFLICT, cur)
+            return reservations.Outcome(reservations.OK, state, list(notices), list(fenced))
 
         def work() -> None:
             box.append(ns.resv_store.update(change))

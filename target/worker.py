@@ -16,6 +16,7 @@ waits for the acknowledgement) before it answers the command that changed it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from blockfabric import numa
 from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor
@@ -36,12 +38,13 @@ from blockfabric.protocol.controller import Phase, QueueState, admit
 from blockfabric.rdma import Access
 from blockfabric.target import config as cfg
 from blockfabric.target import resvctl
-from blockfabric.target import reservations as rs
+from blockfabric.target import reservations
 from blockfabric.target.backends import RamdiskBackend, open_backend
 from blockfabric.target.controller import Controller
 from blockfabric.target.fairshare import BouncePool, FairExecutor
 from blockfabric.target.metrics import IoStats
 from blockfabric.target.namespace import Namespace
+from blockfabric.target.pollgroups import PLACEMENT_ENV
 from blockfabric.target.broker import (BACKEND_THREADS, BOUNCE_FLOOR, BOUNCE_SLOTS,
                                        CONTROL_SLOT, abort_command)
 from blockfabric.target.drain import flush_subsystem
@@ -58,17 +61,24 @@ RESV_TIMEOUT = 10.0
 
 
 def apply_placement(index: int) -> None:
-    """Where worker ``index`` runs and where its memory lives: the place for the NUMA
-    placement (blockfabric.numa: CPU set and memory node of the NIC's node).  Called in
-    the worker before it opens or registers any memory.  Without NUMA placement: nowhere
-    in particular (the kernel schedules the worker)."""
-    try:
-        from blockfabric import numa   # type: ignore[attr-defined]  # noqa: PLC0415
-    except ImportError:
+    """Where worker ``index`` runs and where its memory lives: its share of the
+    coordinator's NUMA placement (blockfabric.numa.place_worker: a slice of the CPU set, the
+    same memory node), passed in $BLOCKFABRIC_WORKER_PLACEMENT.  Called in the worker before
+    it opens or registers any memory.  Unplaced coordinator: nothing to do (a worker also
+    inherits the coordinator's affinity and memory policy)."""
+    raw = os.environ.get(PLACEMENT_ENV)
+    if not raw:
         return
-    place = getattr(numa, "place_worker", None)
-    if place is not None:
-        place(index)
+    try:
+        got = json.loads(raw)
+        placement = numa.Placement(
+            cpus=frozenset(got["cpus"]) if got.get("cpus") is not None else None,
+            node=got.get("node"), policy=got.get("policy", "preferred"),
+            reason=got.get("reason", "the coordinator's"))
+        numa.place_worker(placement, index, int(got.get("count", 1)))
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        log.warning("worker %d: placement not applied (%s): the coordinator's is inherited",
+                    index, exc)
 
 
 class _IoState:
@@ -175,10 +185,10 @@ class ForwardStore:
         self.worker, self.nqn, self.nsid = worker, nqn, nsid
         self.ptpl_capable = ptpl_capable
 
-    def load(self, fresh_start: bool = False) -> rs.State:
+    def load(self, fresh_start: bool = False) -> reservations.State:
         return self.worker.ask(("resv_get", self.nqn, self.nsid))
 
-    def update(self, change: Callable[[rs.State], rs.Outcome]) -> rs.Outcome:
+    def update(self, change: Callable[[reservations.State], reservations.Outcome]) -> reservations.Outcome:
         """Run on a backend thread: the change on the coordinator's current state, stored
         there only if nobody changed it meanwhile (else again, on the newer one)."""
         for _ in range(100):
@@ -509,7 +519,7 @@ class Worker:
             self.send(("lost", ctrl.cntlid, qid, reason))
 
     # -- reservations -------------------------------------------------------------------
-    def resv_changed(self, nqn: str, nsid: int, state: rs.State, fenced: list[bytes],
+    def resv_changed(self, nqn: str, nsid: int, state: reservations.State, fenced: list[bytes],
                      req: int) -> None:
         """The coordinator's new reservation state: take it, and acknowledge once no
         command of a preempted (fenced) host is in flight here."""

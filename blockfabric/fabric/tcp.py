@@ -30,12 +30,12 @@ import threading
 from time import monotonic as _monotonic
 from typing import Any
 
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 from blockfabric.rdma.soft.memory import KeyAllocator, SoftPD
 
 log = logging.getLogger(__name__)
 
-_unpack_header = tp.COMMON.unpack_from       # tp.header, without the call
+_unpack_header = tcp_pdu.COMMON.unpack_from       # tcp_pdu.header, without the call
 
 #: the staging buffer's first size: a connection that only connects costs this
 STAGING_START = 4096
@@ -94,7 +94,7 @@ class PduConnection:
     :meth:`on_pdu` (and :meth:`precheck`, :meth:`on_data_digest_error`, :meth:`on_lost`)."""
 
     #: the termination request this side sends (C2H for a controller, H2C for a host)
-    term_type = tp.C2H_TERM
+    term_type = tcp_pdu.C2H_TERM
     #: copy what the socket did not take (False: a side whose queued buffers all stay
     #: valid until the peer has read them)
     copy_unsent = True
@@ -106,7 +106,7 @@ class PduConnection:
         self.name = name
         self.closed = False
         self.initialized = False
-        self.limits = tp.Limits(max_capsule_data=tp.ADMIN_CCSZ)
+        self.limits = tcp_pdu.Limits(max_capsule_data=tcp_pdu.ADMIN_CCSZ)
         self.hdgst = self.ddgst = False
         self.tx_align = 4
         self._staging = bytearray(STAGING_START)
@@ -220,7 +220,7 @@ class PduConnection:
         self._in_pass = True
         try:
             self._parse()
-        except tp.PduError as exc:
+        except tcp_pdu.PduError as exc:
             self._end_pass()
             self.terminate(exc)
             return True
@@ -258,23 +258,23 @@ class PduConnection:
             while not self.closed:
                 start = pos
                 avail = filled - pos
-                if avail < tp.COMMON_SIZE:
+                if avail < tcp_pdu.COMMON_SIZE:
                     break
                 ptype, flags, hlen, pdo, plen = _unpack_header(view, pos)
-                dlen = tp.check_header(ptype, flags, hlen, pdo, plen,
+                dlen = tcp_pdu.check_header(ptype, flags, hlen, pdo, plen,
                                        to_controller=self.to_controller,
                                        initialized=self.initialized, limits=limits)
-                digested = limits.hdgst and ptype > tp.C2H_TERM
-                head = hlen + (tp.DIGEST_SIZE if digested else 0)
+                digested = limits.hdgst and ptype > tcp_pdu.C2H_TERM
+                head = hlen + (tcp_pdu.DIGEST_SIZE if digested else 0)
                 if avail < head:
                     if head > len(view):
                         self._grow(head, pos, filled)
                         pos = 0             # the new buffer starts with this PDU
                         return
                     break
-                if digested and tp.digest(view[pos:pos + hlen]) != \
-                        tp.unpack_digest(view, pos + hlen)[0]:
-                    raise tp.PduError("header digest mismatch", tp.Fes.HEADER_DIGEST, hlen)
+                if digested and tcp_pdu.digest(view[pos:pos + hlen]) != \
+                        tcp_pdu.unpack_digest(view, pos + hlen)[0]:
+                    raise tcp_pdu.PduError("header digest mismatch", tcp_pdu.Fes.HEADER_DIGEST, hlen)
                 dest = self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
                 if avail < plen:
                     if dest is not None and dlen >= DIRECT_MIN and pdo <= avail < pdo + dlen:
@@ -290,14 +290,14 @@ class PduConnection:
                 pos += plen
                 if dest is not None:
                     dest[:] = pdu[pdo:pdo + dlen]
-                if dlen and limits.ddgst and ptype > tp.C2H_TERM and \
-                        tp.digest(pdu[pdo:pdo + dlen]) != tp.unpack_digest(pdu, plen - 4)[0]:
+                if dlen and limits.ddgst and ptype > tcp_pdu.C2H_TERM and \
+                        tcp_pdu.digest(pdu[pdo:pdo + dlen]) != tcp_pdu.unpack_digest(pdu, plen - 4)[0]:
                     self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
                 else:
                     self.on_pdu(ptype, flags, pdu, pdo, dlen)
                 limits = self.limits        # ICReq/ICResp change them
-        except tp.PduError as exc:
-            exc.offending = bytes(view[start:min(filled, start + tp.TERM_MAX_PLEN - tp.TERM_HLEN)])
+        except tcp_pdu.PduError as exc:
+            exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN - tcp_pdu.TERM_HLEN)])
             raise
         finally:
             if not self.closed and pos:
@@ -330,10 +330,10 @@ class PduConnection:
         pos = 0
         bad = False
         if self.limits.ddgst:
-            if filled < tp.DIGEST_SIZE:
+            if filled < tcp_pdu.DIGEST_SIZE:
                 return 0
-            bad = tp.digest(dest) != tp.unpack_digest(view, 0)[0]
-            pos = tp.DIGEST_SIZE
+            bad = tcp_pdu.digest(dest) != tcp_pdu.unpack_digest(view, 0)[0]
+            pos = tcp_pdu.DIGEST_SIZE
         self._direct = None
         head = memoryview(header)
         if bad:
@@ -369,7 +369,7 @@ class PduConnection:
 
     def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
                              dlen: int) -> None:
-        raise tp.PduError("data digest mismatch", tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
+        raise tcp_pdu.PduError("data digest mismatch", tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
 
     def on_lost(self, reason: str) -> None:
         """The connection cannot go on: tear down (overridden by each side)."""
@@ -382,11 +382,11 @@ class PduConnection:
         the data PDUs this side sends: :attr:`tx_align` bytes)."""
         self.initialized = True
         self.hdgst, self.ddgst = hdgst, ddgst
-        self.tx_align = tp.align_of(tx_pda)
-        self.limits = tp.Limits(hdgst, ddgst, max_capsule_data, max_data,
-                                tp.align_of(rx_pda))
+        self.tx_align = tcp_pdu.align_of(tx_pda)
+        self.limits = tcp_pdu.Limits(hdgst, ddgst, max_capsule_data, max_data,
+                                tcp_pdu.align_of(rx_pda))
 
-    def terminate(self, exc: tp.PduError) -> None:
+    def terminate(self, exc: tcp_pdu.PduError) -> None:
         """Send a termination request for ``exc`` (FES, FEI, the offending header) after
         whatever is already queued, then end the connection."""
         if self.closed:
@@ -395,7 +395,7 @@ class PduConnection:
                     exc.fes, exc.fei)
         with self._send_lock:
             # best effort and never blocking: a peer that does not read gets no more
-            self._out.append(tp.term_req(self.term_type, exc.fes, exc.fei,
+            self._out.append(tcp_pdu.term_req(self.term_type, exc.fes, exc.fei,
                                          getattr(exc, "offending", b"")))
             self._write()
         self.on_lost(f"protocol error: {exc} (termination request sent, FES {exc.fes:#x})")

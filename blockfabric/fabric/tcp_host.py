@@ -35,7 +35,7 @@ from threading import get_ident as _get_ident
 from blockfabric.fabric.host_side import HostQueue, Slot
 from blockfabric.fabric.tcp import PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 from blockfabric.protocol.sgl import TYPE_KEYED
 from blockfabric.rdma import SGE, SendFlags, SendWR, WrOpcode
 
@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 _SGL_WORDS = struct.Struct("<QQ")
 _CQE_RAW = struct.Struct("<QHHHH")
-_TRANSPORT_WORD = tp.SGL_TRANSPORT << 56
-_INCAPSULE_WORD = tp.SGL_INCAPSULE << 56
+_TRANSPORT_WORD = tcp_pdu.SGL_TRANSPORT << 56
+_INCAPSULE_WORD = tcp_pdu.SGL_INCAPSULE << 56
 #: the largest data PDU a host takes (its commands are at most 8 MiB: Controller.max_transfer)
 MAX_DATA = 8 << 20
 #: MAXR2T asked for in ICReq (0's based): R2Ts a controller may have outstanding per
@@ -55,7 +55,7 @@ _DATA_TRANSFER_ERROR = StatusCode.DATA_TRANSFER_ERROR << 1
 
 
 def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
-                    timeout: float, hpda: int = 0) -> tuple[socket.socket, tp.ICResp]:
+                    timeout: float, hpda: int = 0) -> tuple[socket.socket, tcp_pdu.ICResp]:
     """Connect and initialise (ICReq asking ``hpda``, then the ICResp checked as the
     Linux host checks it, but any CPDA up to 31 taken); raises ConnectionError (refused, a
     bad ICResp, a termination request) or TimeoutError."""
@@ -69,28 +69,28 @@ def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
         raise TimeoutError(f"no NVMe/TCP connection to {address}:{port} within {timeout:g} s"
                            ) from None
     try:
-        request = tp.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=MAXR2T, hpda=hpda)
+        request = tcp_pdu.ICReq(hdgst=hdgst, ddgst=ddgst, maxr2t=MAXR2T, hpda=hpda)
         sock.sendall(request.pack())
         buf = bytearray()
-        while len(buf) < tp.IC_SIZE:
+        while len(buf) < tcp_pdu.IC_SIZE:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
-                chunk = sock.recv(tp.IC_SIZE - len(buf))
+                chunk = sock.recv(tcp_pdu.IC_SIZE - len(buf))
             except socket.timeout:
                 raise TimeoutError(f"{address}:{port}: no ICResp within {timeout:g} s") from None
             if not chunk:
                 raise ConnectionError(f"{address}:{port} closed the connection at ICReq")
             buf += chunk
-            if len(buf) >= tp.COMMON_SIZE and buf[0] == tp.C2H_TERM:
+            if len(buf) >= tcp_pdu.COMMON_SIZE and buf[0] == tcp_pdu.C2H_TERM:
                 raise ConnectionError(f"{address}:{port} refused the ICReq (termination "
                                       "request)")
         try:
-            tp.check_header(*tp.header(buf), to_controller=False, initialized=False,
-                            limits=tp.Limits())
-            if buf[0] != tp.ICRESP:
-                raise tp.PduError("not an ICResp", tp.Fes.SEQUENCE_ERROR)
-            resp = tp.ICResp.unpack(buf, request)
-        except tp.PduError as exc:
+            tcp_pdu.check_header(*tcp_pdu.header(buf), to_controller=False, initialized=False,
+                            limits=tcp_pdu.Limits())
+            if buf[0] != tcp_pdu.ICRESP:
+                raise tcp_pdu.PduError("not an ICResp", tcp_pdu.Fes.SEQUENCE_ERROR)
+            resp = tcp_pdu.ICResp.unpack(buf, request)
+        except tcp_pdu.PduError as exc:
             raise ConnectionError(f"{address}:{port}: bad ICResp: {exc}") from exc
     except BaseException:
         sock.close()
@@ -101,7 +101,7 @@ def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
 class TcpHostQueue(PduConnection, HostQueue):
     """One host queue over NVMe/TCP (see the module text)."""
 
-    term_type = tp.H2C_TERM
+    term_type = tcp_pdu.H2C_TERM
     to_controller = False
     #: what a host queues stays valid until the controller has read it: fresh headers, and
     #: a command's data, which its owner keeps until the command completes (which takes
@@ -109,7 +109,7 @@ class TcpHostQueue(PduConnection, HostQueue):
     #: H2CData when the socket is full
     copy_unsent = False
 
-    def __init__(self, sock: socket.socket, pd, resp: tp.ICResp, *, qid: int, depth: int,
+    def __init__(self, sock: socket.socket, pd, resp: tcp_pdu.ICResp, *, qid: int, depth: int,
                  inline_size: int, name: str, hpda: int = 0) -> None:
         PduConnection.__init__(self, sock, name)
         self.pd = pd
@@ -119,7 +119,7 @@ class TcpHostQueue(PduConnection, HostQueue):
         #: the most in-capsule data a write of this queue carries (what the Linux host
         #: sends): IOCCSZ less the SQE on an I/O queue, NVME_TCP_ADMIN_CCSZ less the SQE on
         #: the admin queue, NVME_TCP_ADMIN_CCSZ for a Fabrics command on any queue
-        self.capsule_data = inline_size if qid else tp.ADMIN_CCSZ - SQE_SIZE
+        self.capsule_data = inline_size if qid else tcp_pdu.ADMIN_CCSZ - SQE_SIZE
         self.maxh2cdata = resp.maxh2cdata
         self.negotiated(resp.hdgst, resp.ddgst, 0, MAX_DATA, hpda, resp.cpda)
         self._init_slots([Slot(i, memoryview(bytearray(SQE_SIZE + inline_size)),
@@ -173,7 +173,7 @@ class TcpHostQueue(PduConnection, HostQueue):
                 # the data's direction: opcode bits 1:0 (fctype for a Fabrics command)
                 fabrics = view[0] == 0x7F
                 op = view[4] if fabrics else view[0]
-                if op & 3 == 1 and n <= (tp.ADMIN_CCSZ if fabrics else self.capsule_data):
+                if op & 3 == 1 and n <= (tcp_pdu.ADMIN_CCSZ if fabrics else self.capsule_data):
                     data, data_len = mem, n     # a write that fits: in the capsule
                     sgl_word = n | _INCAPSULE_WORD
                 else:
@@ -182,12 +182,12 @@ class TcpHostQueue(PduConnection, HostQueue):
         elif length > SQE_SIZE:
             data_len = length - SQE_SIZE
             data = bytes(view[SQE_SIZE:length])
-        out = [tp.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst,
+        out = [tcp_pdu.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst,
                                      self.tx_align)]
         if data_len:
             out.append(data)
             if self.ddgst:
-                out.append(tp.pack_digest(tp.digest(data)))
+                out.append(tcp_pdu.pack_digest(tcp_pdu.digest(data)))
         self._count(slot, locked)
         slot.sent = True
         if self.closed:
@@ -213,45 +213,45 @@ class TcpHostQueue(PduConnection, HostQueue):
                  dlen: int) -> memoryview | None:
         """C2HData and R2T against the command they name; a C2HData's data goes straight
         to the command's memory (returned)."""
-        if ptype != tp.C2H_DATA and ptype != tp.R2T:
+        if ptype != tcp_pdu.C2H_DATA and ptype != tcp_pdu.R2T:
             return None
-        cccid, _ttag, offset, length = tp.unpack_data_fields(header)
+        cccid, _ttag, offset, length = tcp_pdu.unpack_data_fields(header)
         slot = self._slot_for(cccid)
         data = self._data[slot.index] if slot is not None else None
         if data is None:
-            raise tp.PduError(f"PDU type {ptype:#x} for cid {cccid:#x}, which moves no data",
-                              tp.Fes.INVALID_HEADER_FIELD, 8)
-        if ptype == tp.C2H_DATA:
+            raise tcp_pdu.PduError(f"PDU type {ptype:#x} for cid {cccid:#x}, which moves no data",
+                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
+        if ptype == tcp_pdu.C2H_DATA:
             if not data[3]:
-                raise tp.PduError(f"C2HData for cid {cccid:#x}, a write",
-                                  tp.Fes.INVALID_HEADER_FIELD, 8)
+                raise tcp_pdu.PduError(f"C2HData for cid {cccid:#x}, a write",
+                                  tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
             if length != dlen:
-                raise tp.PduError(f"C2HData data length {length}, the PDU carries {dlen}",
-                                  tp.Fes.INVALID_HEADER_FIELD, 16)
+                raise tcp_pdu.PduError(f"C2HData data length {length}, the PDU carries {dlen}",
+                                  tcp_pdu.Fes.INVALID_HEADER_FIELD, 16)
             if offset != data[2] or offset + length > data[1]:
-                raise tp.PduError(f"C2HData {offset}+{length}: expected offset {data[2]} of "
-                                  f"{data[1]}", tp.Fes.DATA_OUT_OF_RANGE, 12)
-            if flags & tp.F_DATA_SUCCESS and not flags & tp.F_DATA_LAST:
-                raise tp.PduError("C2HData SUCCESS without LAST", tp.Fes.INVALID_HEADER_FIELD,
-                                  tp.FEI_FLAGS)
-            if flags & tp.F_DATA_SUCCESS and offset + length != data[1]:
-                raise tp.PduError("C2HData SUCCESS before all the data (no short reads)",
-                                  tp.Fes.DATA_OUT_OF_RANGE, 16)
+                raise tcp_pdu.PduError(f"C2HData {offset}+{length}: expected offset {data[2]} of "
+                                  f"{data[1]}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
+            if flags & tcp_pdu.F_DATA_SUCCESS and not flags & tcp_pdu.F_DATA_LAST:
+                raise tcp_pdu.PduError("C2HData SUCCESS without LAST", tcp_pdu.Fes.INVALID_HEADER_FIELD,
+                                  tcp_pdu.FEI_FLAGS)
+            if flags & tcp_pdu.F_DATA_SUCCESS and offset + length != data[1]:
+                raise tcp_pdu.PduError("C2HData SUCCESS before all the data (no short reads)",
+                                  tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
             # _c2h (next for this PDU: nothing is parsed between) takes them from here
             self._checked = (cccid, data, offset + length)
             return data[0][offset:offset + length]
         else:
             if data[3]:
-                raise tp.PduError(f"R2T for cid {cccid:#x}, a read",
-                                  tp.Fes.INVALID_HEADER_FIELD, 8)
+                raise tcp_pdu.PduError(f"R2T for cid {cccid:#x}, a read",
+                                  tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
             # several may be outstanding (MAXR2T): each asks for the bytes after the last
             if not length or offset != data[2] or offset + length > data[1]:
-                raise tp.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
-                                  "for before", tp.Fes.DATA_OUT_OF_RANGE, 12)
+                raise tcp_pdu.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
+                                  "for before", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
             return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
-        if ptype == tp.CAPSULE_RESP:
+        if ptype == tcp_pdu.CAPSULE_RESP:
             raw = _CQE_RAW.unpack_from(pdu, 8)
             slot = self._slot_for(raw[3])
             if slot is not None:
@@ -259,22 +259,22 @@ class TcpHostQueue(PduConnection, HostQueue):
                 if data is not None and data[4] and not raw[4] & 0xFFFE:
                     raw = raw[:4] + (_DATA_TRANSFER_ERROR,)
             self._on_cqe(raw)
-        elif ptype == tp.C2H_DATA:
+        elif ptype == tcp_pdu.C2H_DATA:
             self._c2h(flags, pdu, pdo, dlen, False)
-        elif ptype == tp.R2T:
+        elif ptype == tcp_pdu.R2T:
             self._r2t(pdu)
-        elif ptype == tp.C2H_TERM:
-            fes, fei = tp.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
+        elif ptype == tcp_pdu.C2H_TERM:
+            fes, fei = tcp_pdu.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
             raise_lost = f"the controller terminated the connection (FES {fes:#x}, FEI {fei})"
             self.on_lost(raise_lost)
         else:
-            raise tp.PduError(f"PDU type {ptype:#x} after initialisation",
-                              tp.Fes.SEQUENCE_ERROR, 0)
+            raise tcp_pdu.PduError(f"PDU type {ptype:#x} after initialisation",
+                              tcp_pdu.Fes.SEQUENCE_ERROR, 0)
 
     def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
                              dlen: int) -> None:
-        if ptype != tp.C2H_DATA:
-            raise tp.PduError("data digest mismatch", tp.Fes.INVALID_HEADER_FIELD, 1)
+        if ptype != tcp_pdu.C2H_DATA:
+            raise tcp_pdu.PduError("data digest mismatch", tcp_pdu.Fes.INVALID_HEADER_FIELD, 1)
         log.warning("%s: data digest mismatch in C2HData", self.name)
         self._c2h(flags, pdu, pdo, dlen, True)
 
@@ -283,11 +283,11 @@ class TcpHostQueue(PduConnection, HostQueue):
         data[2] = end
         if bad:
             data[4] = True
-        if flags & tp.F_DATA_SUCCESS:       # no CapsuleResp follows: success, unless bad
+        if flags & tcp_pdu.F_DATA_SUCCESS:       # no CapsuleResp follows: success, unless bad
             self._on_cqe((0, 0xFFFF, self.qid, cccid, _DATA_TRANSFER_ERROR if data[4] else 0))
 
     def _r2t(self, pdu: memoryview) -> None:
-        cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
+        cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(pdu)
         data = self._data[self._slot_for(cccid).index]
         mem = data[0]
         end = offset + length
@@ -296,12 +296,12 @@ class TcpHostQueue(PduConnection, HostQueue):
         while offset < end:
             n = min(self.maxh2cdata, end - offset)
             last = offset + n == end
-            out.append(tp.data_header(tp.H2C_DATA, tp.F_DATA_LAST if last else 0, cccid, ttag,
+            out.append(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST if last else 0, cccid, ttag,
                                       offset, n, hd, dd, align))
             piece = mem[offset:offset + n]
             out.append(piece)
             if dd:
-                out.append(tp.pack_digest(tp.digest(piece)))
+                out.append(tcp_pdu.pack_digest(tcp_pdu.digest(piece)))
             offset += n
         data[2] = end
         self.send(out)

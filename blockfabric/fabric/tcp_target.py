@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from blockfabric.fabric.target_side import Command, TargetQueue
 from blockfabric.fabric.tcp import PduConnection, resolve
 from blockfabric.protocol import CQE_SIZE, SQE_SIZE, StatusCode
-from blockfabric.protocol import tcp_pdu as tp
+from blockfabric.protocol import tcp_pdu
 from blockfabric.protocol.capsule import pack_cqe_into
 from blockfabric.protocol.opcodes import FABRICS_OPCODE
 from blockfabric.protocol.sgl import KEYED_MAX_LENGTH, TYPE_KEYED, TYPE_OFFSET
@@ -57,7 +57,7 @@ _SGL_WORDS = struct.Struct("<QQ")
 _CONNECT_SIZES = struct.Struct("<HH")       # SQE @42 qid, @44 sqsize
 _KEYED_WORD = TYPE_KEYED << 56
 _NOT_RDMA = object()         # a Command's send_wr: never armed with RDMA work requests
-_LAST_SUCCESS = tp.F_DATA_LAST | tp.F_DATA_SUCCESS
+_LAST_SUCCESS = tcp_pdu.F_DATA_LAST | tcp_pdu.F_DATA_SUCCESS
 
 
 class PeerInfo:
@@ -84,7 +84,7 @@ class TcpTargetQueue(PduConnection):
         self.max_depth = max_depth      # qid -> the largest depth a Connect may ask
         #: in-capsule bytes accepted: at least the 8 KiB a Linux host sends Fabrics
         #: commands with (IOCCSZ, advertised, may be less)
-        self.inline_size = max(inline_size, tp.ADMIN_CCSZ)
+        self.inline_size = max(inline_size, tcp_pdu.ADMIN_CCSZ)
         self.sqhd = 0
         self.sq_flow = True
         self.connected = False
@@ -96,7 +96,7 @@ class TcpTargetQueue(PduConnection):
         self._xfer: list[list | None] = []
         self._cqes: list[bytearray] = []
         self._grow_slots(1)
-        self.limits = tp.Limits(max_capsule_data=self.inline_size)
+        self.limits = tcp_pdu.Limits(max_capsule_data=self.inline_size)
         #: R2Ts outstanding per command (the host's MAXR2T + 1, capped), set by ICReq
         self.r2t_max = 1
         #: the data alignment asked of the host in ICResp (the listener's ``cpda``)
@@ -155,26 +155,26 @@ class TcpTargetQueue(PduConnection):
             self.handler.queue_broken(self, reason)
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
-        if ptype == tp.CAPSULE_CMD:
+        if ptype == tcp_pdu.CAPSULE_CMD:
             self._capsule(pdu, pdo, dlen, False)
-        elif ptype == tp.H2C_DATA:
+        elif ptype == tcp_pdu.H2C_DATA:
             self._h2c_data(flags, pdu, pdo, dlen, False)
-        elif ptype == tp.ICREQ:
-            req = tp.ICReq.unpack(pdu)
-            self.send([tp.ICResp(cpda=self.cpda, hdgst=req.hdgst, ddgst=req.ddgst,
+        elif ptype == tcp_pdu.ICREQ:
+            req = tcp_pdu.ICReq.unpack(pdu)
+            self.send([tcp_pdu.ICResp(cpda=self.cpda, hdgst=req.hdgst, ddgst=req.ddgst,
                                  maxh2cdata=MAXH2CDATA).pack()])
             self.r2t_max = min(req.maxr2t + 1, R2T_CAP)
             self.negotiated(req.hdgst, req.ddgst, self.inline_size, MAXH2CDATA, self.cpda,
                             req.hpda)
         else:                               # H2CTermReq: the host gives up
-            fes, fei = tp.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
+            fes, fei = tcp_pdu.unpack_term(pdu) if len(pdu) >= 14 else (0, 0)
             self.on_lost(f"the host sent a termination request (FES {fes:#x}, FEI {fei})")
 
     def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
                              dlen: int) -> None:
         log.warning("%s: data digest mismatch in a %s", self.name,
-                    "capsule" if ptype == tp.CAPSULE_CMD else "H2CData PDU")
-        if ptype == tp.CAPSULE_CMD:
+                    "capsule" if ptype == tcp_pdu.CAPSULE_CMD else "H2CData PDU")
+        if ptype == tcp_pdu.CAPSULE_CMD:
             self._capsule(pdu, pdo, dlen, True)
         else:
             self._h2c_data(flags, pdu, pdo, dlen, True)
@@ -184,42 +184,42 @@ class TcpTargetQueue(PduConnection):
         """An H2CData's fields, before its data is read (nvmet's checks: a transfer the
         controller asked for, in order, within what it asked); its data goes straight to
         the memory the transfer lands in (returned)."""
-        if ptype != tp.H2C_DATA:
+        if ptype != tcp_pdu.H2C_DATA:
             return None
-        cccid, ttag, offset, length = tp.unpack_data_fields(header)
+        cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(header)
         xfer = self._xfer[ttag] if ttag < len(self._xfer) else None
         if xfer is None:
-            raise tp.PduError(f"H2CData for ttag {ttag}, which has no R2T outstanding",
-                              tp.Fes.INVALID_HEADER_FIELD, 10)
+            raise tcp_pdu.PduError(f"H2CData for ttag {ttag}, which has no R2T outstanding",
+                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 10)
         if self.commands[ttag].cid != cccid:
-            raise tp.PduError(f"H2CData cccid {cccid:#x} is not ttag {ttag}'s command",
-                              tp.Fes.INVALID_HEADER_FIELD, 8)
+            raise tcp_pdu.PduError(f"H2CData cccid {cccid:#x} is not ttag {ttag}'s command",
+                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
         if length != dlen:
-            raise tp.PduError(f"H2CData data length {length}, the PDU carries {dlen}",
-                              tp.Fes.INVALID_HEADER_FIELD, 16)
+            raise tcp_pdu.PduError(f"H2CData data length {length}, the PDU carries {dlen}",
+                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 16)
         if offset != xfer[1]:
-            raise tp.PduError(f"H2CData offset {offset}, expected {xfer[1]} (in order)",
-                              tp.Fes.DATA_OUT_OF_RANGE, 12)
+            raise tcp_pdu.PduError(f"H2CData offset {offset}, expected {xfer[1]} (in order)",
+                              tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
         end = offset + length
         if end > xfer[4]:
-            raise tp.PduError(f"H2CData {offset}+{length} beyond the {xfer[4]} bytes asked "
-                              f"(of {xfer[2]})", tp.Fes.DATA_OUT_OF_RANGE, 16)
+            raise tcp_pdu.PduError(f"H2CData {offset}+{length} beyond the {xfer[4]} bytes asked "
+                              f"(of {xfer[2]})", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
         # the R2T this PDU answers ends at the next multiple of MAXH2CDATA (or the end)
         r2t_end = min(xfer[2], offset - offset % MAXH2CDATA + MAXH2CDATA)
         if end > r2t_end:
-            raise tp.PduError(f"H2CData {offset}+{length} crosses the end of its R2T at "
-                              f"{r2t_end}", tp.Fes.DATA_OUT_OF_RANGE, 16)
-        if bool(flags & tp.F_DATA_LAST) != (end == r2t_end):
-            raise tp.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
-                "set" if flags & tp.F_DATA_LAST else "clear", end, r2t_end),
-                tp.Fes.INVALID_HEADER_FIELD, tp.FEI_FLAGS)
+            raise tcp_pdu.PduError(f"H2CData {offset}+{length} crosses the end of its R2T at "
+                              f"{r2t_end}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
+        if bool(flags & tcp_pdu.F_DATA_LAST) != (end == r2t_end):
+            raise tcp_pdu.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
+                "set" if flags & tcp_pdu.F_DATA_LAST else "clear", end, r2t_end),
+                tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
         return xfer[0][offset:end]
 
     def _capsule(self, pdu: memoryview, pdo: int, dlen: int, bad_digest: bool) -> None:
         free = self._free
         if not free:
-            raise tp.PduError(f"more commands than the queue depth of {self.depth}",
-                              tp.Fes.SEQUENCE_ERROR, 0)
+            raise tcp_pdu.PduError(f"more commands than the queue depth of {self.depth}",
+                              tcp_pdu.Fes.SEQUENCE_ERROR, 0)
         index = free[-1]
         slot = self.recv_views[index]
         slot[:SQE_SIZE] = pdu[8:8 + SQE_SIZE]
@@ -246,7 +246,7 @@ class TcpTargetQueue(PduConnection):
         the status of one that NVMe/TCP does not allow."""
         addr, word = _SGL_WORDS.unpack_from(slot, 24)
         kind = word >> 56
-        if kind == tp.SGL_TRANSPORT:
+        if kind == tcp_pdu.SGL_TRANSPORT:
             if dlen:
                 return StatusCode.INVALID_FIELD             # data both ways: nvmet's 0x2
             length = word & 0xFFFFFFFF
@@ -274,7 +274,7 @@ class TcpTargetQueue(PduConnection):
 
     def _h2c_data(self, flags: int, pdu: memoryview, pdo: int, dlen: int,
                   bad_digest: bool) -> None:
-        cccid, ttag, offset, length = tp.unpack_data_fields(pdu)
+        cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(pdu)
         xfer = self._xfer[ttag]        # precheck made sure of it, and put the data in place
         end = xfer[1] = offset + length
         if bad_digest:
@@ -285,7 +285,7 @@ class TcpTargetQueue(PduConnection):
                 # an R2T's data is complete: ask for the next piece
                 n = min(MAXH2CDATA, xfer[2] - asked)
                 xfer[4] = asked + n
-                self.send([tp.data_header(tp.R2T, 0, cccid, ttag, asked, n, self.hdgst,
+                self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cccid, ttag, asked, n, self.hdgst,
                                           False)])
             return
         self._xfer[ttag] = None
@@ -317,12 +317,12 @@ class TcpTargetQueue(PduConnection):
             self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False,
                                  length]
             cmd.on_fetched = done
-            self.send([tp.data_header(tp.R2T, 0, cid, index, 0, length, hd, False)])
+            self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, index, 0, length, hd, False)])
             return
         asked = min(length, self.r2t_max * MAXH2CDATA)
         self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False, asked]
         cmd.on_fetched = done
-        self.send([tp.data_header(tp.R2T, 0, cid, index, off, min(MAXH2CDATA, asked - off),
+        self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, index, off, min(MAXH2CDATA, asked - off),
                                   hd, False) for off in range(0, asked, MAXH2CDATA)])
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
@@ -351,7 +351,7 @@ class TcpTargetQueue(PduConnection):
         cqe = self._cqes[cmd.index]
         pack_cqe_into(cqe, 0, cid, status, result=result,
                       sq_head=self.sqhd if self.sq_flow else 0xFFFF, sq_id=self.qid, dnr=dnr)
-        out.append(tp.capsule_resp(cqe, self.hdgst))
+        out.append(tcp_pdu.capsule_resp(cqe, self.hdgst))
         self.send(out, cmd)
 
     def respond_ok(self, cmd: Command, addr: int = 0, length: int = 0, lkey: int = 0) -> None:
@@ -366,12 +366,12 @@ class TcpTargetQueue(PduConnection):
                 if self.sq_flow:
                     cqe = self._cqes[cmd.index]
                     pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
-                    self.send([tp.data_header(tp.C2H_DATA, tp.F_DATA_LAST, cmd.cid, 0, 0,
+                    self.send([tcp_pdu.data_header(tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_LAST, cmd.cid, 0, 0,
                                               length, hd, False, self.tx_align),
                                resolve(self.pd, addr, length, lkey),
-                               tp.capsule_resp(cqe, hd)], cmd)
+                               tcp_pdu.capsule_resp(cqe, hd)], cmd)
                 else:
-                    self.send([tp.data_header(tp.C2H_DATA, _LAST_SUCCESS, cmd.cid, 0, 0,
+                    self.send([tcp_pdu.data_header(tcp_pdu.C2H_DATA, _LAST_SUCCESS, cmd.cid, 0, 0,
                                               length, hd, False, self.tx_align),
                                resolve(self.pd, addr, length, lkey)], cmd)
                 return
@@ -379,7 +379,7 @@ class TcpTargetQueue(PduConnection):
             if self.sq_flow:
                 cqe = self._cqes[cmd.index]
                 pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
-                out.append(tp.capsule_resp(cqe, hd))
+                out.append(tcp_pdu.capsule_resp(cqe, hd))
             self.send(out, cmd)
             return
         self.respond(cmd)
@@ -407,15 +407,15 @@ class TcpTargetQueue(PduConnection):
                     pending[0] = v[take:]
                     take = 0
             last = offset + n == length
-            flags = (tp.F_DATA_LAST | (tp.F_DATA_SUCCESS if success else 0)) if last else 0
-            out.append(tp.data_header(tp.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd,
+            flags = (tcp_pdu.F_DATA_LAST | (tcp_pdu.F_DATA_SUCCESS if success else 0)) if last else 0
+            out.append(tcp_pdu.data_header(tcp_pdu.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd,
                                       align))
             out.extend(piece)
             if dd:
                 crc = 0
                 for p in piece:
-                    crc = tp.digest(p, crc)
-                out.append(tp.pack_digest(crc))
+                    crc = tcp_pdu.digest(p, crc)
+                out.append(tcp_pdu.pack_digest(crc))
             offset += n
         return out
 

@@ -30,12 +30,13 @@ log = logging.getLogger(__name__)
 
 SPIN_ENV = "BLOCKFABRIC_REACTOR_SPIN_US"
 #: The default busy-poll before sleeping, in microseconds (see Reactor.spin_us): the
-#: longest a loop polls for an answer it waits for before it goes to sleep.  Chosen by
-#: measurement (docs/performance.md, "adaptive polling"): on a 2-core VM, going to sleep
-#: and being woken costs a process 20-40 us of CPU and the I/O as much latency again, so a
-#: 4 KiB read at QD1 through the mount went from 5.8k to 12.8k IOPS with 60-100 us and its
-#: CPU per I/O did not grow; 30 us was too short to catch the answer.
-DEFAULT_SPIN_US = 80.0
+#: longest a loop polls for an answer it waits for before it goes to sleep.  Off by
+#: default, by measurement (docs/performance.md, "adaptive polling"): on a quiet 2-core VM
+#: 80 us took the soft-provider mount's 4 KiB QD1 reads from 5.3k to 8.9k IOPS for 16 % more
+#: CPU per I/O, but the NVMe/TCP mount's from 6.8k to 5.0k (CPU per I/O 126 -> 290 us), and
+#: on a loaded machine both lost.  A deployment with cores to spare at low queue depth
+#: turns it on (target ``spin_us``, ``--spin-us``, $BLOCKFABRIC_REACTOR_SPIN_US).
+DEFAULT_SPIN_US = 0.0
 #: The hard bound on the knob (a misconfigured loop must still sleep).
 MAX_SPIN_US = 10_000.0
 #: A spin that runs out is a near miss when the answer then came within this many times

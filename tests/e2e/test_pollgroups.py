@@ -33,7 +33,7 @@ def _status(sock: str) -> dict:
     return json.loads(out.stdout)
 
 
-def _settled(sock: str, check, timeout: float = 5.0) -> dict:
+def _settled(sock: str, check, timeout: float = 15.0) -> dict:
     """The status once ``check(status)`` holds (workers report every 0.5 s)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -61,9 +61,12 @@ def test_io_queues_of_one_controller_spread_over_groups_and_counts_add_up(two_gr
                  nr_io_queues=4, queue_size=32) as ctrl:
         summary = verify_workload(ctrl.namespaces[1], seed=3, ops=400, inflight=64)
         stats = ctrl.queue_stats()
-        st = _settled(two_groups.socket, lambda s: sum(
-            g["io"]["writes"] for g in s["groups"]) == s["controllers"][0]["io"]["writes"]
-            and all(g["io"]["writes"] for g in s["groups"]))
+        # the workers' counts reach the coordinator a moment later: wait for every kind
+        # (the last reads come after the last writes)
+        st = _settled(two_groups.socket, lambda s: all(
+            sum(g["io"][key] for g in s["groups"]) == s["controllers"][0]["io"][key]
+            and all(g["io"][key] for g in s["groups"])
+            for key in ("reads", "writes", "read_bytes", "written_bytes")))
         text = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket",
                                two_groups.socket], capture_output=True, text=True,
                               check=True).stdout

@@ -268,7 +268,9 @@ def test_raw_peer_forged_rkey_is_nakked_and_memory_untouched(passive):
     # the QP is in ERR now: a further write (past the end, valid key) is dropped unanswered
     peer.sock.sendall(wire.pack(Frame.WRITE, 2, 64, mr.rkey, 0, mr.addr + 4090) + b"E" * 64)
     assert _wait(lambda: side["qp"].state == QPState.ERR)
-    wcs = side["cq"].poll()
+    # the flush completion follows the state (the engine thread may be between the two)
+    wcs: list = []
+    assert _wait(lambda: wcs.extend(side["cq"].poll()) or wcs), "no flush completion"
     assert [(w.wr_id, w.status) for w in wcs] == [(5, WcStatus.WR_FLUSH_ERR)]
     time.sleep(0.05)
     assert bytes(buf) == keep

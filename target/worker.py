@@ -27,26 +27,21 @@ from typing import Any, Callable
 
 from blockfabric import numa
 from blockfabric.fabric.handoff import Channel, ChannelClosed
-from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor
-from blockfabric.fabric.tcp import local_pd
 from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.fabric.tcp_target import TcpTargetQueue
 from blockfabric.protocol.cm import CMAccept
 from blockfabric.rdma import CONNECTION_ENDED, get_provider
 from blockfabric.protocol.controller import Phase, QueueState, admit
-from blockfabric.rdma import Access
 from blockfabric.target import config as cfg
 from blockfabric.target import resvctl
 from blockfabric.target import reservations
 from blockfabric.target.backends import RamdiskBackend, open_backend
 from blockfabric.target.controller import Controller
-from blockfabric.target.fairshare import BouncePool, FairExecutor
 from blockfabric.target.metrics import IoStats
 from blockfabric.target.namespace import Namespace
 from blockfabric.target.pollgroups import PLACEMENT_ENV
-from blockfabric.target.broker import (BACKEND_THREADS, BOUNCE_FLOOR, BOUNCE_SLOTS,
-                                       CONTROL_SLOT, abort_command)
+from blockfabric.target.broker import BufferBroker
 from blockfabric.target.drain import flush_subsystem
 from blockfabric.target.registry import close_queue
 from blockfabric.target.sessions import QueueSession
@@ -216,12 +211,12 @@ class Worker:
         self.chan = chan
         self.config = config
         self.reactor = Reactor(f"group{index}")
-        self.pd = local_pd()
-        self._control: dict[int, BufferPool] = {}
-        self._zeros: dict[int, BufferPool] = {}
-        self._old: list[BufferPool] = []
-        self._bounce: dict[int, BouncePool] = {}
-        self.executor = FairExecutor(self.reactor, BACKEND_THREADS)
+        #: registered memory per protection domain and the backend threads, as the
+        #: coordinator's (the same broker: hold watching included)
+        self.broker = BufferBroker(self.reactor, lambda: self.config, self._hoarding)
+        self.pd = self.broker.tcp_pd()
+        #: what a QueueSession asks of its connector before the Connect (see _RdmaSession)
+        self.control_buffer = self.broker.control_buffer
         self.controllers: dict[int, WorkerController] = {}
         self.sessions: dict[tuple[int, int], _Session] = {}
         self.subsystems: dict[str, Any] = {}
@@ -230,12 +225,12 @@ class Worker:
         #: have not sent one yet): hand-over id -> session (and the Connect, once sent)
         self.pending: dict[int, Any] = {}
         self.rdma_sessions: dict[int, _RdmaSession] = {}
-        self._pds: dict[int, Any] = {}
         self._answer_lock = threading.Lock()
         self._next_req = 1
         self.resources = Resources(
-            reactor=self.reactor, control_buffer=self.control_buffer, zeros=self.zeros,
-            with_bounce=self.with_bounce, run_blocking=self.executor_submit,
+            reactor=self.reactor, control_buffer=self.broker.control_buffer,
+            zeros=self.broker.zeros, with_bounce=self.broker.with_bounce,
+            run_blocking=self.broker.run_blocking,
             volume_lost=lambda nss, exc: log.error("group %d: volume lost: %s", index, exc),
             config=lambda: self.config)
         self.owner = Owner(
@@ -247,46 +242,21 @@ class Worker:
             self.subsystems[sub.nqn] = _WorkerSubsystem(self, sub, memfds)
 
     # -- what controllers use -----------------------------------------------------------
-    # Registered memory per protection domain: the queue's (NVMe/TCP queues share the
-    # worker's local one; soft-RDMA queues have their device context's).
-    def control_buffer(self, queue: Any, length: int) -> tuple:
-        pd = queue.pd
-        if length <= CONTROL_SLOT:
-            pool = self._control.get(id(pd))
-            if pool is None:
-                pool = self._control[id(pd)] = BufferPool(pd, 64, CONTROL_SLOT)
-            index = pool.get()
-            if index is not None:
-                return pool.views[index], pool.sge(index, length), lambda _c: pool.put(index)
-        one = BufferPool(pd, 1, max(length, 1))
-        return one.views[0], one.sge(0, length), lambda _c: one.close()
-
-    def zeros(self, queue: Any, length: int) -> Any:
-        pd = queue.pd
-        pool = self._zeros.get(id(pd))
-        if pool is None or pool.size < length:
-            if pool is not None:
-                self._old.append(pool)          # may still be read by a posted WRITE
-            pool = self._zeros[id(pd)] = BufferPool(
-                pd, 1, max(length, self.config.limits.mdts), Access(0))
-        return pool.sge(0, length)
-
-    def with_bounce(self, cmd: Any, host: str, length: int, use: Callable) -> None:
-        pd = cmd.queue.pd
-        pool = self._bounce.get(id(pd))
-        if pool is None:
-            pool = self._bounce[id(pd)] = BouncePool(
-                BufferPool(pd, BOUNCE_SLOTS, self.config.limits.mdts), BOUNCE_FLOOR,
-                abort_command)
-        pool.request(host, (cmd, length, use))
-
-    def _drop_unwanted(self) -> None:
-        for pool in self._bounce.values():
-            if pool.ring:
-                pool.drop_unwanted()
-
-    def executor_submit(self, work: Callable, finish: Callable, host: str) -> None:
-        self.executor.submit(host, work, finish)
+    def _hoarding(self, queue: Any, held: float, bound: float) -> None:
+        """A queue's host kept a bounce buffer waiting past limits.buffer_hold_timeout: as
+        the coordinator does (registry.hoarding), cut the queue and have its controller
+        ended (by the coordinator, which owns it)."""
+        ctrl = getattr(queue.handler, "controller", None)
+        log.warning("group %d qid=%d: held a bounce buffer for %.1f s "
+                    "(limits.buffer_hold_timeout is %g s): disconnecting it",
+                    self.index, queue.qid, held, bound)
+        reason = f"qid {queue.qid} over limits.buffer_hold_timeout"
+        self.end_queue(queue, reason)
+        for rdma in list(self.rdma_sessions.values()):
+            if rdma.queue is queue:
+                self.rdma_lost(rdma, reason)
+        if ctrl is not None:
+            self.destroy_controller(ctrl, reason)
 
     def auth_failed(self, ctrl: Any, queue: Any, auth: Any) -> None:
         """Counted and the peer's back-off: the coordinator's (it has the registry)."""
@@ -429,9 +399,7 @@ class Worker:
         try:
             from blockfabric.rdma.soft.cm import SoftCMId  # noqa: PLC0415
             cmid = SoftCMId(get_provider("soft"), sock, meta["private_data"])
-            pd = self._pds.get(id(cmid.context))
-            if pd is None:
-                pd = self._pds[id(cmid.context)] = cmid.context.alloc_pd()
+            pd = self.broker.pd_for(cmid)
             queue = TargetQueue(cmid, pd, qid=qid, depth=depth,
                                 inline_size=meta["inline_size"], handler=session,
                                 name=f"{meta['peer']} q{qid} g{self.index}", recv_now=1)
@@ -498,7 +466,7 @@ class Worker:
         queue = session.queue
         if queue is not None and not queue.closed:
             close_queue(queue)
-            self._drop_unwanted()
+            self.broker.drop_unwanted_waiters()
         if tell and session.ctrl is None:
             self.send(("lost_pending", session.hid, reason))
 
@@ -511,7 +479,7 @@ class Worker:
         ctrl.queues.pop(qid, None)
         if queue is not None and not queue.closed:
             close_queue(queue)
-            self._drop_unwanted()
+            self.broker.drop_unwanted_waiters()
         if not ctrl.queues and not ctrl.io.inflight:
             self.controllers.pop(ctrl.cntlid, None)
             ctrl.dead = True
@@ -578,16 +546,12 @@ class Worker:
             self.queue_lost(session, "worker stopping", tell=False)
         for rdma in list(self.rdma_sessions.values()):
             self.rdma_lost(rdma, "worker stopping", tell=False)
-        self.executor.shutdown()
+        self.broker.stop()
         for sub in self.subsystems.values():
             flush_subsystem(sub)
             for ns in sub.namespaces.values():
                 ns.close()
-        for pool in [*self._control.values(), *self._zeros.values(), *self._old,
-                     *self._bounce.values()]:
-            pool.close()
-        for pd in self._pds.values():
-            pd.close()
+        self.broker.close()
         self.chan.close()
 
 

@@ -185,7 +185,8 @@ class Workspace:
             f"      - {{nsid: 1, backend: ramdisk, size: {VOLUME}, block_size: 4096}}\n"
             f"control_socket: {self.tmp}/control-{port}.sock\n"
             f"metrics: {{port: {port + 1}}}\n"
-            f"reactors: {reactors}\n")
+            # only when asked: an older tree (ab_pair.py's A side) has no such key
+            + (f"reactors: {reactors}\n" if reactors > 1 else ""))
         env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
         argv = [BIN / "blockfabric-target", "run", "-C", config]
         proc, log = self.spawn(f"target-{port}", argv, env)

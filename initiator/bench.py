@@ -2,6 +2,9 @@
 
 It measures the NVMe-oF path alone, so that a number taken through the FUSE mount (with the
 fio job files in benchmarks/fio/) can be compared with what the fabric itself delivers.
+This module owns running the jobs; the options are in :mod:`.benchopts`, the --verify block
+format in :mod:`.benchverify`, statistics and fio's JSON and text in :mod:`.benchreport`,
+and ``--numjobs`` as processes in :mod:`.benchjobs`.
 
 Each job keeps ``iodepth`` commands in flight without a thread per command: a job owns
 ``iodepth`` issue slots, and each completion callback, which runs on the controller's
@@ -12,310 +15,36 @@ state is touched on that one thread only; the main thread just reads counters.
 from __future__ import annotations
 
 import argparse
-import array
 import errno
 import itertools
 import json
-import math
-import operator
 import os
 import random
-import re
 import resource
-import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
-from blockfabric import __version__
 from blockfabric.errors import BlockfabricError
 from blockfabric.fabric.buffers import BufferPool
+# BenchError, BenchOptions, parse_fio_size, JobResult, make_result: also imported from here
+# (their home before the split), so the old import path keeps working
+from blockfabric.initiator.benchopts import (BenchError, BenchOptions,  # noqa: F401
+                                             options_from_args, parse_fio_size)
+from blockfabric.initiator.benchreport import (DirStats, JobResult, Progress,  # noqa: F401
+                                               format_text, make_result)
+from blockfabric.initiator.benchverify import _crc32c, check_block, fill_block
 from blockfabric.initiator.host import (HOST_ACCESS, Controller, HostNamespace, IoCommand,
                                         NvmeError)
 from blockfabric.initiator.multipath import format_path
 from blockfabric.protocol import IOOpcode
 
-PATTERNS = ("read", "write", "randread", "randwrite", "randrw")
-#: fio's default clat percentile list.
-PERCENTILES = (1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0,
-               99.5, 99.9, 99.95, 99.99)
 DRAIN_TIMEOUT = 30.0
 _READ, _WRITE = IOOpcode.READ.value, IOOpcode.WRITE.value
 
-_FIO_SIZE = re.compile(r"(?P<n>[0-9]+)\s*(?P<unit>[kmgtp]?)(?:i?b)?", re.IGNORECASE)
-_UNIT_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
-
-
-class BenchError(BlockfabricError):
-    """The benchmark cannot run as asked (bad size, alignment, capacity)."""
-
-
-def parse_fio_size(text: str | int) -> int:
-    """A size as fio reads it with its default kb_base=1024: ``4k``, ``128K``, ``1m``,
-    ``1MiB``, ``2g`` or a plain byte count.  fio, not the config files, sets the syntax here,
-    because these flags are meant to be pasted from fio command lines."""
-    if isinstance(text, int):
-        return text
-    match = _FIO_SIZE.fullmatch(text.strip())
-    if match is None:
-        raise BenchError(f"size {text!r}: expected a number with an optional k/m/g/t suffix "
-                         "(4k, 128k, 1m)")
-    return int(match["n"]) << _UNIT_SHIFT[match["unit"].lower()]
-
-
-# --------------------------------------------------------------------------- options
-
-@dataclass
-class BenchOptions:
-    """One run's workload, with fio's option names."""
-
-    rw: str = "randread"
-    bs: int = 4096
-    iodepth: int = 16
-    numjobs: int = 1
-    size: int | None = None          # None: from offset to the end of the namespace
-    offset: int = 0
-    runtime: float = 10.0            # seconds; 0 with time_based off: no time limit
-    time_based: bool = True
-    ramp_time: float = 0.0
-    rwmixread: int = 50
-    verify: str | None = None
-    nsid: int | None = None          # None: the first active namespace
-    seed: int = 1
-    name: str | None = None
-    eta: str = "auto"                # auto (when stderr is a TTY), always, never
-    controllers: str = "shared"      # shared: one controller for all jobs; per-job
-    group_reporting: bool = False
-    #: fio's --thread: the jobs are threads of one process; else (numjobs > 1) one process
-    #: per job, each with its own controller (benchjobs.py)
-    thread: bool = False
-    cpus: frozenset[int] | None = None   # --cpus: pin the process(es) there
-
-    @property
-    def random(self) -> bool:
-        return self.rw.startswith("rand")
-
-    @property
-    def writes(self) -> bool:
-        return self.rw in ("write", "randwrite", "randrw")
-
-    @property
-    def jobname(self) -> str:
-        return self.name or f"{self.rw}-{_short_size(self.bs)}-qd{self.iodepth}"
-
-
-def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    return BenchOptions(
-        rw=args.rw, bs=parse_fio_size(args.bs), iodepth=args.iodepth, numjobs=args.numjobs,
-        size=None if args.size is None else parse_fio_size(args.size),
-        offset=parse_fio_size(args.offset), runtime=args.runtime, time_based=args.time_based,
-        ramp_time=args.ramp_time, rwmixread=args.rwmixread, verify=args.verify,
-        nsid=args.nsid, seed=args.seed, name=args.name, eta=args.eta,
-        controllers=args.controllers, group_reporting=args.group_reporting,
-        thread=args.thread, cpus=args.cpus)
-
-
-# --------------------------------------------------------------------------- verify blocks
-
-VERIFY_MAGIC = 0x31564642  # "BFV1" little-endian
-_VERIFY_HEADER = struct.Struct("<IIQQQII")
-
-
-@dataclass(frozen=True, slots=True)
-class VerifyHeader:
-    """The 40 bytes that start every block written with ``--verify crc32c``, as fio's
-    verify header does: enough to tell that a block is the one written at this offset, by
-    which job and which write, and intact.  The CRC-32C covers the whole block except its
-    own field (bytes 32..35)."""
-
-    magic: int       # @0 u32 VERIFY_MAGIC
-    length: int      # @4 u32 block length in bytes
-    offset: int      # @8 u64 byte offset in the namespace the block was written to
-    seed: int        # @16 u64 the writing job's seed
-    numberio: int    # @24 u64 the job's write sequence number
-    crc32c: int = 0  # @32 u32 CRC-32C of bytes 0..31 and 36..length-1
-    reserved: int = 0  # @36 u32 zero
-
-    SIZE = 40
-    CRC_AT = 32
-
-    def pack_into(self, buf: Any) -> None:
-        _VERIFY_HEADER.pack_into(buf, 0, self.magic, self.length, self.offset, self.seed,
-                                 self.numberio, self.crc32c, self.reserved)
-
-    @classmethod
-    def unpack_from(cls, buf: Any) -> VerifyHeader:
-        return cls(*_VERIFY_HEADER.unpack_from(buf, 0))
-
-
-def _crc32c() -> Callable[..., int]:
-    """The crc32c package's CRC-32C (hardware-assisted), else a slow pure-Python one, so
-    that --verify still works, only slower, where the package is not installed."""
-    try:
-        import crc32c
-    except ModuleNotFoundError:
-        return crc32c_py
-    return crc32c.crc32c
-
-
-def _crc32c_table() -> list[int]:
-    table = []
-    for n in range(256):
-        for _ in range(8):
-            n = (n >> 1) ^ 0x82F63B78 if n & 1 else n >> 1   # Castagnoli, reflected
-        table.append(n)
-    return table
-
-
-_CRC32C_TABLE = _crc32c_table()
-
-
-def crc32c_py(data: Any, value: int = 0) -> int:
-    """CRC-32C (RFC 3720), continuing from ``value`` like ``crc32c.crc32c``."""
-    crc = value ^ 0xFFFFFFFF
-    table = _CRC32C_TABLE
-    for byte in bytes(data):
-        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def block_crc(crc: Callable[..., int], view: memoryview) -> int:
-    at = VerifyHeader.CRC_AT
-    return crc(view[at + 4:], crc(view[:at]))
-
-
-def fill_block(crc: Callable[..., int], buf: bytearray | memoryview, offset: int, seed: int,
-               numberio: int) -> None:
-    """Stamp the header into ``buf`` (already holding the data pattern) and seal it."""
-    view = memoryview(buf)
-    VerifyHeader(VERIFY_MAGIC, len(buf), offset, seed, numberio).pack_into(view)
-    struct.pack_into("<I", view, VerifyHeader.CRC_AT, block_crc(crc, view))
-
-
-def check_block(crc: Callable[..., int], data: bytes | memoryview, offset: int,
-                expect: tuple[int, int] | None) -> str | None:
-    """Why ``data`` read at ``offset`` is not the block that belongs there, or None.
-    ``expect`` is (seed, numberio) of the last write this run made there, if any."""
-    if len(data) < VerifyHeader.SIZE:
-        return f"short block of {len(data)} bytes"
-    hdr = VerifyHeader.unpack_from(data)
-    if hdr.magic != VERIFY_MAGIC:
-        return (f"bad magic {hdr.magic:#010x}, wanted {VERIFY_MAGIC:#010x} (was this block "
-                f"written with --verify crc32c?)")
-    if hdr.length != len(data):
-        return f"header says {hdr.length} bytes, read {len(data)}"
-    if hdr.offset != offset:
-        return f"block belongs at offset {hdr.offset:#x}"
-    actual = block_crc(crc, memoryview(data))
-    if actual != hdr.crc32c:
-        return f"bad crc32c: header has {hdr.crc32c:#010x}, data gives {actual:#010x}"
-    if expect is not None and (hdr.seed, hdr.numberio) != expect:
-        return (f"stale block: write {hdr.numberio} of seed {hdr.seed}, wanted write "
-                f"{expect[1]} of seed {expect[0]}")
-    return None
-
-
-# --------------------------------------------------------------------------- statistics
-
-class LatStat:
-    """min/max/mean/stddev of latencies in ns (fio's slat/clat/lat), from the values kept."""
-
-    __slots__ = ("n", "min", "max", "sum", "sumsq")
-
-    def __init__(self, values: Iterable[int] = ()) -> None:
-        self.n = self.min = self.max = self.sum = self.sumsq = 0
-        for ns in values:
-            if self.n == 0 or ns < self.min:
-                self.min = ns
-            if ns > self.max:
-                self.max = ns
-            self.n += 1
-            self.sum += ns
-            self.sumsq += ns * ns
-
-    def as_fio(self) -> dict[str, Any]:
-        mean = self.sum / self.n if self.n else 0.0
-        var = self.sumsq / self.n - mean * mean if self.n > 1 else 0.0
-        return {"min": self.min, "max": self.max, "mean": mean,
-                "stddev": math.sqrt(max(0.0, var)), "N": self.n}
-
-
-class DirStats:
-    """One direction (read or write) of one job.  Every slat and clat is kept (two array
-    appends per I/O, nothing else on the completion path); the summaries and exact
-    percentiles are worked out when the report is made."""
-
-    __slots__ = ("ios", "bytes", "slats", "clats")
-
-    def __init__(self) -> None:
-        self.ios = self.bytes = 0
-        self.slats = array.array("Q")
-        self.clats = array.array("Q")
-
-    def record(self, nbytes: int, slat: int, clat: int) -> None:
-        self.ios += 1
-        self.bytes += nbytes
-        self.slats.append(slat)
-        self.clats.append(clat)
-
-    @classmethod
-    def merge(cls, parts: list[DirStats]) -> DirStats:
-        out = cls()
-        for p in parts:
-            out.ios += p.ios
-            out.bytes += p.bytes
-            out.slats.extend(p.slats)
-            out.clats.extend(p.clats)
-        return out
-
-    def percentiles(self) -> dict[str, int]:
-        """fio's keys ("99.900000"), nearest-rank values over every completion."""
-        ordered = sorted(self.clats)
-        if not ordered:
-            return {f"{p:.6f}": 0 for p in PERCENTILES}
-        n = len(ordered)
-        rank = {p: math.ceil(round(p * n / 100, 9)) for p in PERCENTILES}  # 1-based
-        return {f"{p:.6f}": ordered[min(n, max(1, r)) - 1] for p, r in rank.items()}
-
-    def as_fio(self, runtime_ns: int) -> dict[str, Any]:
-        secs = runtime_ns / 1e9 if runtime_ns > 0 else 0.0
-        bw_bytes = int(self.bytes / secs) if secs else 0
-        clat = LatStat(self.clats).as_fio()
-        clat["percentile"] = self.percentiles()
-        return {"io_bytes": self.bytes, "io_kbytes": self.bytes >> 10, "bw_bytes": bw_bytes,
-                "bw": bw_bytes >> 10, "iops": self.ios / secs if secs else 0.0,
-                "runtime": int(runtime_ns / 1e6) if self.ios else 0,
-                "total_ios": self.ios, "short_ios": 0, "drop_ios": 0,
-                "slat_ns": LatStat(self.slats).as_fio(), "clat_ns": clat,
-                "lat_ns": LatStat(map(operator.add, self.slats, self.clats)).as_fio()}
-
 
 # --------------------------------------------------------------------------- one job
-
-@dataclass
-class JobResult:
-    """What the report needs of a finished job: plain data, so that a job run in another
-    process (benchjobs.py) sends it back whole, latencies included."""
-
-    index: int
-    pid: int
-    stats: dict[str, DirStats]
-    runtime_ns: int
-    error_kind: int
-    errors: list[str]
-    max_inflight: int
-    verified: int
-    held: int
-    queues: set[int]
-    #: qid -> the most commands that queue carried at once (the controller's count)
-    queue_max_inflight: dict[int, int]
-    cpu: tuple[float, float]            # user, system seconds of the job's process
-    #: wall-clock (time.time()) start and end of the counted run, to line CPU samples
-    #: up with it (benchmarks/numjobs.py)
-    window: tuple[float, float] = (0.0, 0.0)
-
 
 class Slot:
     """One of a job's ``iodepth`` issue contexts, pinned to one I/O queue: the ``lane``-th
@@ -616,36 +345,6 @@ class Bench:
         self.jobs: list[Job] = []
         self.interrupted = False
 
-    def _check(self, ns: HostNamespace, ctrl: Controller) -> tuple[int, int]:
-        opts = self.opts
-        if opts.rw not in PATTERNS:
-            raise BenchError(f"--rw {opts.rw}: expected one of {', '.join(PATTERNS)}")
-        if opts.iodepth < 1 or opts.numjobs < 1:
-            raise BenchError("--iodepth and --numjobs must be at least 1")
-        if not 0 <= opts.rwmixread <= 100:
-            raise BenchError("--rwmixread must be 0..100")
-        if opts.bs <= 0 or opts.bs % ns.block_size:
-            raise BenchError(f"--bs {opts.bs} must be a multiple of the namespace's "
-                             f"{ns.block_size}-byte block size")
-        if opts.bs > ctrl.max_transfer:
-            raise BenchError(f"--bs {opts.bs} exceeds the controller's maximum transfer "
-                             f"size of {ctrl.max_transfer} bytes (MDTS)")
-        if opts.offset % ns.block_size or opts.offset >= ns.size:
-            raise BenchError(f"--offset {opts.offset} must be block-aligned and inside the "
-                             f"{ns.size}-byte namespace")
-        size = ns.size - opts.offset if opts.size is None else opts.size
-        if opts.offset + size > ns.size:
-            raise BenchError(f"--offset {opts.offset} + --size {size} exceed the "
-                             f"{ns.size}-byte namespace {ns.nsid}")
-        if opts.verify and opts.writes and opts.numjobs > 1:
-            size //= opts.numjobs   # each job verifies its own slice, as offset_increment
-        size -= size % opts.bs
-        if size < opts.bs:
-            raise BenchError(f"--size leaves each job less than one {opts.bs}-byte block")
-        if opts.verify and opts.writes and opts.time_based and size // opts.bs <= opts.iodepth:
-            raise BenchError("--verify with writes needs more blocks per job than --iodepth")
-        return opts.offset, size
-
     def _connect(self) -> Controller:
         ctrl = Controller(self.connect_opts).connect()
         self.controllers.append(ctrl)
@@ -661,7 +360,7 @@ class Bench:
                              f"(active: {sorted(ctrl.namespaces) or 'none'})")
         if opts.writes and ctrl.namespaces[nsid].read_only:
             raise BenchError(f"namespace {nsid} is read-only")
-        start, size = self._check(ctrl.namespaces[nsid], ctrl)
+        start, size = opts.layout(ctrl.namespaces[nsid], ctrl.max_transfer)
         split = bool(opts.verify and opts.writes and opts.numjobs > 1)
         here = list(range(opts.numjobs)) if self.only is None else self.only
         for local, j in enumerate(here):
@@ -778,216 +477,6 @@ class Bench:
             "ana_paths": [c.paths_view() for c in self.controllers
                           if hasattr(c, "paths_view")],
         })
-
-
-def job_report(opts: BenchOptions, jobs: list[JobResult], name: str) -> dict[str, Any]:
-    """fio's per-job JSON for ``jobs`` merged (one job, or all with group_reporting)."""
-    runtime = max((j.runtime_ns for j in jobs), default=0)
-    report: dict[str, Any] = {
-        "jobname": name, "groupid": 0,
-        "error": next((j.error_kind for j in jobs if j.error_kind), 0),
-        "eta": 0, "elapsed": round(runtime / 1e9),
-        "job options": job_options(opts),
-        "job_runtime": int(runtime / 1e6),
-    }
-    for direction in ("read", "write"):
-        report[direction] = DirStats.merge([j.stats[direction] for j in jobs]
-                                           ).as_fio(runtime)
-    report["trim"] = DirStats().as_fio(0)
-    # the controllers' own counts (none left once a controller failed)
-    used = [m for j in jobs for m in j.queue_max_inflight.values()]
-    cpu = {j.pid: j.cpu for j in jobs}          # each process once
-    wall = runtime / 1e9 or 1.0
-    report["usr_cpu"] = 100.0 * sum(c[0] for c in cpu.values()) / wall
-    report["sys_cpu"] = 100.0 * sum(c[1] for c in cpu.values()) / wall
-    report["blockfabric"] = {
-        "max_inflight": max(j.max_inflight for j in jobs),
-        "queue_max_inflight": max(used, default=0),
-        "queues": sorted({q for j in jobs for q in j.queues}),
-        "verified_blocks": sum(j.verified for j in jobs),
-        "held": sum(j.held for j in jobs),
-        "errors": [e for j in jobs for e in j.errors][:10],
-        "pids": sorted(cpu),
-        "jobs": len(jobs),
-        "window": [min(j.window[0] for j in jobs), max(j.window[1] for j in jobs)],
-    }
-    return report
-
-
-def job_options(o: BenchOptions) -> dict[str, str]:
-    out = {"rw": o.rw, "bs": str(o.bs), "iodepth": str(o.iodepth),
-           "numjobs": str(o.numjobs), "offset": str(o.offset),
-           "runtime": str(o.runtime), "rwmixread": str(o.rwmixread),
-           "randseed": str(o.seed)}
-    if o.size is not None:
-        out["size"] = str(o.size)
-    if o.time_based:
-        out["time_based"] = "1"
-    if o.ramp_time:
-        out["ramp_time"] = str(o.ramp_time)
-    if o.verify:
-        out["verify"] = o.verify
-    if o.thread:
-        out["thread"] = "1"
-    return out
-
-
-def make_result(opts: BenchOptions, connect_opts: Any, results: list[JobResult],
-                extra: dict[str, Any]) -> dict[str, Any]:
-    """fio's JSON document: one report per job, or one for all with group_reporting;
-    ``extra`` is the "blockfabric" section (controllers, paths, recovery)."""
-    now = time.time()
-    if opts.group_reporting:
-        jobs = [job_report(opts, results, opts.jobname)]
-    else:
-        jobs = [job_report(opts, [r], opts.jobname) for r in results]
-    return {
-        "fio version": f"blockfabric-bench-{__version__}",
-        "timestamp": int(now), "timestamp_ms": int(now * 1000),
-        "time": time.strftime("%a %b %d %H:%M:%S %Y", time.localtime(now)),
-        "global options": {"traddr": connect_opts.traddr,
-                           "trsvcid": str(connect_opts.trsvcid),
-                           "subnqn": connect_opts.subnqn},
-        "jobs": jobs,
-        "disk_util": [],
-        "blockfabric": extra,
-    }
-
-
-class Progress:
-    """fio's eta line: once a second, elapsed time, IOPS and MB/s since the last line."""
-
-    def __init__(self, totals: Callable[[], tuple[int, int, int, int]], opts: BenchOptions,
-                 out, mode: str) -> None:
-        self.totals = totals
-        self.opts = opts
-        self.out = out
-        tty = hasattr(out, "isatty") and out.isatty()
-        self.enabled = mode == "always" or (mode == "auto" and tty)
-        self.tty = tty
-        self.last_t = 0.0
-        self.last = (0, 0, 0, 0)
-        self.printed = False
-
-    def tick(self, elapsed: float) -> None:
-        if not self.enabled or elapsed - self.last_t < 1.0:
-            return
-        totals = self.totals()
-        dt = elapsed - self.last_t
-        d = [max(0, a - b) for a, b in zip(totals, self.last)]
-        self.last, self.last_t = totals, elapsed
-        opts = self.opts
-        limit = opts.ramp_time + opts.runtime
-        parts = [f"[{elapsed:4.0f}s/{limit:.0f}s]"]
-        for label, ios, nbytes in (("r", d[0], d[1]), ("w", d[2], d[3])):
-            if ios or (label == "r") != (opts.rw in ("write", "randwrite")):
-                parts.append(f"{label}: {fio_num(ios / dt)} IOPS "
-                             f"{nbytes / dt / 1e6:.1f} MB/s")
-        line = " ".join(parts)
-        self.out.write(("\r" + line + "  ") if self.tty else line + "\n")
-        self.out.flush()
-        self.printed = True
-
-    def close(self) -> None:
-        if self.enabled and self.tty and self.printed:
-            self.out.write("\n")
-            self.out.flush()
-
-
-# --------------------------------------------------------------------------- fio-like text
-
-def fio_num(value: float) -> str:
-    """fio's short numbers: 950, 12.3k, 1234k -> 1.23M."""
-    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= factor:
-            v = value / factor
-            return f"{v:.3g}{suffix}" if v < 1000 else f"{v:.0f}{suffix}"
-    return f"{value:.0f}"
-
-
-def _short_size(n: int) -> str:
-    for shift, suffix in ((30, "g"), (20, "m"), (10, "k")):
-        if n and n % (1 << shift) == 0:
-            return f"{n >> shift}{suffix}"
-    return str(n)
-
-
-def _bw_text(bw_bytes: float) -> str:
-    """fio's "BW=48.0MiB/s (50.3MB/s)"."""
-    for factor, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if bw_bytes >= factor:
-            binary = f"{bw_bytes / factor:.3g}{unit}/s"
-            break
-    else:
-        binary = f"{bw_bytes:.0f}B/s"
-    for decimal, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-        if bw_bytes >= decimal:
-            return f"{binary} ({bw_bytes / decimal:.3g}{unit}/s)"
-    return f"{binary} ({bw_bytes:.0f}B/s)"
-
-
-def _lat_unit(ns: float) -> tuple[str, float]:
-    if ns >= 10_000_000:
-        return "msec", 1e6
-    if ns >= 10_000:
-        return "usec", 1e3
-    return "nsec", 1.0
-
-
-def format_text(result: dict[str, Any]) -> str:
-    """A summary laid out like fio's normal output."""
-    lines = []
-    for job in result["jobs"]:
-        pids = job["blockfabric"]["pids"]
-        lines.append(f"{job['jobname']}: (groupid=0, jobs={job['blockfabric']['jobs']}): "
-                     f"err={job['error']:2d}: pid={','.join(map(str, pids))}: {result['time']}")
-        for direction in ("read", "write"):
-            d = job[direction]
-            if not d["total_ios"]:
-                continue
-            clat = d["clat_ns"]
-            unit, div = _lat_unit(clat["mean"])
-            size = d["io_bytes"]
-            lines.append(f"  {direction}: IOPS={fio_num(d['iops'])}, "
-                         f"BW={_bw_text(d['bw_bytes'])}({_io_text(size)}/{d['runtime']}msec)")
-            lines.append(f"    clat ({unit}): min={clat['min'] / div:.0f}, "
-                         f"max={clat['max'] / div:.0f}, avg={clat['mean'] / div:.2f}, "
-                         f"stdev={clat['stddev'] / div:.2f}")
-            lines.append(f"     clat percentiles ({unit}):")
-            cells = [f"{float(k):6.2f}th=[{v / div:.0f}]"
-                     for k, v in clat["percentile"].items()]
-            for i in range(0, len(cells), 4):
-                lines.append("     | " + ", ".join(cells[i:i + 4]) + ",")
-            lines[-1] = lines[-1].rstrip(",")
-        bf = job["blockfabric"]
-        verified = f", verified {bf['verified_blocks']} block(s)" if bf["verified_blocks"] \
-            else ""
-        lines.append(f"  blockfabric: I/O queue(s) {bf['queues']}, max in flight "
-                     f"{bf['max_inflight']} (job) / {bf['queue_max_inflight']} (one queue)"
-                     f"{verified}")
-    for i, rec in enumerate(result["blockfabric"]["recovery"]):
-        if rec["losses"]:
-            lines.append(f"  blockfabric: controller {i}: {rec['losses']} connection loss(es), "
-                         f"{rec['reconnects']} reconnect(s) ({rec['failovers']} to another "
-                         f"path), {rec['retried']} command(s) re-issued, {rec['failed']} "
-                         f"failed; on {rec['path']}")
-    lines.append("")
-    lines.append("Run status group 0 (all jobs):")
-    for direction in ("read", "write"):
-        total = sum(j[direction]["io_bytes"] for j in result["jobs"])
-        if not total:
-            continue
-        run_ms = max(j[direction]["runtime"] for j in result["jobs"]) or 1
-        lines.append(f"  {direction.upper():>5}: bw={_bw_text(total / run_ms * 1000)}, "
-                     f"io={_io_text(total)}, run={run_ms}msec")
-    return "\n".join(lines)
-
-
-def _io_text(n: int) -> str:
-    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.4g}{unit}"
-    return f"{n}B"
 
 
 # --------------------------------------------------------------------------- command

@@ -31,8 +31,9 @@ from typing import Any
 
 from blockfabric import numa
 from blockfabric.errors import BlockfabricError
-from blockfabric.initiator.bench import (Bench, BenchError, BenchOptions, JobResult, Progress,
-                                         make_result)
+from blockfabric.initiator.bench import Bench
+from blockfabric.initiator.benchopts import BenchError, BenchOptions
+from blockfabric.initiator.benchreport import JobResult, Progress, make_result
 
 #: Seconds between a job process's progress counts.
 TICK = 0.5

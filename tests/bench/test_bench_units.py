@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockfabric.initiator.bench import (BenchError, DirStats, VerifyHeader, _crc32c, crc32c_py,
-                                         check_block, fill_block, fio_num, parse_fio_size)
+from blockfabric.initiator.benchopts import BenchError, parse_fio_size
+from blockfabric.initiator.benchreport import DirStats, fio_num
+from blockfabric.initiator.benchverify import (VerifyHeader, _crc32c, check_block, crc32c_py,
+                                               fill_block)
 
 crc = _crc32c()
 

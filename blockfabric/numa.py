@@ -1,18 +1,12 @@
-"""NUMA placement: which node a NIC is on, that node's CPUs, pinning, and memory binding.
+"""NUMA placement: deciding where a process goes, pinning it, and binding its memory.
 
 A reactor on the far socket from its NIC, or registered memory on the far node, costs every
 I/O a trip across the inter-socket link.  This module finds where things are and puts a
 process (its threads and its memory) next to its NIC:
 
-- :class:`Topology` reads the machine from sysfs: the nodes present and their CPUs
-  (``devices/system/node/nodeN/cpulist``), the online CPUs, and a NIC's node (the RDMA
-  device's ``class/infiniband/DEV/device/numa_node``, or the netdev's
-  ``class/net/IF/device/numa_node``, following ``lower_*`` links through VLANs and bonds).
-  Every read goes through one root, ``/sys`` unless ``BLOCKFABRIC_SYSFS`` names another
-  (operators debugging a placement, tests with a fake tree of several nodes).
-- :func:`interface_of` (the interface that owns a listener's address) and
-  :func:`route_interface` (the interface a host reaches a target through) ask the kernel by
-  netlink (pyroute2); loopback and virtual devices have no node.
+- :mod:`blockfabric.topology` finds where things are (:class:`Topology` from sysfs, the
+  interface of an address or a route by netlink, CPU lists); :mod:`blockfabric.mempolicy`
+  holds the memory policy system calls.  Their names are also importable from here.
 - :func:`resolve` turns ``numa_node: auto | none | N`` and ``cpus:`` into a
   :class:`Placement`; :func:`apply` pins every thread of the process (``sched_setaffinity``)
   and sets the memory policy of the calling thread (``set_mempolicy``, inherited by the
@@ -28,40 +22,23 @@ docs/numa.md is the operator's side of this.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import errno
 import logging
-import mmap
 import os
-import platform
 import threading
 import weakref
 from pathlib import Path
 from typing import Any, Iterable
 
 from blockfabric.errors import BlockfabricError
+# what callers knew as numa.X before discovery and the syscalls moved out (numa.md, tests)
+from blockfabric.mempolicy import (POLICIES, mbind, region_address,  # noqa: F401
+                                   region_policy, set_mempolicy)
+from blockfabric.topology import (SYSFS_ENV, Topology, format_cpulist,  # noqa: F401
+                                  interface_of, nic_of_address, parse_cpulist, read_text,
+                                  route_interface)
 
 log = logging.getLogger(__name__)
-
-#: Environment variable naming the sysfs root (default /sys).
-SYSFS_ENV = "BLOCKFABRIC_SYSFS"
-
-MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND = 0, 1, 2
-MPOL_F_ADDR = 1 << 1
-POLICIES = {"preferred": MPOL_PREFERRED, "bind": MPOL_BIND}
-
-#: (mbind, set_mempolicy, get_mempolicy) per machine; aarch64 and riscv64 use the generic
-#: table (asm-generic/unistd.h).  Unknown architectures run unplaced, with a warning.
-SYSCALLS = {
-    "x86_64": (237, 238, 239),
-    "aarch64": (235, 237, 236),
-    "arm64": (235, 237, 236),
-    "riscv64": (235, 237, 236),
-}
-
-_ULONG_BITS = ctypes.sizeof(ctypes.c_ulong) * 8
 
 
 class PlacementError(BlockfabricError, ValueError):
@@ -71,223 +48,6 @@ class PlacementError(BlockfabricError, ValueError):
         super().__init__(f"{key}: expected {expected}, got {got}")
         self.key, self.expected, self.got = key, expected, got
 
-
-# --------------------------------------------------------------------------- CPU lists
-
-def parse_cpulist(text: str | int) -> frozenset[int]:
-    """The kernel's CPU list syntax (``0-3,8``, ``0-7:2`` with a stride), as in
-    ``cpulist`` files and ``taskset -c``.  Raises ValueError saying what is wrong."""
-    if isinstance(text, bool):
-        raise ValueError("a CPU list such as \"0-3,8\"")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"CPU {text} is negative")
-        return frozenset((text,))
-    cpus: set[int] = set()
-    text = text.strip()
-    if not text:
-        return frozenset()
-    for part in text.split(","):
-        part = part.strip()
-        rng, _, stride_text = part.partition(":")
-        lo_text, dash, hi_text = rng.partition("-")
-        try:
-            lo = int(lo_text)
-            hi = int(hi_text) if dash else lo
-            stride = int(stride_text) if stride_text else 1
-        except ValueError:
-            raise ValueError(f"{part!r} is not a CPU number or range (a-b, a-b:stride)") \
-                from None
-        if lo < 0 or hi < lo or stride < 1 or hi >= 1 << 16:
-            raise ValueError(f"{part!r} is not a CPU range from low to high")
-        cpus.update(range(lo, hi + 1, stride))
-    return frozenset(cpus)
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """``{0, 1, 2, 3, 8}`` -> ``0-3,8``."""
-    out: list[str] = []
-    run: list[int] = []
-    for cpu in sorted(cpus):
-        if run and cpu == run[-1] + 1:
-            run.append(cpu)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [cpu]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
-# --------------------------------------------------------------------------- sysfs
-
-def sysfs_root() -> Path:
-    return Path(os.environ.get(SYSFS_ENV) or "/sys")
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-class Topology:
-    """The machine as sysfs under ``root`` describes it (read on each call: cheap, and a
-    CPU may go offline)."""
-
-    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self.root = Path(root) if root is not None else sysfs_root()
-
-    def online_cpus(self) -> frozenset[int]:
-        text = _read(self.root / "devices/system/cpu/online")
-        if text is None:
-            return frozenset(range(os.cpu_count() or 1))
-        return parse_cpulist(text)
-
-    def nodes(self) -> dict[int, frozenset[int]]:
-        """Node number -> its online CPUs, for every node present.  A kernel without NUMA
-        (no node directory) is one node 0 with every online CPU."""
-        base = self.root / "devices/system/node"
-        out: dict[int, frozenset[int]] = {}
-        try:
-            entries = list(base.iterdir())
-        except OSError:
-            entries = []
-        online = self.online_cpus()
-        for entry in entries:
-            name = entry.name
-            if not (name.startswith("node") and name[4:].isdigit()):
-                continue
-            text = _read(entry / "cpulist")
-            try:
-                cpus = parse_cpulist(text) if text is not None else frozenset()
-            except ValueError:
-                cpus = frozenset()
-            out[int(name[4:])] = cpus & online
-        return dict(sorted(out.items())) or {0: online}
-
-    def node_of_cpus(self, cpus: Iterable[int]) -> int | None:
-        """The one node holding all of ``cpus``; None when they span nodes."""
-        cpus = set(cpus)
-        found = {n for n, node_cpus in self.nodes().items() if cpus & node_cpus}
-        return found.pop() if len(found) == 1 else None
-
-    def _node_file(self, path: Path) -> int | None:
-        text = _read(path)
-        try:
-            node = int(text) if text is not None else -1
-        except ValueError:
-            return None
-        return node if node >= 0 else None
-
-    def netdev_node(self, ifname: str, _depth: int = 0) -> int | None:
-        """The node of network interface ``ifname``'s device; through VLANs, bonds and
-        macvlans (``lower_*`` links) when all the devices below agree; None for loopback
-        and other virtual devices."""
-        if not ifname or "/" in ifname or ifname in (".", ".."):
-            return None
-        dev = self.root / "class/net" / ifname
-        node = self._node_file(dev / "device/numa_node")
-        if node is not None or _depth > 4:
-            return node
-        try:
-            lowers = [e.name[6:] for e in dev.iterdir() if e.name.startswith("lower_")]
-        except OSError:
-            return None
-        found = {self.netdev_node(low, _depth + 1) for low in lowers}
-        return found.pop() if len(found) == 1 else None
-
-    def rdma_devices(self, ifname: str) -> list[str]:
-        """The RDMA devices serving netdev ``ifname`` (RoCE GIDs on it, a device whose PCI
-        function is it, or a soft device whose parent it is)."""
-        base = self.root / "class/infiniband"
-        try:
-            devs = sorted(e.name for e in base.iterdir())
-        except OSError:
-            return []
-        out = []
-        for dev in devs:
-            d = base / dev
-            if (d / "device/net" / ifname).exists() or _read(d / "parent") == ifname:
-                out.append(dev)
-                continue
-            try:
-                ndevs = [_read(f) for f in d.glob("ports/*/gid_attrs/ndevs/*")]
-            except OSError:
-                ndevs = []
-            if ifname in ndevs:
-                out.append(dev)
-        return out
-
-    def rdma_node(self, dev: str) -> int | None:
-        """The node of RDMA device ``dev`` (a soft device: its parent netdev's)."""
-        d = self.root / "class/infiniband" / dev
-        node = self._node_file(d / "device/numa_node")
-        if node is None:
-            parent = _read(d / "parent")
-            if parent:
-                node = self.netdev_node(parent)
-        return node
-
-    def nic_node(self, ifname: str | None, rdma: bool = False) -> tuple[int | None, str]:
-        """The node of the NIC behind ``ifname`` and how it was found (for the logs and
-        ``status``).  ``rdma``: ask the RDMA device first (it is what moves the data)."""
-        if not ifname:
-            return None, "no interface"
-        if rdma:
-            for dev in self.rdma_devices(ifname):
-                node = self.rdma_node(dev)
-                if node is not None:
-                    return node, f"RDMA device {dev} of {ifname}"
-        node = self.netdev_node(ifname)
-        if node is None:
-            return None, f"{ifname} has no NUMA node (loopback or virtual)"
-        return node, f"netdev {ifname}"
-
-
-# --------------------------------------------------------------------------- interfaces
-
-def interface_of(address: str) -> str | None:
-    """The interface that owns ``address`` (a listener's); None for a wildcard address or
-    one no interface has."""
-    import ipaddress
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    if ip.is_unspecified:
-        return None
-    try:
-        from pyroute2 import IPRoute
-        with IPRoute() as ipr:
-            for msg in ipr.get_addr(family=10 if ip.version == 6 else 2):
-                if msg.get_attr("IFA_ADDRESS") == str(ip) or msg.get_attr("IFA_LOCAL") == str(ip):
-                    return _ifname(ipr, msg["index"])
-    except Exception as exc:  # noqa: BLE001 - best effort: no placement, not no target
-        log.debug("interface of %s: %s", address, exc)
-    return None
-
-
-def route_interface(address: str) -> str | None:
-    """The interface the kernel routes ``address`` through (the host's side)."""
-    try:
-        from pyroute2 import IPRoute
-        with IPRoute() as ipr:
-            routes = ipr.route("get", dst=address)
-            if routes:
-                oif = routes[0].get_attr("RTA_OIF")
-                if oif is not None:
-                    return _ifname(ipr, oif)
-    except Exception as exc:  # noqa: BLE001 - best effort
-        log.debug("route to %s: %s", address, exc)
-    return None
-
-
-def _ifname(ipr: Any, index: int) -> str | None:
-    links = ipr.get_links(index)
-    return links[0].get_attr("IFLA_IFNAME") if links else None
 
 
 # --------------------------------------------------------------------------- placement
@@ -394,76 +154,6 @@ def place_worker(placement: Placement, index: int, count: int) -> Placement:
     return apply(share, f"worker {index}") if share.placed else share
 
 
-# --------------------------------------------------------------------------- syscalls
-
-_libc: Any = None
-
-
-def _syscall(which: int, *args: Any) -> int:
-    """Call mbind (0), set_mempolicy (1) or get_mempolicy (2); raises OSError."""
-    global _libc
-    numbers = SYSCALLS.get(platform.machine())
-    if numbers is None:
-        raise OSError(errno.ENOSYS, f"memory policy syscalls not known for {platform.machine()}")
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-    rc = _libc.syscall(ctypes.c_long(numbers[which]), *args)
-    if rc < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return rc
-
-
-def _nodemask(node: int) -> tuple[Any, int]:
-    words = node // _ULONG_BITS + 1
-    mask = (ctypes.c_ulong * words)()
-    mask[node // _ULONG_BITS] = 1 << (node % _ULONG_BITS)
-    return mask, words * _ULONG_BITS + 1
-
-
-def set_mempolicy(node: int | None, policy: str = "preferred") -> None:
-    """The calling thread's memory policy (and that of the threads it starts afterwards):
-    ``node`` under ``policy``, or the default (None)."""
-    if node is None:
-        _syscall(1, ctypes.c_int(MPOL_DEFAULT), None, ctypes.c_ulong(0))
-        return
-    mask, maxnode = _nodemask(node)
-    _syscall(1, ctypes.c_int(POLICIES[policy]), mask, ctypes.c_ulong(maxnode))
-
-
-def _address(region: Any) -> tuple[int, int]:
-    """Start and length of a writable mmap (or a buffer exposing its memory)."""
-    c = ctypes.c_char.from_buffer(region)
-    try:
-        return ctypes.addressof(c), len(region)
-    finally:
-        del c
-
-
-def mbind(region: Any, node: int, policy: str = "preferred") -> None:
-    """Bind ``region`` (a writable mmap) to ``node``: pages not yet touched are allocated
-    there (MPOL_BIND: only there; MPOL_PREFERRED: there while it has room)."""
-    addr, length = _address(region)
-    length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-    mask, maxnode = _nodemask(node)
-    _syscall(0, ctypes.c_void_p(addr), ctypes.c_ulong(length), ctypes.c_int(POLICIES[policy]),
-             mask, ctypes.c_ulong(maxnode), ctypes.c_uint(0))
-
-
-def region_policy(addr: int) -> tuple[str, int | None]:
-    """The policy (name, node) of the mapping at ``addr``, read back with get_mempolicy."""
-    mode = ctypes.c_int(0)
-    mask = (ctypes.c_ulong * 16)()
-    maxnode = 16 * _ULONG_BITS + 1
-    _syscall(2, ctypes.byref(mode), mask, ctypes.c_ulong(maxnode), ctypes.c_void_p(addr),
-             ctypes.c_ulong(MPOL_F_ADDR))
-    names = {MPOL_DEFAULT: "default", MPOL_PREFERRED: "preferred", MPOL_BIND: "bind"}
-    node = next((w * _ULONG_BITS + b for w in range(len(mask)) for b in range(_ULONG_BITS)
-                 if mask[w] >> b & 1), None)
-    return names.get(mode.value & 0xFF, str(mode.value)), node
-
-
 # --------------------------------------------------------------------------- applying
 
 _lock = threading.Lock()
@@ -554,7 +244,7 @@ def bound_regions() -> list[tuple[str, int, int]]:
             try:
                 if region is None or region.closed:
                     raise ValueError("closed")
-                out.append((what, *_address(region)))
+                out.append((what, *region_address(region)))
             except (ValueError, TypeError, BufferError):
                 del _regions[key]
     return out
@@ -611,7 +301,7 @@ def thread_report(topology: Topology | None = None) -> dict[str, Any]:
     cpus = os.sched_getaffinity(0)
     tid = threading.get_native_id()
     last = None
-    text = _read(Path(f"/proc/self/task/{tid}/stat"))
+    text = read_text(Path(f"/proc/self/task/{tid}/stat"))
     if text:
         fields = text[text.rfind(")") + 2:].split()
         if len(fields) > 36:
@@ -639,21 +329,6 @@ def place_target(config: Any) -> Placement:
                 "target not placed: %s", placement.reason)
         return placement
     return apply(placement, "target")
-
-
-def nic_of_address(address: str, rdma: bool = False,
-                   topology: Topology | None = None) -> tuple[int | None, str]:
-    """The node of the NIC owning local ``address`` (a listener's), and how it was found."""
-    import ipaddress
-    try:
-        if ipaddress.ip_address(address).is_unspecified:
-            return None, "wildcard address: any NIC"
-    except ValueError:
-        return None, "not an address"
-    ifname = interface_of(address)
-    if ifname is None:
-        return None, "no interface has this address"
-    return (topology or Topology()).nic_node(ifname, rdma)
 
 
 def place_host(address: str, cpus: frozenset[int] | None, rdma: bool = True,

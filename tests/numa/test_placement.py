@@ -140,7 +140,7 @@ def test_mbind_on_this_machine_binds_or_degrades_cleanly(caplog):
             numa.mbind(region, 0, "bind")
         except OSError as exc:          # a kernel without NUMA: ENOSYS
             pytest.skip(f"mbind unavailable here: {exc}")
-        addr, _ = numa._address(region)
+        addr, _ = numa.region_address(region)
         assert numa.region_policy(addr) == ("bind", 0)
         region[:3 * mmap.PAGESIZE] = b"x" * 3 * mmap.PAGESIZE     # fault three pages in
         maps = {start: (policy, pages) for start, policy, pages in numa.numa_maps()}

@@ -1,4 +1,4 @@
-"""benchmarks/rdma_bw.py's Goal section: issue 14's two ratios, each PASS or FAIL."""
+"""benchmarks/rdma_bw.py's Goal section (rdma_bw_report.py): issue 14's two ratios, each PASS or FAIL."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
     import rdma_bw
+    import rdma_bw_report
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -25,7 +26,7 @@ def test_the_4k_rate_is_against_the_tcp_request_response_loop_and_1m_against_the
                  send_lat={"p50_us": 30.0, "p99_us": 90.0})
     big = _row(tcp={"MiB_s": 1000.0})
     big.update(write_vs_tcp=0.95, read_vs_tcp=0.89)
-    text = "\n".join(rdma_bw.acceptance({4 * KiB: small, MiB: big}))
+    text = "\n".join(rdma_bw_report.acceptance({4 * KiB: small, MiB: big}))
     assert "## Goal" in text
     assert ("4 KiB message rate >= 1x a Python TCP request/response loop of 4 KiB (20000 "
             "exchanges/s): WRITE 30000 msg/s = 1.50x, READ 21000 msg/s = 1.05x -> **PASS**"
@@ -35,7 +36,7 @@ def test_the_4k_rate_is_against_the_tcp_request_response_loop_and_1m_against_the
 
 
 def test_a_ratio_not_measured_says_what_is_missing():
-    text = "\n".join(rdma_bw.acceptance({}))
+    text = "\n".join(rdma_bw_report.acceptance({}))
     assert "4 KiB message rate vs a Python TCP request/response loop: not measured" in text
     assert "1 MiB bandwidth vs a Python socket stream: not measured" in text
     assert "PASS" not in text and "FAIL" not in text

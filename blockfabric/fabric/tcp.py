@@ -274,7 +274,8 @@ class PduConnection:
                     break
                 if digested and tcp_pdu.digest(view[pos:pos + hlen]) != \
                         tcp_pdu.unpack_digest(view, pos + hlen)[0]:
-                    raise tcp_pdu.PduError("header digest mismatch", tcp_pdu.Fes.HEADER_DIGEST, hlen)
+                    raise tcp_pdu.PduError("header digest mismatch", tcp_pdu.Fes.HEADER_DIGEST,
+                                           hlen)
                 dest = self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
                 if avail < plen:
                     if dest is not None and dlen >= DIRECT_MIN and pdo <= avail < pdo + dlen:
@@ -291,13 +292,15 @@ class PduConnection:
                 if dest is not None:
                     dest[:] = pdu[pdo:pdo + dlen]
                 if dlen and limits.ddgst and ptype > tcp_pdu.C2H_TERM and \
-                        tcp_pdu.digest(pdu[pdo:pdo + dlen]) != tcp_pdu.unpack_digest(pdu, plen - 4)[0]:
+                        tcp_pdu.digest(pdu[pdo:pdo + dlen]) != \
+                        tcp_pdu.unpack_digest(pdu, plen - 4)[0]:
                     self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
                 else:
                     self.on_pdu(ptype, flags, pdu, pdo, dlen)
                 limits = self.limits        # ICReq/ICResp change them
         except tcp_pdu.PduError as exc:
-            exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN - tcp_pdu.TERM_HLEN)])
+            exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN
+                                                 - tcp_pdu.TERM_HLEN)])
             raise
         finally:
             if not self.closed and pos:
@@ -369,7 +372,8 @@ class PduConnection:
 
     def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
                              dlen: int) -> None:
-        raise tcp_pdu.PduError("data digest mismatch", tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
+        raise tcp_pdu.PduError("data digest mismatch", tcp_pdu.Fes.INVALID_HEADER_FIELD,
+                               tcp_pdu.FEI_FLAGS)
 
     def on_lost(self, reason: str) -> None:
         """The connection cannot go on: tear down (overridden by each side)."""

@@ -17,8 +17,9 @@ nvmet-tcp depends on it: for a write of at most its port's inline_data_size (16 
 default) it waits for in-capsule data and drops the R2T it would send (its
 ``nvmet_tcp_queue_response`` returns early while the command is the one being received), so
 a Connect sent with a transport SGL and an R2T expected got no R2T, no answer, and the
-queue's next command ("out of commands") made it close the connection.  A data digest that does not match fails that command (Data Transfer
-Error) and the queue goes on; a termination request or any other violation ends the queue.
+queue's next command ("out of commands") made it close the connection.  A data digest that
+does not match fails that command (Data Transfer Error) and the queue goes on; a termination
+request or any other violation ends the queue.
 
 :func:`open_connection` makes the TCP connection and runs ICReq/ICResp before the queue
 exists, blocking, within the connect timeout.
@@ -220,34 +221,34 @@ class TcpHostQueue(PduConnection, HostQueue):
         data = self._data[slot.index] if slot is not None else None
         if data is None:
             raise tcp_pdu.PduError(f"PDU type {ptype:#x} for cid {cccid:#x}, which moves no data",
-                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
+                                   tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
         if ptype == tcp_pdu.C2H_DATA:
             if not data[3]:
                 raise tcp_pdu.PduError(f"C2HData for cid {cccid:#x}, a write",
-                                  tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
+                                       tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
             if length != dlen:
                 raise tcp_pdu.PduError(f"C2HData data length {length}, the PDU carries {dlen}",
-                                  tcp_pdu.Fes.INVALID_HEADER_FIELD, 16)
+                                       tcp_pdu.Fes.INVALID_HEADER_FIELD, 16)
             if offset != data[2] or offset + length > data[1]:
                 raise tcp_pdu.PduError(f"C2HData {offset}+{length}: expected offset {data[2]} of "
-                                  f"{data[1]}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
+                                       f"{data[1]}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
             if flags & tcp_pdu.F_DATA_SUCCESS and not flags & tcp_pdu.F_DATA_LAST:
-                raise tcp_pdu.PduError("C2HData SUCCESS without LAST", tcp_pdu.Fes.INVALID_HEADER_FIELD,
-                                  tcp_pdu.FEI_FLAGS)
+                raise tcp_pdu.PduError("C2HData SUCCESS without LAST",
+                                       tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
             if flags & tcp_pdu.F_DATA_SUCCESS and offset + length != data[1]:
                 raise tcp_pdu.PduError("C2HData SUCCESS before all the data (no short reads)",
-                                  tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
+                                       tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
             # _c2h (next for this PDU: nothing is parsed between) takes them from here
             self._checked = (cccid, data, offset + length)
             return data[0][offset:offset + length]
         else:
             if data[3]:
                 raise tcp_pdu.PduError(f"R2T for cid {cccid:#x}, a read",
-                                  tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
+                                       tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
             # several may be outstanding (MAXR2T): each asks for the bytes after the last
             if not length or offset != data[2] or offset + length > data[1]:
-                raise tcp_pdu.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} asked "
-                                  "for before", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
+                raise tcp_pdu.PduError(f"R2T {offset}+{length} for {data[1]} bytes, {data[2]} "
+                                       "asked for before", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
             return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
@@ -269,7 +270,7 @@ class TcpHostQueue(PduConnection, HostQueue):
             self.on_lost(raise_lost)
         else:
             raise tcp_pdu.PduError(f"PDU type {ptype:#x} after initialisation",
-                              tcp_pdu.Fes.SEQUENCE_ERROR, 0)
+                                   tcp_pdu.Fes.SEQUENCE_ERROR, 0)
 
     def on_data_digest_error(self, ptype: int, flags: int, pdu: memoryview, pdo: int,
                              dlen: int) -> None:
@@ -296,8 +297,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         while offset < end:
             n = min(self.maxh2cdata, end - offset)
             last = offset + n == end
-            out.append(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST if last else 0, cccid, ttag,
-                                      offset, n, hd, dd, align))
+            out.append(tcp_pdu.data_header(tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST if last else 0,
+                                           cccid, ttag, offset, n, hd, dd, align))
             piece = mem[offset:offset + n]
             out.append(piece)
             if dd:

@@ -190,25 +190,25 @@ class TcpTargetQueue(PduConnection):
         xfer = self._xfer[ttag] if ttag < len(self._xfer) else None
         if xfer is None:
             raise tcp_pdu.PduError(f"H2CData for ttag {ttag}, which has no R2T outstanding",
-                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 10)
+                                   tcp_pdu.Fes.INVALID_HEADER_FIELD, 10)
         if self.commands[ttag].cid != cccid:
             raise tcp_pdu.PduError(f"H2CData cccid {cccid:#x} is not ttag {ttag}'s command",
-                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
+                                   tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
         if length != dlen:
             raise tcp_pdu.PduError(f"H2CData data length {length}, the PDU carries {dlen}",
-                              tcp_pdu.Fes.INVALID_HEADER_FIELD, 16)
+                                   tcp_pdu.Fes.INVALID_HEADER_FIELD, 16)
         if offset != xfer[1]:
             raise tcp_pdu.PduError(f"H2CData offset {offset}, expected {xfer[1]} (in order)",
-                              tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
+                                   tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
         end = offset + length
         if end > xfer[4]:
             raise tcp_pdu.PduError(f"H2CData {offset}+{length} beyond the {xfer[4]} bytes asked "
-                              f"(of {xfer[2]})", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
+                                   f"(of {xfer[2]})", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
         # the R2T this PDU answers ends at the next multiple of MAXH2CDATA (or the end)
         r2t_end = min(xfer[2], offset - offset % MAXH2CDATA + MAXH2CDATA)
         if end > r2t_end:
             raise tcp_pdu.PduError(f"H2CData {offset}+{length} crosses the end of its R2T at "
-                              f"{r2t_end}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
+                                   f"{r2t_end}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
         if bool(flags & tcp_pdu.F_DATA_LAST) != (end == r2t_end):
             raise tcp_pdu.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
                 "set" if flags & tcp_pdu.F_DATA_LAST else "clear", end, r2t_end),
@@ -219,7 +219,7 @@ class TcpTargetQueue(PduConnection):
         free = self._free
         if not free:
             raise tcp_pdu.PduError(f"more commands than the queue depth of {self.depth}",
-                              tcp_pdu.Fes.SEQUENCE_ERROR, 0)
+                                   tcp_pdu.Fes.SEQUENCE_ERROR, 0)
         index = free[-1]
         slot = self.recv_views[index]
         slot[:SQE_SIZE] = pdu[8:8 + SQE_SIZE]
@@ -286,7 +286,7 @@ class TcpTargetQueue(PduConnection):
                 n = min(MAXH2CDATA, xfer[2] - asked)
                 xfer[4] = asked + n
                 self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cccid, ttag, asked, n, self.hdgst,
-                                          False)])
+                                               False)])
             return
         self._xfer[ttag] = None
         cmd = self.commands[ttag]
@@ -322,8 +322,9 @@ class TcpTargetQueue(PduConnection):
         asked = min(length, self.r2t_max * MAXH2CDATA)
         self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False, asked]
         cmd.on_fetched = done
-        self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, index, off, min(MAXH2CDATA, asked - off),
-                                  hd, False) for off in range(0, asked, MAXH2CDATA)])
+        self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, index, off,
+                                       min(MAXH2CDATA, asked - off), hd, False)
+                   for off in range(0, asked, MAXH2CDATA)])
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
                 result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:
@@ -366,13 +367,14 @@ class TcpTargetQueue(PduConnection):
                 if self.sq_flow:
                     cqe = self._cqes[cmd.index]
                     pack_cqe_into(cqe, 0, cmd.cid, 0, sq_head=self.sqhd, sq_id=self.qid)
-                    self.send([tcp_pdu.data_header(tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_LAST, cmd.cid, 0, 0,
-                                              length, hd, False, self.tx_align),
+                    self.send([tcp_pdu.data_header(tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_LAST,
+                                                   cmd.cid, 0, 0, length, hd, False,
+                                                   self.tx_align),
                                resolve(self.pd, addr, length, lkey),
                                tcp_pdu.capsule_resp(cqe, hd)], cmd)
                 else:
                     self.send([tcp_pdu.data_header(tcp_pdu.C2H_DATA, _LAST_SUCCESS, cmd.cid, 0, 0,
-                                              length, hd, False, self.tx_align),
+                                                   length, hd, False, self.tx_align),
                                resolve(self.pd, addr, length, lkey)], cmd)
                 return
             out = self._c2h(cmd, [resolve(self.pd, addr, length, lkey)], length, True)
@@ -407,9 +409,10 @@ class TcpTargetQueue(PduConnection):
                     pending[0] = v[take:]
                     take = 0
             last = offset + n == length
-            flags = (tcp_pdu.F_DATA_LAST | (tcp_pdu.F_DATA_SUCCESS if success else 0)) if last else 0
+            flags = ((tcp_pdu.F_DATA_LAST | (tcp_pdu.F_DATA_SUCCESS if success else 0))
+                     if last else 0)
             out.append(tcp_pdu.data_header(tcp_pdu.C2H_DATA, flags, cmd.cid, 0, offset, n, hd, dd,
-                                      align))
+                                           align))
             out.extend(piece)
             if dd:
                 crc = 0

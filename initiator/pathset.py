@@ -27,12 +27,14 @@ path.  That needs every path to go through one RDMA device (always so with the s
 provider).
 
 **Paths over different transports** (``--path tcp://ADDR:PORT`` with ``-t rdma``, or the
-reverse): each path controller has its own transport (and RDMA provider).  Memory is still
-registered once: :class:`SharedPD` registers it with the RDMA device's protection domain
-(the RDMA paths' queues and the target's RDMA READ/WRITE use those keys) and keeps the same
-keys in a table of its own, through which an NVMe/TCP queue finds the bytes of an (address,
-length, key) as it does in a local one.  So a buffer of the mount or the bench travels by
-RDMA on one path and in TCP data PDUs on the other, with no copy added on either.
+reverse): each path controller has its own transport (and RDMA provider); memory is still
+registered once, through :class:`~blockfabric.initiator.sharedpd.SharedPD`.
+
+Long because (about 550 lines) it is one class with one invariant: routing, holding and
+re-issuing commands, and re-ranking on what the paths report share the routes and the held
+list under one lock (``_mp_lock``), which the per-I/O :meth:`MultipathController.issue`
+reads with none.  Cut into mixins (as the host's Controller is), that invariant would span
+files and each part be typed against the whole.
 """
 
 from __future__ import annotations
@@ -47,11 +49,10 @@ from typing import Any
 from blockfabric.errors import BlockfabricError
 # relative: the host module this controller subclasses is the one that returns it
 from .host import (Arena, ConnectOptions, Controller, ControllerLost, CtrlEvent, CtrlState,
-                   HeldCommand,
-                   IoCommand, HostNamespace, NvmeError)
+                   HeldCommand, IoCommand, HostNamespace, NvmeError)
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.initiator.multipath import format_path
-from blockfabric.rdma import Access
+from blockfabric.initiator.sharedpd import SharedPD
 from blockfabric.protocol.identify import CMIC_ANA
 from blockfabric.protocol.logpages import AnaState
 
@@ -65,58 +66,6 @@ HELD_POLL = 0.5
 
 class SubsystemMismatch(BlockfabricError):
     """Two paths lead to different subsystems (or namespaces): not one multipath device."""
-
-
-class _Keys:
-    """The key tables :func:`blockfabric.fabric.tcp.resolve` reads (``pd.ctx``)."""
-
-    def __init__(self) -> None:
-        self.lkeys: dict[int, _SharedMR] = {}
-        self.rkeys: dict[int, _SharedMR] = {}
-
-
-class _SharedMR:
-    """A region registered with the RDMA protection domain (``inner``), as both transports
-    see it: the same address and keys, and ``buf`` for a TCP queue."""
-
-    def __init__(self, pd: SharedPD, inner: Any) -> None:
-        self.pd = pd
-        self.inner = inner
-        self.addr, self.length = inner.addr, inner.length
-        self.lkey, self.rkey = inner.lkey, inner.rkey
-        self.access = inner.access
-        self.buf = inner.buf
-        self.closed = False
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.pd.ctx.lkeys.pop(self.lkey, None)
-        self.pd.ctx.rkeys.pop(self.rkey, None)
-        self.inner.close()
-
-
-class SharedPD:
-    """One registration for RDMA and NVMe/TCP paths (see the module text): what callers
-    register with (``ctrl.pd``) and what a TCP path's queues resolve keys in; an RDMA path's
-    queues use :attr:`inner`, the device's own protection domain."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.ctx = _Keys()
-        self.closed = False
-
-    def reg_mr(self, buffer, access: Access = Access.LOCAL_WRITE) -> _SharedMR:
-        mr = _SharedMR(self, self.inner.reg_mr(buffer, access))
-        self.ctx.lkeys[mr.lkey] = mr
-        self.ctx.rkeys[mr.rkey] = mr
-        return mr
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.inner.close()
 
 
 class MultipathController(Controller):

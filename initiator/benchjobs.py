@@ -78,15 +78,9 @@ def _job_process(conn: Connection, opts: BenchOptions, connect_opts: Any, index:
         bench.run(on_tick=tick)
         ctrl = bench.controllers[0] if bench.controllers else None
         conn.send(("done", bench.job_results(), bench.interrupted, {
-            "provider": ctrl.provider.name if ctrl else None,
+            **bench.controller_stats(),
             "job": index, "cpus": numa.format_cpulist(os.sched_getaffinity(0)),
-            "nsid": bench.jobs[0].ns.nsid if bench.jobs else None,
-            "queue_stats": [{str(q): s for q, s in c.queue_stats().items()}
-                            for c in bench.controllers],
-            "paths": [list(p) for p in ctrl.paths] if ctrl else [],
-            "recovery": [c.recovery_stats() for c in bench.controllers],
-            "ana_paths": [c.paths_view() for c in bench.controllers
-                          if hasattr(c, "paths_view")]}))
+            "paths": [list(p) for p in ctrl.paths] if ctrl else []}))
     except (EOFError, BrokenPipeError):
         pass                                # the parent is gone: nobody to report to
     finally:

@@ -30,7 +30,7 @@ provider).
 reverse): each path controller has its own transport (and RDMA provider); memory is still
 registered once, through :class:`~blockfabric.initiator.sharedpd.SharedPD`.
 
-Long because (about 550 lines) it is one class with one invariant: routing, holding and
+Why one module of ~550 lines: it is one class with one invariant: routing, holding and
 re-issuing commands, and re-ranking on what the paths report share the routes and the held
 list under one lock (``_mp_lock``), which the per-I/O :meth:`MultipathController.issue`
 reads with none.  Cut into mixins (as the host's Controller is), that invariant would span

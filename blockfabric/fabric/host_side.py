@@ -24,6 +24,11 @@ reactor's own path takes no lock: a slot is taken from the free list (a list pop
 posted by its taker alone, and completed by the reactor alone.  A submitter on another thread
 takes the queue lock, so that :meth:`HostQueue.fail` (which takes it too) never misses a slot
 being taken, and waits there for a free slot; the reactor signals it only when someone waits.
+
+Why one module of ~500 lines: the slots, their two-reference completion and the queue's
+failure are one state machine, and the per-I/O path (:meth:`HostQueue.submit_rw`,
+:meth:`HostQueue.handle_raw`, ``_complete``) reads slot fields inline; split, every I/O would
+pay calls and attribute reads across modules (issue 14).
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ Sending collects every PDU of a pass and writes them with one ``sendmsg`` at its
 (:meth:`PduConnection.flush`); what the socket does not take at once is copied and sent when
 it can, and past ``max_unsent`` bytes the connection stops reading until it drained, so a
 peer that does not read cannot make the other end buffer without bound.
+
+Why one module of ~530 lines: the receive parser, the direct placement of large data PDUs
+and the batched writer share the connection's buffers and counters and run on every PDU
+(one pass per wake-up); the memory keys sit beside them because both sides resolve every
+command's data through :func:`resolve`.
 """
 
 from __future__ import annotations

@@ -67,6 +67,8 @@ class Reloadable(Protocol):
 
     def bind_reservations(self) -> None: ...
 
+    def reload(self, new: cfg.TargetConfig) -> bool: ...
+
 
 class Reloader:
     """Reloads of one running target (on its reactor)."""
@@ -187,7 +189,7 @@ class Reloader:
         for entry in [e for e in t.listening.entries if reload.listener_key(e[0]) in removed]:
             t.listening.close_one(entry)
             log.info("stopped listening on %s", entry[0].endpoint)
-        t.listening.rename(new.listeners)
+        t.listening.rename(new.listeners)  # type: ignore[arg-type]  # (any sequence will do)
         for entry in opened:
             t.listening.add(entry)
         if t.config.spin_us != new.spin_us:
@@ -196,7 +198,8 @@ class Reloader:
         t.config = new
         for nqn in plan.removed_subsystems:
             sub = t.subsystems.pop(nqn)
-            t.registry.destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
+            t.registry.destroy_where(lambda c, s=sub: c.subsystem is s,  # type: ignore[misc]
+                                     "subsystem removed")
             for ns in sub.namespaces.values():
                 t.namespaces.retire(sub, ns)
             sub.namespaces.clear()

@@ -126,7 +126,7 @@ class Command:
         self.slba = self.cdw12 = 0
         self.sgl_type: int | None = None
         self.sgl_addr = self.sgl_key = self.data_length = 0
-        self.ns: object = None              # the handler's: the namespace it pinned
+        self.ns: Any = None                 # the handler's: the namespace it pinned
         self.started = 0                    # the handler's: perf_counter_ns at the start
         # The slot's work requests, made with its first command (:meth:`arm`): a queue
         # whose peer never proves to be a host costs no more than it did.
@@ -148,12 +148,13 @@ class Command:
         self.chain_read = [self.read_wr]
 
     @property
-    def sqe(self) -> SQE | None:
-        """The SQE (None when the capsule was refused before it decoded)."""
+    def sqe(self) -> SQE:
+        """The SQE of a command handed to the handler (only a capsule refused before it
+        decoded, which no handler sees, has none: None)."""
         sqe = self._sqe
         if sqe is None and self.rw:
             sqe = self._sqe = SQE.unpack_from(self.queue.recv_views[self.recv_index])
-        return sqe
+        return sqe  # type: ignore[return-value]  # (see above: None only if refused)
 
     @property
     def sgl(self) -> KeyedSGL | OffsetSGL | None:

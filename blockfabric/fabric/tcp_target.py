@@ -443,3 +443,7 @@ class TcpTargetQueue(PduConnection):
             released(cmd)
         if not self.closed:
             self._free.append(cmd.index)
+
+
+#: A target queue of either transport, as the controller logic (blockfabric.target) sees it.
+AnyTargetQueue = TargetQueue | TcpTargetQueue

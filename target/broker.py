@@ -21,7 +21,9 @@ from blockfabric.target import config as cfg
 from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.tcp import _LocalKeys
     from blockfabric.fabric.tcp_target import AnyTargetQueue
+    from blockfabric.rdma.soft.memory import SoftPD
 
 CONTROL_SLOT = 4096
 BOUNCE_SLOTS = 64
@@ -68,12 +70,12 @@ class BufferBroker:
             pd = self._pds[key] = cmid.context.alloc_pd()
         return pd
 
-    def tcp_pd(self) -> PD:
+    def tcp_pd(self) -> SoftPD[_LocalKeys]:
         """The protection domain of NVMe/TCP queues (local memory, no device)."""
         pd = self._pds.get(0)
         if pd is None:
             pd = self._pds[0] = local_pd()
-        return pd
+        return pd  # type: ignore[return-value]  # (key 0: local_pd's)
 
     # -- buffers -------------------------------------------------------------------------
     def control_buffer(self, queue: AnyTargetQueue, length: int

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages
 from blockfabric.protocol.errors import ProtocolError
-from blockfabric.rdma import Listener
 from blockfabric.target import config as cfg
 from blockfabric.target.broker import BufferBroker, abort_command
 from blockfabric.target.controller import Controller
@@ -179,7 +178,7 @@ def may_stay(ctrl: Controller, config: cfg.TargetConfig,
 
 def discovery_log(ctrl: Controller, config: cfg.TargetConfig,
                   subsystems: Iterable[Subsystem],
-                  listeners: Iterable[tuple[cfg.Listener, str, Listener]],
+                  listeners: Iterable[tuple[cfg.Listener, str, object]],
                   genctr: int) -> bytes:
     """The discovery log page for this host: subsystems it may use, once per transport
     and address: every NVMe/TCP listener, and the RDMA listeners of the provider it came

@@ -18,7 +18,6 @@ from blockfabric.errors import BlockfabricError
 from blockfabric.fabric.reactor import Reactor, spin_default
 from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
-from blockfabric.rdma import Listener
 from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
     from blockfabric.target.ana import Ana
     from blockfabric.target.control import ControlServer
     from blockfabric.target.gateway import Coordinator
-    from blockfabric.target.listeners import Listeners
+    from blockfabric.target.listeners import Entry, Listeners
     from blockfabric.target.nschanges import NamespaceChanges
     from blockfabric.target.rbdvolume import VolumeWatch
     from blockfabric.target.registry import ControllerRegistry
@@ -101,7 +100,7 @@ class Reloader:
         """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
         t = self.target
         plan = reload.plan(t.config, new)
-        opened: list[tuple[cfg.Listener, str, Listener]] = []
+        opened: list[Entry] = []
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
         metrics_server = None
@@ -180,7 +179,7 @@ class Reloader:
                              f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
 
     def _commit(self, plan: reload.ReloadPlan, new: cfg.TargetConfig,
-                opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
+                opened: list[Entry], subsystems: list[Subsystem],
                 namespaces: dict[tuple[str, int], Namespace],
                 metrics_server: metrics.MetricsServer | None) -> None:
         """Apply a prepared plan; nothing here is expected to fail."""

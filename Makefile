@@ -41,7 +41,7 @@ help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
 	@echo "make test   set up and run the full test suite (make lint first)"
 	@echo "make lint   pyflakes checks through ruff, and make typecheck (rules in pyproject.toml)"
-	@echo "make typecheck   mypy: strict on blockfabric/protocol, default elsewhere"
+	@echo "make typecheck   mypy: strict on blockfabric/protocol and blockfabric/fabric, default elsewhere"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
 	@echo "make lab-resv   reservations seen by the kernel's host: nvme resv-* of three host NQNs (6.12 guest)"

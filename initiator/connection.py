@@ -29,11 +29,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from blockfabric.initiator.parts import ControllerParts
+else:
+    ControllerParts = object    # (the parts' description, for the type checker: parts.py)
+
 ADMIN_DEPTH = 32
 CAPSULE_CONNECT_DATA = 1024
 
 
-class QueueSetup:
+class QueueSetup(ControllerParts):
     """The controller's set-up: its queues' connections, Fabrics Connect, in-band
     authentication, enabling, and the I/O queues; all of it again on each reconnect."""
 
@@ -44,7 +49,7 @@ class QueueSetup:
         traddr, trsvcid = self.path
         if opts.transport == "tcp":
             return self._open_tcp_queue(qid, depth)
-        cmid: CMId = self.provider.create_id()
+        cmid: CMId = self.provider.create_id()  # type: ignore[union-attr]  # (RDMA: a Provider)
         try:
             cmid.resolve(traddr, trsvcid, timeout=opts.connect_timeout)
             if self.pd is None:
@@ -87,7 +92,7 @@ class QueueSetup:
         if self.pd is None:
             self.pd = context.alloc_pd() if transport == "rdma" else local_pd()
             self.arena = Arena(self.pd, self.opts.arena_size)
-        return self.pd, self.arena
+        return self.pd, self.arena  # type: ignore[return-value]  # (made with the PD)
 
     def _open_tcp_queue(self, qid: int, depth: int) -> HostQueue:
         """The NVMe/TCP connection of queue ``qid`` (ICReq/ICResp done), attached."""
@@ -98,7 +103,8 @@ class QueueSetup:
         sock, resp = open_connection(traddr, trsvcid, hdgst=opts.hdr_digest,
                                      ddgst=opts.data_digest, timeout=opts.connect_timeout,
                                      hpda=opts.hpda)
-        queue = TcpHostQueue(sock, self.pd, resp, qid=qid, depth=depth,
+        queue = TcpHostQueue(sock, self.pd, resp,  # type: ignore[arg-type]  # (TCP: a local_pd)
+                             qid=qid, depth=depth,
                              inline_size=self.inline_size if qid else 0,
                              name=f"{traddr}:{trsvcid} q{qid} tcp", hpda=opts.hpda)
         try:
@@ -175,7 +181,7 @@ class QueueSetup:
         """Authentication Receive of ``al`` bytes: the controller's next message."""
         _, data = self.wait(queue, AuthReceive(al=al).to_sqe(), "Authentication Receive",
                             data_in=al)
-        return data
+        return data  # type: ignore[return-value]  # (data_in: bytes)
 
     def connect(self) -> Controller:
         self.reactor.start()
@@ -186,7 +192,7 @@ class QueueSetup:
             raise
         with self._state_lock:
             self._move(CtrlEvent.CONNECTED)
-        return self
+        return self  # type: ignore[return-value]  # (self: the composed Controller)
 
     def _establish(self) -> None:
         """Everything ``nvme connect`` does, on the current path; also each reconnect."""
@@ -231,13 +237,15 @@ class QueueSetup:
 
     def _setup_io(self, opts: ConnectOptions) -> None:
         want = max(1, opts.nr_io_queues)
-        cqe, _ = self.wait(self.admin, SetFeatures(
+        cqe, _ = self.wait(self.admin, SetFeatures(  # type: ignore[arg-type]  # (connected)
             fid=FeatureId.NUM_QUEUES, value=NumberOfQueues(nsqr=want - 1,
                                                            ncqr=want - 1).to_int()).to_sqe(),
             "Set Features (number of queues)")
         granted = NumberOfQueues.from_int(cqe.result & 0xFFFFFFFF)
         count = min(want, granted.nsqr + 1, granted.ncqr + 1)
-        depth = min(opts.queue_size, (self.identify.maxcmd or opts.queue_size))
+        depth = min(opts.queue_size,
+                    (self.identify.maxcmd  # type: ignore[union-attr]  # (_establish read it)
+                     or opts.queue_size))
         for qid in range(1, count + 1):
             queue = self.open_queue(qid, depth)
             self.io_queues.append(queue)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from blockfabric.initiator.namespace import HostNamespace
 
@@ -21,12 +21,18 @@ from blockfabric.protocol.opcodes import FeatureId
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from blockfabric.initiator.parts import ControllerParts
+    from blockfabric.protocol.logpages import AnaGroupDescriptor
+else:
+    ControllerParts = object    # (the parts' description, for the type checker: parts.py)
+
 #: Bytes of ANA log read: the header, 128 group descriptors and 1024 NSIDs (what the
 #: Linux host sizes its buffer to: 16 + NANAGRPID * 32 + MNAN * 4).
 ANA_LOG_READ = 16 + 128 * 32 + 1024 * 4
 
 
-class Events:
+class Events(ControllerParts):
     """The controller's view of its namespaces and what the target tells it unasked:
     rescans, Asynchronous Event Requests, the ANA log, and the admin reads they need."""
 
@@ -50,7 +56,8 @@ class Events:
                 continue
             read_only = bool(ident.nsattr & 1)
             if ns is None:
-                self.namespaces[nsid] = HostNamespace(self, nsid, ident.block_size, ident.nsze,
+                self.namespaces[nsid] = HostNamespace(self,  # type: ignore[arg-type]  # (a Controller)
+                                                      nsid, ident.block_size, ident.nsze,
                                                   read_only, ident.nguid, ident)
                 changed.add(nsid)
             elif (ns.nblocks, ns.block_size, ns.read_only) != (ident.nsze, ident.block_size,
@@ -65,7 +72,8 @@ class Events:
     def _start_events(self) -> None:
         """Ask for namespace attribute notices and keep an AER outstanding."""
         ana = bool(self.identify and self.identify.cmic & CMIC_ANA)
-        self.wait(self.admin, SetFeatures(fid=FeatureId.ASYNC_EVENT, value=OAES_NS_ATTR | (
+        self.wait(self.admin, SetFeatures(  # type: ignore[arg-type]  # (connected)
+            fid=FeatureId.ASYNC_EVENT, value=OAES_NS_ATTR | (
             OAES_ANA_CHANGE if ana else 0)).to_sqe(),
                   "Set Features (asynchronous event configuration)")
         if ana:
@@ -91,7 +99,8 @@ class Events:
             return
         event = AsyncEvent.from_int(cqe.result & 0xFFFFFFFF)
         try:
-            self._events.submit(self._handle_event, event)
+            self._events.submit(  # type: ignore[union-attr]  # (AERs: _start_events made it)
+                self._handle_event, event)
         except RuntimeError:                        # closing
             pass
 
@@ -111,7 +120,7 @@ class Events:
                          {g.grpid: g.state.name.lower() for g in ana[1]})
                 for listener in list(self.ana_listeners):
                     try:
-                        listener(self, ana)
+                        listener(self, ana)  # type: ignore[arg-type]  # (self: a Controller)
                     except Exception:
                         log.exception("ANA listener %r failed", listener)
             else:
@@ -122,39 +131,41 @@ class Events:
             return
         finally:
             self._submit_aer()
-        for listener in list(self.namespace_listeners):
+        for ns_listener in list(self.namespace_listeners):
             try:
-                listener(self, changed)
+                ns_listener(self, changed)  # type: ignore[arg-type]  # (self: a Controller)
             except Exception:  # one subscriber must not starve the others
-                log.exception("namespace listener %r failed", listener)
+                log.exception("namespace listener %r failed", ns_listener)
 
-    def read_ana_log(self, rgo: bool = False) -> tuple[int, list]:
+    def read_ana_log(self, rgo: bool = False) -> tuple[int, list[AnaGroupDescriptor]]:
         """Read the ANA log page (LID 0x0C): (chgcnt, [AnaGroupDescriptor])."""
-        _, data = self.wait(self.admin, GetLogPage(
+        _, data = self.wait(self.admin, GetLogPage(  # type: ignore[arg-type]  # (connected)
             nsid=0xFFFFFFFF, lid=LogPageId.ANA, lsp=ANA_LSP_RGO if rgo else 0,
             numd=GetLogPage.numd_for(ANA_LOG_READ)).to_sqe(), "Get Log Page 0xc",
             data_in=ANA_LOG_READ)
-        self.ana_log = unpack_ana_log(data)
+        self.ana_log = unpack_ana_log(data)  # type: ignore[arg-type]  # (data_in: bytes)
         return self.ana_log
 
-    def _identify(self, cns: int, nsid: int = 0) -> bytes:
-        _, data = self.wait(self.admin, Identify(nsid=nsid, cns=cns).to_sqe(),
+    def _identify(self, cns: IdentifyCNS, nsid: int = 0) -> bytes:
+        _, data = self.wait(self.admin,  # type: ignore[arg-type]  # (connected)
+                            Identify(nsid=nsid, cns=cns).to_sqe(),
                             f"Identify CNS {int(cns)}", data_in=4096)
-        return data
+        return data  # type: ignore[return-value]  # (data_in: bytes)
 
     def property_get(self, offset: int, size: int) -> int:
-        cqe, _ = self.wait(self.admin, PropertyGet(attrib=1 if size == 8 else 0,
-                                                   offset=offset).to_sqe(),
+        cqe, _ = self.wait(self.admin,  # type: ignore[arg-type]  # (connected)
+                           PropertyGet(attrib=1 if size == 8 else 0, offset=offset).to_sqe(),
                            f"Property Get {offset:#x}")
         return cqe.result if size == 8 else cqe.result & 0xFFFFFFFF
 
     def property_set(self, offset: int, value: int) -> None:
-        self.wait(self.admin, PropertySet(attrib=0, offset=offset, value=value).to_sqe(),
+        self.wait(self.admin,  # type: ignore[arg-type]  # (connected)
+                  PropertySet(attrib=0, offset=offset, value=value).to_sqe(),
                   f"Property Set {offset:#x}")
 
     def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
                      rae: bool = False) -> bytes:
-        _, data = self.wait(self.admin, GetLogPage(
+        _, data = self.wait(self.admin, GetLogPage(  # type: ignore[arg-type]  # (connected)
             nsid=nsid, lid=lid, rae=rae, numd=GetLogPage.numd_for(length),
             lpo=offset).to_sqe(), f"Get Log Page {int(lid):#x}", data_in=length)
-        return data
+        return data  # type: ignore[return-value]  # (data_in: bytes)

@@ -140,7 +140,7 @@ class _IoRequest:
             # the reply header goes right before the data, over what the request held
             _pack_out(view, lo - OUT_SIZE, OUT_SIZE + hi - lo, 0, self.unique)
             try:
-                _write(server.fd, self.reply)
+                _write(server.fd, self.reply)  # type: ignore[arg-type]  # (set for lo/hi)
             except OSError as exc:
                 server._send_failed(exc)
             counters.reads += 1
@@ -171,7 +171,8 @@ class KernelFuse:
         self.fd = -1
         # the request buffers, registered with the controller's PD: a WRITE's payload is
         # read where the target fetches it, a READ's data lands where the reply goes from
-        self.bufs = BufferPool(self.ctrl.pd, buffers, BUF_SIZE, HOST_ACCESS)
+        self.bufs = BufferPool(self.ctrl.pd,  # type: ignore[arg-type]  # (connected: a PD)
+                               buffers, BUF_SIZE, HOST_ACCESS)
         self.iovs = [[view] for view in self.bufs.views]    # readv's argument, made once
         self.nbuf = buffers
         self.reqs = [_IoRequest(self, i) for i in range(buffers)]
@@ -346,6 +347,7 @@ class KernelFuse:
     def _dispatch(self, index: int, n: int) -> None:
         view = self.bufs.views[index]
         _len, opcode, unique, nodeid, _uid, _gid, _pid, _ext, _pad = _unpack_in(view)
+        op: Callable[[int, int, int, memoryview, int], bool] | None
         if opcode == READ:
             op = self._read
         elif opcode == WRITE:
@@ -576,6 +578,7 @@ class KernelFuse:
         return self._issue_request(req, n, unique, ns, _READ, start, stop - start, DATA_OFF, None)
 
     def _write(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
+        data: bytes | memoryview | None
         offset, size = IO_ARGS.unpack_from(view, IN_SIZE)
         if nodeid == STATUS_ID:
             raise OSError(errno.EROFS, "read-only")
@@ -587,7 +590,8 @@ class KernelFuse:
             path = "/" + f"n{nodeid - NS_BASE_ID}"
             data = bytes(view[WRITE_DATA:WRITE_DATA + size])
             self._release(index)
-            self._blocking(-1, unique, lambda: fs.write(path, data, offset),
+            self._blocking(-1, unique, lambda: fs.write(path, data,  # type: ignore[arg-type]
+                                                        offset),  # (bytes, here)
                            lambda written: WRITE_OUT.pack(written, 0))
             return True
         counters = fs.counters

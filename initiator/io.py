@@ -23,11 +23,17 @@ from blockfabric.fabric.host_side import STATUS_BITS, HostQueue
 from blockfabric.protocol import (CQE, SQE, IOOpcode, KeyedSGL, StatusCode)
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.host_side import RawCQE
     from blockfabric.initiator.arena import Arena
     from blockfabric.initiator.host import Controller
     from blockfabric.initiator.namespace import HostNamespace
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from blockfabric.initiator.parts import ControllerParts
+else:
+    ControllerParts = object    # (the parts' description, for the type checker: parts.py)
 
 _READ = IOOpcode.READ.value
 
@@ -50,6 +56,9 @@ class HeldCommand:
     def lost(self, exc: BaseException) -> None:
         self.parent.io_done(self, exc)
 
+    if TYPE_CHECKING:   # each kind's (IoCommand, SqeCommand)
+        def send(self, ctrl: ControllerParts, queue: HostQueue) -> None: ...
+
 
 class IoCommand(HeldCommand):
     """The I/O primitive: one Read or Write (one piece at MDTS) that its user keeps and
@@ -66,29 +75,29 @@ class IoCommand(HeldCommand):
 
     __slots__ = ("ctrl", "opcode", "slba", "nlb", "addr", "length", "rkey", "data")
 
-    def __init__(self, ctrl: Controller, parent: Any) -> None:
+    def __init__(self, ctrl: ControllerParts, parent: Any) -> None:
         HeldCommand.__init__(self, parent)
         self.ctrl = ctrl
         self.opcode = IOOpcode.READ.value
         self.slba = self.nlb = self.addr = self.length = self.rkey = 0
         self.data: Any = None
 
-    def send(self, ctrl: Controller, queue: HostQueue) -> None:
+    def send(self, ctrl: ControllerParts, queue: HostQueue) -> None:
         queue.submit_rw(self, self.opcode, self.nsid, self.slba, self.nlb, self.addr,
                         self.length, self.rkey, self.data)
 
-    def complete(self, raw: tuple | None, error: QueueDead | None) -> None:
+    def complete(self, raw: RawCQE | None, error: QueueDead | None) -> None:
         """The queue's callback (reactor thread)."""
         if error is not None:
             self.ctrl._hold(self, error)
             return
-        word = raw[4]
+        word = raw[4]  # type: ignore[index]  # (no error: the response)
         if word & STATUS_BITS:
             if word & 0x0E00 == 0x0600:     # SCT 3, path related (ANA): another path may serve
-                self.ctrl._path_status(self, word, raw[0])
+                self.ctrl._path_status(self, word, raw[0])  # type: ignore[index]
                 return
             self.parent.io_done(self, NvmeError.from_word(
-                "Read" if self.opcode == _READ else "Write", word, raw[0]))
+                "Read" if self.opcode == _READ else "Write", word, raw[0]))  # type: ignore[index]
         else:
             self.parent.io_done(self, None)
 
@@ -101,7 +110,7 @@ class SqeCommand(HeldCommand):
 
     __slots__ = ("ctrl", "make_sqe", "what", "data_out")
 
-    def __init__(self, ctrl: Controller, parent: Any, nsid: int, make_sqe: Callable[[], SQE],
+    def __init__(self, ctrl: ControllerParts, parent: Any, nsid: int, make_sqe: Callable[[], SQE],
                  what: str, data_out: bytes | None = None) -> None:
         HeldCommand.__init__(self, parent, nsid)
         self.ctrl = ctrl
@@ -109,20 +118,23 @@ class SqeCommand(HeldCommand):
         self.what = what
         self.data_out = data_out
 
-    def send(self, ctrl: Controller, queue: HostQueue) -> None:
+    def send(self, ctrl: ControllerParts, queue: HostQueue) -> None:
         ctrl.submit(queue, self.make_sqe(), self._completed, data_out=self.data_out)
 
     def _completed(self, cqe: CQE | None, _data: Any, error: QueueDead | None) -> None:
         if error is not None:
             self.ctrl._hold(self, error)
             return
-        status = int(cqe.status)
+        # (no error: the response)
+        status = int(cqe.status)  # type: ignore[union-attr]
         if not status:
             self.parent.io_done(self, None)
         elif (status >> 8) & 7 == 3:        # path related: another path may serve
-            self.ctrl._path_status(self, status << 1 | cqe.dnr << 15, cqe.result)
+            self.ctrl._path_status(self, status << 1 | cqe.dnr << 15,  # type: ignore[union-attr]
+                                   cqe.result)  # type: ignore[union-attr]
         else:
-            self.parent.io_done(self, NvmeError(self.what, status, cqe.dnr, cqe.result))
+            self.parent.io_done(self, NvmeError(self.what, status,
+                                                cqe.dnr, cqe.result))  # type: ignore[union-attr]
 
 
 class IoJoin:
@@ -168,16 +180,18 @@ class _FutureJoin:
         data = None
         block = self.block
         if block is not None:
+            # (a block: from the arena given with it)
             if self.read_length and self.error is None:
-                data = bytes(self.arena.view[block[0]:block[0] + self.read_length])
-            self.arena.free(*block)
+                data = bytes(self.arena.view[  # type: ignore[union-attr]
+                    block[0]:block[0] + self.read_length])
+            self.arena.free(*block)  # type: ignore[union-attr]
         if self.error is not None:
             self.future.set_exception(self.error)
         else:
             self.future.set_result(data)
 
 
-class IoPath:
+class IoPath(ControllerParts):
     """The controller's command submission: admin commands waited for, and the I/O
     primitive (:class:`IoCommand`) planned at MDTS and issued on a queue."""
 
@@ -196,7 +210,7 @@ class IoPath:
         the arena by keyed SGL; ``data_in`` bytes come back into the arena.  ``callback(cqe,
         data, error)`` gets the data read (bytes) for ``data_in``.  With ``sgl`` (memory the
         caller registered), the data moves straight to or from there and ``data`` is None."""
-        arena = self.arena
+        arena: Arena = self.arena  # type: ignore[assignment]  # (set with the first queue)
         block = None
         if data_out is not None and inline:
             queue.submit(sqe, lambda cqe, err: callback(cqe, None, err), inline=data_out)
@@ -267,7 +281,7 @@ class IoPath:
         checked against the namespace size here: the target answers LBA out of range, and
         that real status is what the caller should see."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        arena = self.arena
+        arena: Arena = self.arena  # type: ignore[assignment]  # (set with the first queue)
         at, size = arena.alloc(length)
         view = None
         if data is not None:
@@ -406,7 +420,7 @@ class IoPath:
                 return
         self._dispatch(cmd)
 
-    def _path_status(self, cmd: HeldCommand, word: int, result: int) -> None:
+    def _path_status(self, cmd: IoCommand | SqeCommand, word: int, result: int) -> None:
         """A path-related status (SCT 3, e.g. ANA Inaccessible) on a single path: there is
         no other path to try, so the caller gets it (a multipath controller re-routes)."""
         what = cmd.what if isinstance(cmd, SqeCommand) else \

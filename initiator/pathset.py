@@ -44,7 +44,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import BlockfabricError
 # relative: the host module this controller subclasses is the one that returns it
@@ -55,6 +55,10 @@ from blockfabric.initiator.multipath import format_path
 from blockfabric.initiator.sharedpd import SharedPD
 from blockfabric.protocol.identify import CMIC_ANA
 from blockfabric.protocol.logpages import AnaState
+
+if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Timer
+    from blockfabric.rdma import CMId
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +82,7 @@ class MultipathController(Controller):
         self.transports = [opts.transport] + [p[2] if len(p) > 2 and p[2] else opts.transport
                                               for p in opts.paths]
         self._mixed = len(set(self.transports)) > 1
-        self._pd_cmid = None        # a mixed set's RDMA device, when a TCP path came first
+        self._pd_cmid: CMId | None = None   # a mixed set's RDMA device, when a TCP path came first
         for (address, port), transport in zip(self.paths, self.transports):
             popts = dataclasses.replace(opts, traddr=address, trsvcid=int(port), paths=[],
                                         transport=transport,
@@ -94,7 +98,7 @@ class MultipathController(Controller):
         self._veto: set[tuple[int, int]] = set()    # (path, nsid) answered with SCT 3
         self._excluded: dict[int, str] = {}         # path -> why it is not this subsystem
         self._mp_lock = threading.RLock()
-        self._poll_timer = None
+        self._poll_timer: Timer | bool | None = None    # (True: one is being made)
         self.failbacks = 0
         self.last_failover: float | None = None
         self.last_failback: float | None = None
@@ -164,17 +168,18 @@ class MultipathController(Controller):
                 else:
                     if context is None:
                         context = self._rdma_context()
-                    self.pd = SharedPD(context.alloc_pd())
-                self.arena = Arena(self.pd, self.opts.arena_size)
+                    # (a PD to its users: reg_mr and close)
+                    self.pd = SharedPD(context.alloc_pd())  # type: ignore[assignment]
+                self.arena = Arena(self.pd, self.opts.arena_size)  # type: ignore[arg-type]
             if self._mixed and transport == "rdma":
-                return self.pd.inner, self.arena
-            return self.pd, self.arena
+                return self.pd.inner, self.arena  # type: ignore[union-attr, return-value]
+            return self.pd, self.arena  # type: ignore[return-value]  # (made together)
 
     def _rdma_context(self) -> Any:
         index = self.transports.index("rdma")
         address, port = self.paths[index]
         provider = self.path_ctrls[index].provider
-        cmid = provider.create_id()
+        cmid = provider.create_id()  # type: ignore[union-attr]  # (an RDMA path's)
         try:
             cmid.resolve(address, port, timeout=self.opts.connect_timeout)
         except BaseException:
@@ -515,7 +520,7 @@ class MultipathController(Controller):
                          + (f" (not used: {p['excluded']})" if p["excluded"] else ""))
         return lines
 
-    def recovery_stats(self) -> dict[str, int | str]:
+    def recovery_stats(self) -> dict[str, Any]:
         with self._mp_lock:
             out = self.recovery.as_dict()
             serving = sorted({i for idx in self._serving.values() for i in idx})

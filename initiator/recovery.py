@@ -13,17 +13,21 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blockfabric.initiator.errors import ControllerLost, NvmeError
 from blockfabric.initiator.multipath import format_path
 
 from blockfabric.protocol import (KeepAlive, StatusCode)
 
-if TYPE_CHECKING:
-    from blockfabric.initiator.io import HeldCommand
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from blockfabric.initiator.io import HeldCommand
+    from blockfabric.initiator.parts import ControllerParts
+else:
+    ControllerParts = object    # (the parts' description, for the type checker: parts.py)
 
 
 class CtrlState(str, enum.Enum):
@@ -51,7 +55,7 @@ class RecoveryStats:
     path_errors: int = 0        # path-related statuses (SCT 3, ANA) re-routed (multipath)
     last_reason: str = ""
 
-    def as_dict(self) -> dict[str, int | str]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
@@ -84,7 +88,7 @@ CTRL_TRANSITIONS: dict[tuple[CtrlState, CtrlEvent], CtrlState] = {
 }
 
 
-class Recovery:
+class Recovery(ControllerParts):
     """The controller's reconnecting: holding I/O lost with a queue, the reconnect loop,
     re-issuing or failing what was held, and the keep-alive that notices a silent loss."""
 
@@ -166,7 +170,7 @@ class Recovery:
     def _tell_state(self) -> None:
         for listener in list(self.state_listeners):
             try:
-                listener(self)
+                listener(self)  # type: ignore[arg-type]  # (self: the composed Controller)
             except Exception:
                 log.exception("state listener %r failed", listener)
 
@@ -273,7 +277,7 @@ class Recovery:
         self._tell_state()
 
 
-    def recovery_stats(self) -> dict[str, int | str]:
+    def recovery_stats(self) -> dict[str, Any]:
         """State, path and reconnect counters (see :class:`RecoveryStats`)."""
         with self._state_lock:
             out = self.recovery.as_dict()

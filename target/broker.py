@@ -10,15 +10,20 @@ controllers: a queue that keeps a bounce buffer too long is reported to ``on_hoa
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor, Timer
-from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.fabric.target_side import Command
 from blockfabric.fabric.tcp import local_pd
 from blockfabric.rdma import PD, SGE, Access, CMId
 from blockfabric.target import config as cfg
 from blockfabric.target.fairshare import BouncePool, FairExecutor, Lease
+
+if TYPE_CHECKING:
+    from blockfabric.fabric.tcp import _LocalKeys
+    from blockfabric.fabric.tcp_target import AnyTargetQueue
+    from blockfabric.rdma.soft.memory import SoftPD
 
 CONTROL_SLOT = 4096
 BOUNCE_SLOTS = 64
@@ -44,7 +49,7 @@ class BufferBroker:
     bound)``: a queue's host held a bounce buffer ``held`` seconds, past ``bound``."""
 
     def __init__(self, reactor: Reactor, config: Callable[[], cfg.TargetConfig],
-                 on_hoarding: Callable[[TargetQueue, float, float], None]) -> None:
+                 on_hoarding: Callable[[AnyTargetQueue, float, float], None]) -> None:
         self.reactor = reactor
         self._config = config
         self._on_hoarding = on_hoarding
@@ -65,15 +70,15 @@ class BufferBroker:
             pd = self._pds[key] = cmid.context.alloc_pd()
         return pd
 
-    def tcp_pd(self) -> PD:
+    def tcp_pd(self) -> SoftPD[_LocalKeys]:
         """The protection domain of NVMe/TCP queues (local memory, no device)."""
         pd = self._pds.get(0)
         if pd is None:
             pd = self._pds[0] = local_pd()
-        return pd
+        return pd  # type: ignore[return-value]  # (key 0: local_pd's)
 
     # -- buffers -------------------------------------------------------------------------
-    def control_buffer(self, queue: TargetQueue, length: int
+    def control_buffer(self, queue: AnyTargetQueue, length: int
                        ) -> tuple[memoryview, SGE, Callable[[Command], None]]:
         """A registered buffer for admin data (Identify pages, log pages, Connect data)."""
         pd = queue.pd
@@ -89,7 +94,7 @@ class BufferBroker:
         pool = BufferPool(pd, 1, max(length, 1))
         return pool.views[0], pool.sge(0, length), lambda _cmd: pool.close()
 
-    def zeros(self, queue: TargetQueue, length: int) -> SGE:
+    def zeros(self, queue: AnyTargetQueue, length: int) -> SGE:
         """``length`` (at most limits.mdts) bytes of zeros in registered memory, one region
         per protection domain that is never written: answers padded to a length the host
         chose cost no memory of that length."""
@@ -166,7 +171,7 @@ class BufferBroker:
         """Deregister every buffer and close every protection domain (queues closed first)."""
         for pool in [*self._control.values(), *self._bounce.values(), *self._zeros.values(),
                      *self._old_zeros]:
-            pool.close()
+            pool.close()  # type: ignore[attr-defined]  # (BufferPools and BouncePools)
         self._control.clear()
         self._zeros.clear()
         self._old_zeros.clear()

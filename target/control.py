@@ -176,11 +176,11 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(f"last reload FAILED: {st['last_reload_error']}")
     gw = st.get("gateway")
     if gw:
-        groups = ", ".join(f"{g} {state.replace('_', '-')}"
-                           for g, state in gw["groups"].items()) or "none"
+        ana_groups = ", ".join(f"{g} {state.replace('_', '-')}"
+                               for g, state in gw["groups"].items()) or "none"
         lo, hi = gw["cntlid_range"]
         lines.append(f"gateway {gw['name']} in group {gw['group']}  cntlid {lo}-{hi}  home "
-                     f"groups {gw['home_groups'] or 'none'}  ANA groups: {groups}  chgcnt "
+                     f"groups {gw['home_groups'] or 'none'}  ANA groups: {ana_groups}  chgcnt "
                      f"{gw['chgcnt']}  takeovers {gw['takeovers']} releases {gw['releases']}")
     lines.extend(placement_lines(st.get("placement")))
     lines.append("")

@@ -19,7 +19,7 @@ from time import monotonic
 from typing import TYPE_CHECKING
 
 from blockfabric.fabric.reactor import Timer
-from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.fabric.target_side import Command
 from blockfabric.logutil import printable
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import identify
@@ -42,6 +42,9 @@ from blockfabric.target.ctrl_io import errno_status as errno_status  # public, a
 from blockfabric.target.metrics import READ, WRITE, IoStats
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.tcp_target import AnyTargetQueue
+    from blockfabric.rdma import SGE
+    from blockfabric.target import config as cfg
     from blockfabric.target.namespace import Namespace, Subsystem
     from blockfabric.target.services import Owner, Resources
 
@@ -76,7 +79,7 @@ class Controller(AuthGate, IoCommands):
         self.mdts_bytes = limits.mdts
         self.state = state                  # registers, phase, queues: the protocol's table
         self.aec = 0
-        self.queues: dict[int, TargetQueue] = {}
+        self.queues: dict[int, AnyTargetQueue] = {}
         self.aers: list[Command] = []
         self.pending_events: list[int] = []
         self.changed_nsids: set[int] = set()
@@ -84,9 +87,10 @@ class Controller(AuthGate, IoCommands):
         self.error_count = 0
         self.created = time.time()
         self.last_activity = time.monotonic()
-        self.kato_timer = None
+        self.kato_timer: Timer | None = None
         self.dead = False
-        self.listener = None                # the cfg.Listener it came in on (set by connect)
+        # the cfg.Listener it came in on (set by connect, before it is registered)
+        self.listener: cfg.Listener = None  # type: ignore[assignment]
         #: Set when the host's allow-list entry has a DH-HMAC-CHAP secret: then every queue
         #: authenticates (Connect answers ATR) before it runs anything but Fabrics commands.
         self.auth_policy: auth.AuthPolicy | None = None
@@ -274,7 +278,8 @@ class Controller(AuthGate, IoCommands):
             if ident.nsid >= 0xFFFFFFFE:
                 raise ProtocolError("active namespace list from NSID >= 0xFFFFFFFE",
                                     StatusCode.INVALID_NS)
-            nsids = tuple(n for n in sorted(self.subsystem.namespaces) if n > ident.nsid)
+            nsids = tuple(n for n in sorted(self.subsystem.namespaces)  # type: ignore[union-attr]
+                          if n > ident.nsid)    # (not discovery: it has a subsystem)
             data = identify.ActiveNamespaceList(nsids=nsids[:1024]).pack()
         elif ident.cns == IdentifyCNS.NS_ID_DESCRIPTORS:
             ns = self._namespace(ident.nsid)
@@ -315,7 +320,7 @@ class Controller(AuthGate, IoCommands):
             sgls=identify.SGLS_SUPPORTED | identify.SGLS_KEYED | identify.SGLS_OFFSET,
             subnqn=sub.nqn if sub else self.owner.discovery_nqn,
             ioccsz=(64 + inline) // 16, iorcsz=1, icdoff=0, fcatt=0, msdbd=1,
-            **ana)
+            **ana)  # type: ignore[arg-type]  # (ANA's fields, cmic: ints)
 
     def _oaes(self) -> int:
         """The asynchronous events this controller can send (Identify OAES)."""
@@ -332,7 +337,7 @@ class Controller(AuthGate, IoCommands):
     def _identify_namespace(self, nsid: int) -> bytes:
         if nsid == 0xFFFFFFFF or nsid == 0:
             raise ProtocolError(f"Identify Namespace NSID {nsid:#x}", StatusCode.INVALID_NS)
-        ns = self.subsystem.namespaces.get(nsid)
+        ns = self.subsystem.namespaces.get(nsid)  # type: ignore[union-attr]  # (not discovery)
         if ns is None:
             return bytes(identify.IDENTIFY_SIZE)  # an inactive NSID: the all-zero page
         return identify.IdentifyNamespace(
@@ -436,7 +441,7 @@ class Controller(AuthGate, IoCommands):
         self.aers.append(cmd)
         self._deliver_events()
 
-    def notify(self, info: int, log_page: int, nsids: tuple[int, ...] = ()) -> None:
+    def notify(self, info: AsyncNotice, log_page: int, nsids: tuple[int, ...] = ()) -> None:
         """Queue a notice event (and the namespaces it is about); deliver if an AER waits."""
         enabled = {AsyncNotice.NS_ATTR_CHANGED: OAES_NS_ATTR,
                    AsyncNotice.ANA_CHANGE: OAES_ANA_CHANGE,
@@ -486,7 +491,7 @@ class Controller(AuthGate, IoCommands):
         view, sge, release = self.res.control_buffer(cmd.queue, len(data))
         view[:len(data)] = data
         cmd.on_released = release
-        sges = (sge,) if data else ()
+        sges: tuple[SGE, ...] = (sge,) if data else ()
         if length > len(data):
             sges += (self.res.zeros(cmd.queue, length - len(data)),)
         cmd.respond(data=sges)

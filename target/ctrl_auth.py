@@ -7,17 +7,36 @@ from __future__ import annotations
 
 import logging
 from time import monotonic
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from blockfabric.fabric.reactor import Timer
-from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.fabric.target_side import Command
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import auth as dhchap
 from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.opcodes import FABRICS_OPCODE, FabricsType
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.tcp_target import AnyTargetQueue
+    from blockfabric.protocol.controller import ControllerState
     from blockfabric.target.services import Owner, Resources
+
+    class _Rest(Protocol):
+        """What this half uses of the rest of its Controller (controller.py): mypy checks
+        that the composed Controller has it."""
+
+        hostnqn: str
+
+        @property
+        def name(self) -> str: ...
+        @property
+        def subnqn(self) -> str: ...
+        @property
+        def state(self) -> ControllerState: ...
+        def handle(self, cmd: Command) -> None: ...
+        def _count_error(self, cmd: Command) -> None: ...
+else:
+    _Rest = object
 
 # The controller's log, whichever of its modules a line comes from (no name changes).
 log = logging.getLogger("blockfabric.target.controller")
@@ -35,13 +54,13 @@ def no_auth(cmd: Command) -> ProtocolError:
                          "DH-HMAC-CHAP secret here", StatusCode.INVALID_OPCODE)
 
 
-class AuthGate:
+class AuthGate(_Rest):
     """The authentication half of a controller (see :class:`Controller` for its state)."""
 
     # Of the controller's state, what this half reads and writes.
     res: Resources
     owner: Owner
-    queues: dict[int, TargetQueue]
+    queues: dict[int, AnyTargetQueue]
     auth_policy: dhchap.AuthPolicy | None
     auth: dict[int, dhchap.TargetAuth]
     auth_timers: dict[int, Timer]
@@ -60,7 +79,7 @@ class AuthGate:
         self._arm_auth_timer(self.queues[qid], state)
         return lambda cmd: self._gate(cmd, state)
 
-    def _arm_auth_timer(self, queue: TargetQueue, auth: dhchap.TargetAuth) -> None:
+    def _arm_auth_timer(self, queue: AnyTargetQueue, auth: dhchap.TargetAuth) -> None:
         """Within limits.auth_timeout the queue is authenticated (its Connect just now), or
         its failed exchange answered (a failure): else the queue ends (the admin queue: the
         controller).  nvmet resets an abandoned transaction after KATO (120 s without);
@@ -73,7 +92,7 @@ class AuthGate:
         self.auth_timers[queue.qid] = self.res.reactor.call_later(
             timeout, lambda: self._auth_expired(queue, auth, timeout))
 
-    def _auth_expired(self, queue: TargetQueue, auth: dhchap.TargetAuth, timeout: int) -> None:
+    def _auth_expired(self, queue: AnyTargetQueue, auth: dhchap.TargetAuth, timeout: int) -> None:
         qid = queue.qid
         if self.auth.get(qid) is not auth:      # the queue is gone, or connected again
             return
@@ -87,7 +106,7 @@ class AuthGate:
         self._auth_failed(queue, auth)
         self._end_auth(queue, f"authentication timed out on qid {qid}")
 
-    def _auth_failed(self, queue: TargetQueue, auth: dhchap.TargetAuth) -> None:
+    def _auth_failed(self, queue: AnyTargetQueue, auth: dhchap.TargetAuth) -> None:
         """A queue's exchange failed: logged (its peer, the host NQN) and counted once per
         exchange, the moment it is known; the queue ends once the host has had the answer
         (Failure1), or after limits.auth_timeout if it never asks for it."""
@@ -95,16 +114,16 @@ class AuthGate:
             return
         self._auth_reported.add(auth)
         self.auth_failures += 1
-        self.owner.auth_failed(self, queue, auth)
+        self.owner.auth_failed(self, queue, auth)  # type: ignore[arg-type]  # (a Controller)
         if not auth.fatal:
             self._arm_auth_timer(queue, auth)
 
-    def _end_auth(self, queue: TargetQueue, reason: str) -> None:
+    def _end_auth(self, queue: AnyTargetQueue, reason: str) -> None:
         """After a failed exchange: the admin queue takes the controller with it (as
         nvmet); an I/O queue goes alone, so that whoever joins a controller with a queue it
         cannot authenticate does not take down the host that owns it."""
         if queue.qid == 0:
-            self.owner.destroy_controller(self, reason)
+            self.owner.destroy_controller(self, reason)  # type: ignore[arg-type]  # (a Controller)
         else:
             self.owner.end_queue(queue, reason)
 

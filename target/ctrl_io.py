@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from blockfabric.fabric.target_side import Command
 from blockfabric.protocol import StatusCode
@@ -27,6 +27,21 @@ if TYPE_CHECKING:
     from blockfabric.target.fairshare import Lease
     from blockfabric.target.namespace import Namespace, Subsystem
     from blockfabric.target.services import Owner, Resources
+
+    class _Rest(Protocol):
+        """What this half uses of the rest of its Controller (controller.py): mypy checks
+        that the composed Controller has it."""
+
+        is_ready: bool
+        _unpin_cmd: Callable[[Command], None]
+        _write_fetched: Callable[[Command], None]
+
+        @property
+        def name(self) -> str: ...
+        def handle(self, cmd: Command) -> None: ...
+        def _check_mdts(self, length: int) -> None: ...
+else:
+    _Rest = object
 
 # The controller's log, whichever of its modules a line comes from (no name changes).
 _OP_WRITE = int(IOOpcode.WRITE)      # (an Enum attribute read costs ~90 ns, per I/O)
@@ -53,7 +68,7 @@ def errno_status(exc: OSError, writing: bool) -> StatusCode:
     return StatusCode.INTERNAL_ERROR
 
 
-class IoCommands:
+class IoCommands(_Rest):
     """The I/O half of a controller (see :class:`Controller` for its state)."""
 
     # Of the controller's state, what this half reads and writes.
@@ -76,16 +91,17 @@ class IoCommands:
             next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
             return
         if op in resv.OPCODES:
-            resvctl.execute(self, cmd, nss[0])
+            resvctl.execute(self, cmd, nss[0])  # type: ignore[arg-type]  # (a Controller)
             return
-        resvctl.check_io(self, nss, op)
+        resvctl.check_io(self, nss, op)  # type: ignore[arg-type]  # (a Controller)
         if op == IOOpcode.READ or op == IOOpcode.WRITE:
             # Decoded in full rather than by the queue's fast path: the same handler.
             cmd.slba = sqe.cdw10 | sqe.cdw11 << 32
             cmd.cdw12 = sqe.cdw12
             self._read_write(cmd)
         elif op == IOOpcode.FLUSH:
-            self._backend_call(cmd, nss, lambda: [n.backend.flush() for n in nss], True,
+            self._backend_call(cmd, nss, lambda: [n.backend.flush()  # type: ignore[func-returns-value]
+                                                  for n in nss], True,
                                blocking=True, aio=self._aio(nss, "flush"))
         elif op == IOOpcode.WRITE_ZEROES:
             wz = nvm_io.WriteZeroes.from_sqe(sqe)
@@ -104,8 +120,8 @@ class IoCommands:
 
     def _io_namespace(self, nsid: int, flush: bool = False) -> list[Namespace]:
         if flush and nsid == 0xFFFFFFFF:
-            return list(self.subsystem.namespaces.values())
-        ns = self.subsystem.namespaces.get(nsid)
+            return list(self.subsystem.namespaces.values())  # type: ignore[union-attr]
+        ns = self.subsystem.namespaces.get(nsid)  # type: ignore[union-attr]  # (I/O: not discovery)
         if ns is None:
             raise ProtocolError(f"namespace {nsid} is not active", StatusCode.INVALID_NS)
         return [ns]
@@ -168,7 +184,7 @@ class IoCommands:
             self._refuse(cmd, StatusCode.CMD_SEQ_ERROR,
                          f"opcode {cmd.opcode:#x} before CC.EN=1 and CSTS.RDY=1")
             return
-        ns = self.subsystem.namespaces.get(cmd.nsid)
+        ns = self.subsystem.namespaces.get(cmd.nsid)  # type: ignore[union-attr]  # (I/O: not discovery)
         if ns is None:
             self._refuse(cmd, StatusCode.INVALID_NS, f"namespace {cmd.nsid} is not active")
             return
@@ -182,7 +198,7 @@ class IoCommands:
             return
         write = cmd.opcode == _OP_WRITE
         if not ns.resv_open:        # something is reserved: may this host read/write?
-            status = resvctl.io_status(self, ns, write)
+            status = resvctl.io_status(self, ns, write)  # type: ignore[arg-type]  # (a Controller)
             if status:
                 self.io.errors += 1
                 cmd.queue.respond(cmd, status, dnr=status == resvctl.CONFLICT)
@@ -231,7 +247,7 @@ class IoCommands:
                 self._unpin_rw(cmd)
             return
         if cmd.sgl_type == TYPE_OFFSET:         # in-capsule data: copied, done
-            queue.take_inline(cmd, ns.memory, offset, length)
+            queue.take_inline(cmd, ns.memory, offset, length)  # type: ignore[arg-type]  # (an mr: memory)
             self._written(cmd)
             return
         cmd.user = self._unpin_cmd              # undo, should the queue die before the READ
@@ -304,7 +320,8 @@ class IoCommands:
                 self._end(c, [ns], started, exc.status, dnr=exc.dnr)
                 return
             bs = ns.block_size
-            self._backend_call(c, [ns], lambda: [ns.backend.discard(s * bs, n * bs)
+            self._backend_call(c, [ns], lambda: [ns.backend.discard(  # type: ignore[func-returns-value]
+                                                     s * bs, n * bs)
                                                  for s, n in ranges if n], True,
                                blocking=ns.memory is None, started=started,
                                aio=self._aio([ns], "discard",

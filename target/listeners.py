@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 NO_RESOURCES_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS))
 
 #: One open listener: its configuration, its provider's name ("tcp" for NVMe/TCP), itself.
-Entry = tuple[cfg.Listener, str, Listener]
+Entry = tuple[cfg.Listener, str, "Listener | TcpListener"]
 
 
 class Episode:
@@ -132,11 +132,13 @@ class Listeners:
         lconf, provider, listener = entry
         self.entries.append(entry)
         if lconf.transport == "tcp":
-            self.reactor.add_reader(listener.fileno(), lambda: self._on_tcp(lconf, listener))
+            self.reactor.add_reader(listener.fileno(), lambda: self._on_tcp(
+                lconf, listener))  # type: ignore[arg-type]  # (tcp: a TcpListener)
             log.info("listening on %s (NVMe/TCP)", lconf.endpoint)
             return
         self.reactor.add_reader(listener.fileno(),
-                                lambda: self._on_requests(lconf, provider, listener))
+                                lambda: self._on_requests(lconf, provider,
+                                                          listener))  # type: ignore[arg-type]
         log.info("listening on %s (%s provider)", lconf.endpoint, provider)
 
     def close_one(self, entry: Entry) -> None:
@@ -258,7 +260,7 @@ class Listeners:
     def _on_cm_event(self, session: QueueSession) -> None:
         queue = session.queue
         while queue is not None and not queue.closed:
-            event = queue.cmid.get_event(0)
+            event = queue.cmid.get_event(0)  # type: ignore[union-attr]  # (RDMA: a CM id)
             if event is None:
                 return
             if event.type in CONNECTION_ENDED:
@@ -313,7 +315,7 @@ class Listeners:
         session.connect_timer = self.reactor.call_later(
             timeout, lambda: self._connect_timed_out(session, timeout))
 
-    def _over_host_limit(self, cmid: CMId) -> bool:
+    def _over_host_limit(self, cmid: CMId | _Peer) -> bool:
         """limits.max_connections_per_host, counted per peer address: at CM time the host
         NQN is not known yet, and a flood of bare connections must be stopped before it
         costs queue memory."""
@@ -328,7 +330,7 @@ class Listeners:
                             count, limit)
         return True
 
-    def _over_unconnected_limit(self, cmid: CMId) -> bool:
+    def _over_unconnected_limit(self, cmid: CMId | _Peer) -> bool:
         """limits.max_unconnected_queues, across all addresses: queues accepted whose
         Fabrics Connect has not completed yet (each holds a socket, a QP and a receive slot
         until limits.connect_timeout)."""

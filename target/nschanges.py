@@ -63,7 +63,8 @@ class NamespaceChanges:
         commands already running on it are done."""
         sub.retired.add(ns.stats)
         self.closing.append(ns)
-        self.when_idle(ns, lambda: (close_namespace(ns), self.closing.remove(ns)),
+        self.when_idle(ns, lambda: (close_namespace(ns),  # type: ignore[func-returns-value]
+                                    self.closing.remove(ns)),  # type: ignore[func-returns-value]
                        f"closing subnqn={sub.nqn} nsid={ns.nsid}")
 
     def resize(self, sub: Subsystem, ns: Namespace, conf: cfg.Namespace) -> None:

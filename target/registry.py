@@ -13,11 +13,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol import logpages
 from blockfabric.protocol.errors import ProtocolError
-from blockfabric.rdma import Listener
 from blockfabric.target import config as cfg
 from blockfabric.target.broker import BufferBroker, abort_command
 from blockfabric.target.controller import Controller
@@ -25,6 +23,7 @@ from blockfabric.target.namespace import Subsystem
 from blockfabric.target.sessions import ADMIN_MAX_DEPTH, auth_policy, exposed, peer_of
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.tcp_target import AnyTargetQueue
     from blockfabric.target.sessions import QueueSession
 
 log = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ PASS_FLOOR = 16
 MAX_CNTLID = 0xFFEF
 
 
-def close_queue(queue: TargetQueue) -> None:
+def close_queue(queue: AnyTargetQueue) -> None:
     """Close a queue and let go of everything its commands still hold."""
     queue.close()
     # Answered commands whose response SEND will now never complete still hold a
@@ -84,7 +83,7 @@ class ControllerRegistry:
             q.pass_limit = max(PASS_FLOOR, HOST_PASS // len(queues))
 
     # -- queues ----------------------------------------------------------------------------
-    def queue_broken(self, session: QueueSession, queue: TargetQueue, reason: str) -> None:
+    def queue_broken(self, session: QueueSession, queue: AnyTargetQueue, reason: str) -> None:
         """A queue died (peer gone, RDMA error): release it; the admin queue takes its
         controller with it."""
         if queue.closed:
@@ -103,7 +102,7 @@ class ControllerRegistry:
             else:
                 self.share_passes(ctrl.hostnqn)
 
-    def end_queue(self, queue: TargetQueue, reason: str) -> None:
+    def end_queue(self, queue: AnyTargetQueue, reason: str) -> None:
         """Disconnect one queue of a controller (as if its host had gone)."""
         for session in self.sessions:
             if session.queue is queue:
@@ -122,12 +121,12 @@ class ControllerRegistry:
             # Commands still waiting for a bounce buffer will never need it.
             self.broker.drop_unwanted_waiters()
 
-    def hoarding(self, queue: TargetQueue, held: float, bound: float) -> None:
+    def hoarding(self, queue: AnyTargetQueue, held: float, bound: float) -> None:
         """A queue's host kept a bounce buffer waiting on it (an RDMA READ it does not
         answer, an answer it does not acknowledge) past the bound: disconnect it and tear
         its controller down.  The buffers come back as the queue closes, after its QP is
         destroyed, never while a work request may still reference them."""
-        session = queue.handler
+        session: QueueSession = queue.handler  # type: ignore[assignment]  # (the target's)
         ctrl = session.controller
         self.hold_disconnects += 1
         log.warning("ctrl %s hostnqn=%r qid=%d peer=%r: held a bounce buffer for %.1f s "
@@ -171,7 +170,7 @@ def may_stay(ctrl: Controller, config: cfg.TargetConfig,
              subsystems: dict[str, Subsystem]) -> bool:
     """After a reload: still allowed, still exposed, and authenticated with what the
     configuration now says (a changed or revoked secret disconnects the host)."""
-    sub = ctrl.subsystem
+    sub: Subsystem = ctrl.subsystem  # type: ignore[assignment]  # (asked of I/O controllers)
     return (subsystems.get(sub.nqn) is sub and sub.allows(ctrl.hostnqn)
             and exposed(config, sub, ctrl.listener)
             and ctrl.auth_policy == auth_policy(sub.conf, ctrl.hostnqn))
@@ -179,7 +178,7 @@ def may_stay(ctrl: Controller, config: cfg.TargetConfig,
 
 def discovery_log(ctrl: Controller, config: cfg.TargetConfig,
                   subsystems: Iterable[Subsystem],
-                  listeners: Iterable[tuple[cfg.Listener, str, Listener]],
+                  listeners: Iterable[tuple[cfg.Listener, str, object]],
                   genctr: int) -> bytes:
     """The discovery log page for this host: subsystems it may use, once per transport
     and address: every NVMe/TCP listener, and the RDMA listeners of the provider it came

@@ -18,7 +18,6 @@ from blockfabric.errors import BlockfabricError
 from blockfabric.fabric.reactor import Reactor, spin_default
 from blockfabric.protocol.admin import AsyncNotice
 from blockfabric.protocol.opcodes import LogPageId
-from blockfabric.rdma import Listener
 from blockfabric.sdnotify import sd_notify
 from blockfabric.target import config as cfg
 from blockfabric.target import metrics
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
     from blockfabric.target.ana import Ana
     from blockfabric.target.control import ControlServer
     from blockfabric.target.gateway import Coordinator
-    from blockfabric.target.listeners import Listeners
+    from blockfabric.target.listeners import Entry, Listeners
     from blockfabric.target.nschanges import NamespaceChanges
     from blockfabric.target.rbdvolume import VolumeWatch
     from blockfabric.target.registry import ControllerRegistry
@@ -67,6 +66,8 @@ class Reloadable(Protocol):
 
     def bind_reservations(self) -> None: ...
 
+    def reload(self, new: cfg.TargetConfig) -> bool: ...
+
 
 class Reloader:
     """Reloads of one running target (on its reactor)."""
@@ -99,7 +100,7 @@ class Reloader:
         """Apply ``new``: prepare everything that can fail, then commit (see reload.py)."""
         t = self.target
         plan = reload.plan(t.config, new)
-        opened: list[tuple[cfg.Listener, str, Listener]] = []
+        opened: list[Entry] = []
         subsystems: list[Subsystem] = []
         namespaces: dict[tuple[str, int], Namespace] = {}
         metrics_server = None
@@ -178,7 +179,7 @@ class Reloader:
                              f"shrink ({ns.size} -> {ns_conf.size} bytes): data would be lost")
 
     def _commit(self, plan: reload.ReloadPlan, new: cfg.TargetConfig,
-                opened: list[tuple[cfg.Listener, str, Listener]], subsystems: list[Subsystem],
+                opened: list[Entry], subsystems: list[Subsystem],
                 namespaces: dict[tuple[str, int], Namespace],
                 metrics_server: metrics.MetricsServer | None) -> None:
         """Apply a prepared plan; nothing here is expected to fail."""
@@ -187,7 +188,7 @@ class Reloader:
         for entry in [e for e in t.listening.entries if reload.listener_key(e[0]) in removed]:
             t.listening.close_one(entry)
             log.info("stopped listening on %s", entry[0].endpoint)
-        t.listening.rename(new.listeners)
+        t.listening.rename(new.listeners)  # type: ignore[arg-type]  # (any sequence will do)
         for entry in opened:
             t.listening.add(entry)
         if t.config.spin_us != new.spin_us:
@@ -196,7 +197,8 @@ class Reloader:
         t.config = new
         for nqn in plan.removed_subsystems:
             sub = t.subsystems.pop(nqn)
-            t.registry.destroy_where(lambda c, s=sub: c.subsystem is s, "subsystem removed")
+            t.registry.destroy_where(lambda c, s=sub: c.subsystem is s,  # type: ignore[misc]
+                                     "subsystem removed")
             for ns in sub.namespaces.values():
                 t.namespaces.retire(sub, ns)
             sub.namespaces.clear()

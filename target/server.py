@@ -175,7 +175,8 @@ class Target:
         socket: when this returns, every listener accepts."""
         try:
             if self.ana is not None:        # join the group first: it may refuse us
-                self.coordinator = Coordinator(self.reactor, self.ana, self.config.gateway)
+                self.coordinator = Coordinator(self.reactor, self.ana,
+                                               self.config.gateway)  # type: ignore[arg-type]  # (ANA: a gateway)
                 self.coordinator.connect()
             if self.config.reactor_count > 1:
                 self.poll = pollgroups.PollGroups(self, self.config.reactor_count)
@@ -189,7 +190,7 @@ class Target:
             self.close()
             raise
         if self.coordinator is not None:
-            self.ana.start()
+            self.ana.start()  # type: ignore[union-attr]  # (a coordinator: ANA)
             self.coordinator.start()
         self.start_control()
         self._start_watchdog()

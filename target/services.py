@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.tcp_target import AnyTargetQueue
     from blockfabric.fabric.reactor import Reactor
-    from blockfabric.fabric.target_side import Command, TargetQueue
+    from blockfabric.fabric.target_side import Command
     from blockfabric.protocol.auth import TargetAuth
     from blockfabric.rdma import SGE
     from blockfabric.target import config as cfg
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from blockfabric.target.fairshare import Lease
     from blockfabric.target.namespace import Namespace, Subsystem
 
-ControlBuffer = Callable[["TargetQueue", int],
+ControlBuffer = Callable[["AnyTargetQueue", int],
                          "tuple[memoryview, SGE, Callable[[Command], None]]"]
 
 
@@ -41,7 +42,7 @@ class Resources:
 
     def __init__(self, *, reactor: Reactor,
                  control_buffer: ControlBuffer,
-                 zeros: Callable[[TargetQueue, int], SGE],
+                 zeros: Callable[[AnyTargetQueue, int], SGE],
                  with_bounce: Callable[[Command, str, int,
                                         Callable[[memoryview, SGE, Lease], None]], None],
                  run_blocking: Callable[[Callable[[], object],
@@ -81,9 +82,9 @@ class Owner:
                  "discovery_serial", "firmware_revision", "publish_resv")
 
     def __init__(self, *, destroy_controller: Callable[[Controller, str], None],
-                 end_queue: Callable[[TargetQueue, str], None],
+                 end_queue: Callable[[AnyTargetQueue, str], None],
                  flush_subsystem: Callable[[Subsystem | None], None],
-                 auth_failed: Callable[[Controller, TargetQueue, TargetAuth], None],
+                 auth_failed: Callable[[Controller, AnyTargetQueue, TargetAuth], None],
                  discovery_log: Callable[[Controller], bytes],
                  controllers: dict[int, Controller],
                  ana: Ana | None,

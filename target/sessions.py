@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from blockfabric.fabric.target_side import Command, TargetQueue
+from blockfabric.fabric.target_side import Command
 from blockfabric.logutil import printable
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy, TargetAuth
@@ -35,6 +35,7 @@ from blockfabric.target.namespace import Subsystem
 from blockfabric.target.services import ControlBuffer
 
 if TYPE_CHECKING:
+    from blockfabric.fabric.tcp_target import AnyTargetQueue
     from blockfabric.fabric.reactor import Timer
     from blockfabric.target.rbdvolume import VolumeWatch
     from blockfabric.target.registry import ControllerRegistry
@@ -61,7 +62,8 @@ class QueueSession:
         self.req = req
         self.qid = req.qid if req is not None else 0
         self.controller: Controller | None = None
-        self.queue: TargetQueue | None = None
+        # the queue it handles: set by the listener that made it, at once
+        self.queue: AnyTargetQueue = None  # type: ignore[assignment]
         #: Disconnects the queue if no Fabrics Connect completes in limits.connect_timeout.
         self.connect_timer: Timer | None = None
         #: The connected queue's command handler (the controller's, or its authentication
@@ -120,7 +122,7 @@ class QueueSession:
         # ATR: authenticate this queue before anything else (nvmet_connect_result)
         cmd.respond(result=result)
 
-    def queue_broken(self, queue: TargetQueue, reason: str) -> None:
+    def queue_broken(self, queue: AnyTargetQueue, reason: str) -> None:
         self.connector.queue_broken(self, queue, reason)
 
 
@@ -139,17 +141,17 @@ def exposed(config: cfg.TargetConfig, subsystem: Subsystem, listener: cfg.Listen
     return any(reload.listener_key(x) == key for x in config.listeners_for(subsystem.conf))
 
 
-def peer_of(queue: TargetQueue | None) -> str:
+def peer_of(queue: AnyTargetQueue | None) -> str:
     """A queue's peer as ``address:port``, for the log ("?" when it has none)."""
     try:
-        return "%s:%s" % tuple(queue.cmid.peer_address[:2])
+        return "%s:%s" % tuple(queue.cmid.peer_address[:2])  # type: ignore[union-attr]  # (None: ?)
     except Exception:
         return "?"
 
 
-def _peer_ip(queue: TargetQueue | None) -> str:
+def _peer_ip(queue: AnyTargetQueue | None) -> str:
     try:
-        return str(queue.cmid.peer_address[0])
+        return str(queue.cmid.peer_address[0])  # type: ignore[union-attr]  # (None: "?")
     except Exception:
         return "?"
 
@@ -190,6 +192,7 @@ class Connector:
                 data: ConnectData) -> Controller:
         """Bind a queue to a controller (new on the admin queue); raises the Connect status."""
         subnqn, hostnqn = data.subnqn, data.hostnqn
+        ctrl: Controller | None
         # Both NQNs as the spec has them (base 4.7) before either is used or logged.
         for what, nqn, offset in (("subsystem", subnqn, IPO_DATA_SUBNQN),
                                   ("host", hostnqn, IPO_DATA_HOSTNQN)):
@@ -280,7 +283,7 @@ class Connector:
                                 f"for {left:.0f} s more (limits.auth_backoff)",
                                 StatusCode.CONNECT_CTRL_BUSY, dnr=False)
 
-    def auth_failed(self, ctrl: Controller, queue: TargetQueue, auth: TargetAuth) -> None:
+    def auth_failed(self, ctrl: Controller, queue: AnyTargetQueue, auth: TargetAuth) -> None:
         """An exchange on ``queue`` failed (wrong answer, a message out of sequence, timed
         out): log it with the queue's peer, count it, and past limits.auth_max_failures
         within limits.auth_failure_window from one address, start that address's

@@ -14,7 +14,7 @@ queue, through :meth:`Endpoint.on_fault`, and nothing else.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor
@@ -64,7 +64,7 @@ class Endpoint:
         self.recv_count = recv_count
         self.recv_size = recv_size
         self.cq: CQ = cmid.context.create_cq(max_send_wr + recv_count + 16)
-        made: list = [self.cq]      # released again should a later step fail (no fd leaks)
+        made: list[CQ | BufferPool] = [self.cq]      # released again should a later step fail (no fd leaks)
         try:
             first = BufferPool(pd, recv_count if recv_now is None else recv_now, recv_size,
                                Access.LOCAL_WRITE)
@@ -198,8 +198,10 @@ class Endpoint:
                 self.completion_failed(wc.wr_id, exc)
         return done
 
-    def handle_raw(self, entries: list[tuple]) -> int:  # pragma: no cover - see raw_completions
-        """A batch of ``(wr_id, status, byte_len)`` completions (:attr:`raw_completions`)."""
+    def handle_raw(self, entries: list[Any]) -> int:  # pragma: no cover - see raw_completions
+        """A batch of ``(wr_id, status, byte_len)`` completions (:attr:`raw_completions`):
+        :class:`~blockfabric.rdma.base.RawWC` tuples, from a CQ whose ``poll`` is typed for
+        WCs (a side's override takes ``list[RawWC]``)."""
         raise NotImplementedError
 
     def completion_failed(self, wr_id: int, exc: Exception) -> None:

@@ -54,7 +54,7 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, msg: tuple, fds: tuple[int, ...] = ()) -> None:
+    def send(self, msg: tuple[Any, ...], fds: tuple[int, ...] = ()) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         if len(data) > MAX_MESSAGE:
             raise ValueError(f"control message {msg[0]!r} of {len(data)} bytes")
@@ -67,7 +67,7 @@ class Channel:
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise ChannelClosed(str(exc)) from exc
 
-    def recv(self, block: bool) -> tuple[tuple, list[int]] | None:
+    def recv(self, block: bool) -> tuple[tuple[Any, ...], list[int]] | None:
         """One message and the descriptors it carried; None when none is waiting (not
         ``block``); ChannelClosed at the end."""
         flags = 0 if block else socket.MSG_DONTWAIT
@@ -92,7 +92,7 @@ class Channel:
             raise ChannelClosed("control message truncated")
         return pickle.loads(data), list(fds)  # noqa: S301 (our own process's message)
 
-    def serve(self, reactor: Any, handle: Callable[[tuple, list[int]], None],
+    def serve(self, reactor: Any, handle: Callable[[tuple[Any, ...], list[int]], None],
               lost: Callable[[str], None]) -> None:
         """Read messages on ``reactor``: ``handle(msg, fds)`` each, ``lost(reason)`` once at
         the end of the channel."""

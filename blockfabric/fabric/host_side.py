@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.errors import QueueDead, WorkCompletionError
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_SHIFT,
@@ -45,8 +45,12 @@ from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL
 from blockfabric.protocol.rw import pack_rw_into
 from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_OFFSET
 from blockfabric.protocol.status import status_code
-from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, QPState, SendFlags, SendWR,
-                              WcStatus, WrOpcode)
+from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, QPState, RecvWR, SendFlags,
+                              SendWR, WcStatus, WrOpcode)
+
+if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Reactor
+    from blockfabric.rdma.base import RawWC
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +64,13 @@ _OFFSET = TYPE_OFFSET << 56
 _CQE_RAW = struct.Struct("<QHHHH")
 _unpack_cqe = _CQE_RAW.unpack_from
 _get_ident = threading.get_ident
+#: a response as the host reads it: (result, sq_head, sq_id, cid, status word)
+RawCQE = tuple[int, int, int, int, int]
 
 Callback = Callable[[CQE | None, QueueDead | None], None]
 
 
-def cqe_of(raw: tuple[int, int, int, int, int]) -> CQE:
+def cqe_of(raw: RawCQE) -> CQE:
     """The :class:`CQE` of a raw response tuple (for callers that want the object)."""
     result, sq_head, sq_id, cid, word = raw
     return CQE(result, sq_head, sq_id, cid, status_code(word >> 1), bool(word & 0x8000),
@@ -79,7 +85,7 @@ class _CallbackOwner:
     def __init__(self, callback: Callback) -> None:
         self.callback = callback
 
-    def complete(self, raw: tuple | None, error: QueueDead | None) -> None:
+    def complete(self, raw: RawCQE | None, error: QueueDead | None) -> None:
         self.callback(None if raw is None else cqe_of(raw), error)
 
 
@@ -93,7 +99,7 @@ class Slot:
         self.cid = index
         self.owner: Any = None      # what gets complete(raw, error)
         self.sent = False
-        self.raw: tuple | None = None
+        self.raw: RawCQE | None = None
         self.busy = False
         self.seq = 0            # submission order on this queue, to count overtakes
         self.view = view        # the slot's registered send buffer (capsule)
@@ -165,11 +171,11 @@ class HostQueue(Endpoint):
         #: what the queue died of (``dead_reason`` is its text), given to every owner
         self.dead_error: QueueDead | None = None
 
-    def attach(self, reactor) -> None:
+    def attach(self, reactor: Reactor) -> None:
         super().attach(reactor)
         self._note_loop(reactor)
 
-    def _note_loop(self, reactor) -> None:
+    def _note_loop(self, reactor: Reactor) -> None:
         """Remember the reactor's thread: submissions from it take the lock-free path."""
         thread = getattr(reactor, "thread", None)
         self._loop_ident = thread.ident if thread is not None else None
@@ -367,15 +373,15 @@ class HostQueue(Endpoint):
     def handle(self, wcs: list[WC]) -> int:
         return self.handle_raw([(wc.wr_id, wc.status, wc.byte_len) for wc in wcs])
 
-    def handle_raw(self, wcs: list[tuple]) -> int:
+    def handle_raw(self, wcs: list[RawWC]) -> int:
         """:meth:`Endpoint.handle` for a host queue, a batch at once: the response capsules
         are read first and their receives posted again in one ``post_recv``, then the
         completions are handled in order (a response, a SEND) in this frame.  A receive goes
         back before any slot of its batch is freed, so no new command can draw a response
         while fewer receives than before are posted."""
         views, wrs = self.recv_views, self._recv_wrs
-        raws = []
-        again = []
+        raws: list[RawCQE] = []
+        again: list[RecvWR] = []
         for wid, status, length in wcs:
             if wid >> KIND_SHIFT == KIND_RECV and not status and length >= CQE_SIZE:
                 index = wid & INDEX_MASK
@@ -434,7 +440,7 @@ class HostQueue(Endpoint):
     def on_fault(self, reason: str) -> None:
         self.fail(reason, expected=self.closed)
 
-    def _on_cqe(self, raw: tuple[int, int, int, int, int]) -> None:
+    def _on_cqe(self, raw: RawCQE) -> None:
         """A response capsule's CQE (as the raw tuple): complete its slot, or drop it if no
         command of this queue is waiting for it."""
         cid = raw[3]
@@ -459,7 +465,7 @@ class HostQueue(Endpoint):
         else:
             stats._last_seq = seq
         stats.completed += 1
-        if raw[4] & STATUS_BITS:
+        if raw[4] & STATUS_BITS:  # type: ignore[index]  # (completed: it has its response)
             stats.errors += 1
         slot.busy = False
         slot.owner = None

@@ -21,11 +21,14 @@ import os
 import select
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from blockfabric.rdma.base import PASS_HOOKS as _pass_hooks
 
 log = logging.getLogger(__name__)
+
+#: what one wait found ready: (fd, events) pairs, as epoll.poll returns them
+_Ready = Sequence[tuple[int, int]]
 
 
 SPIN_ENV = "BLOCKFABRIC_REACTOR_SPIN_US"
@@ -103,7 +106,7 @@ class Timer:
 
     __slots__ = ("when", "callback", "cancelled")
 
-    def __init__(self, when: float, callback: Callable[[], None]) -> None:
+    def __init__(self, when: float, callback: Callable[[], object]) -> None:
         self.when = when
         self.callback = callback
         self.cancelled = False
@@ -138,16 +141,16 @@ class Reactor:
         #: the waiter's epoll (watch/unwatch), which holds this loop's fds meanwhile, or None
         self._mover: Any = None
         #: the waiter's whole-pass form and the pass hook it opens and closes itself
-        self._runner: Callable[[float | None, Callable], None] | None = None
+        self._runner: Callable[[float | None, Callable[[_Ready | None], None]], None] | None = None
         self._runner_hook: Any = None
         self._moved: set[int] = set()       # this loop's fds now in the mover's epoll
         self._ep = select.epoll()
         #: fd -> its callbacks (a list object per registration: a stale event for an fd
         #: unregistered and registered again earlier in the same batch is told apart by it)
-        self._readers: dict[int, list[Callable[[], None]]] = {}
+        self._readers: dict[int, list[Callable[[], object]]] = {}
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
-        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._calls: collections.deque[Callable[[], object]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.add_reader(self._wake_r, self._drain_wake)
         self._running = False
@@ -159,7 +162,7 @@ class Reactor:
         self.ident: int | None = None
 
     # -- registration -------------------------------------------------------------------
-    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+    def add_reader(self, fd: int, callback: Callable[[], object]) -> None:
         """Call ``callback`` whenever ``fd`` is readable.  Several callbacks may share one fd
         (a provider may serve many CQs through one completion channel); each runs."""
         callbacks = self._readers.get(fd)
@@ -182,7 +185,7 @@ class Reactor:
         self._moved.add(fd)
         return True
 
-    def remove_reader(self, fd: int, callback: Callable[[], None] | None = None) -> None:
+    def remove_reader(self, fd: int, callback: Callable[[], object] | None = None) -> None:
         """Stop calling ``callback`` (or every callback) for ``fd``; unknown ones are fine."""
         callbacks = self._readers.get(fd)
         if callbacks is None:
@@ -204,7 +207,7 @@ class Reactor:
         except (OSError, ValueError):
             pass        # already closed: the kernel dropped it from the epoll itself
 
-    def add_cq(self, cq: Any, callback: Callable[[], None]) -> bool:
+    def add_cq(self, cq: Any, callback: Callable[[], object]) -> bool:
         """Call ``callback`` when ``cq`` (a :class:`~blockfabric.rdma.CQ`) may have
         completions.  A provider that serves many CQs through one engine (soft, in poll
         mode) registers that engine once per reactor (``cq.attach_reactor``): each wake-up
@@ -219,7 +222,7 @@ class Reactor:
             return False
         return True
 
-    def remove_cq(self, cq: Any, callback: Callable[[], None]) -> None:
+    def remove_cq(self, cq: Any, callback: Callable[[], object]) -> None:
         """Undo :meth:`add_cq`."""
         detach = getattr(cq, "detach_reactor", None)
         if detach is None or not detach(self, callback):
@@ -355,17 +358,17 @@ class Reactor:
             if self._far >= SPIN_FAR_MISSES:
                 self._spinning = False
 
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer:
         timer = Timer(time.monotonic() + max(0.0, delay), callback)
         heapq.heappush(self._timers, (timer.when, next(self._seq), timer))
         return timer
 
-    def call_soon(self, callback: Callable[[], None]) -> None:
+    def call_soon(self, callback: Callable[[], object]) -> None:
         """From the loop thread only: run ``callback`` in the next pass (after the ready
         file descriptors of that pass have been served)."""
         self._calls.append(callback)
 
-    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+    def call_soon_threadsafe(self, callback: Callable[[], object]) -> None:
         if self.closed:
             return      # no loop will run it; and the wake pipe's number may be reused
         self._calls.append(callback)
@@ -374,7 +377,7 @@ class Reactor:
         except BlockingIOError:
             pass  # the pipe is full, so the loop is already awake
 
-    def call_sync(self, callback: Callable[[], None], timeout: float = 5.0) -> None:
+    def call_sync(self, callback: Callable[[], object], timeout: float = 5.0) -> None:
         """Run ``callback`` on the loop thread and wait for it; run it here when called
         from the loop thread itself or when no loop thread is running."""
         if self.thread is None or not self.thread.is_alive() \
@@ -440,6 +443,7 @@ class Reactor:
             else:
                 self._wait_pass(waiter, timeout)
             return
+        ready: _Ready
         try:
             ready = self._ep.poll(-1 if timeout is None else timeout)
         except InterruptedError:
@@ -454,7 +458,7 @@ class Reactor:
         finally:
             self._close_pass(opened, tid)
 
-    def _close_pass(self, opened: list, tid: int) -> None:
+    def _close_pass(self, opened: list[Callable[[int], object]], tid: int) -> None:
         for end in opened:
             try:
                 end(tid)
@@ -485,7 +489,7 @@ class Reactor:
         finally:
             self._close_pass(opened, tid)
 
-    def _serve(self, ready: list | None) -> None:
+    def _serve(self, ready: _Ready | None) -> None:
         """Every ready callback, due timer and queued call: one pass (``ready`` None: what
         the loop's own epoll has ready now)."""
         if ready is None:
@@ -523,12 +527,12 @@ class Reactor:
         for _ in range(len(calls)):
             self._run(calls.popleft())
 
-    def _run_all(self, callbacks: list[Callable[[], None]]) -> None:
+    def _run_all(self, callbacks: list[Callable[[], object]]) -> None:
         for callback in tuple(callbacks):
             if callback in callbacks:
                 self._run(callback)
 
-    def _run(self, callback: Callable[[], None]) -> None:
+    def _run(self, callback: Callable[[], object]) -> None:
         try:
             callback()
         except Exception:  # one bad callback must not take the loop (and every queue) down

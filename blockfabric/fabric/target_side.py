@@ -25,7 +25,7 @@ each command slot answers with work requests and SGEs it made once and only upda
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_READ, KIND_RECV, KIND_SEND,
                                          KIND_SHIFT, KIND_WRITE, Endpoint, wr_id)
@@ -37,6 +37,9 @@ from blockfabric.protocol.opcodes import FABRICS_OPCODE, IOOpcode
 from blockfabric.protocol.rw import CQE_FIELDS, RW_FIELDS
 from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_KEYED_INVALIDATE, TYPE_OFFSET
 from blockfabric.rdma import PD, SGE, WC, CMId, SendFlags, SendWR, WcStatus, WrOpcode
+
+if TYPE_CHECKING:
+    from blockfabric.rdma.base import RawWC
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,35 @@ class Handler(Protocol):
     """What the transport calls; implemented by the target's queue/controller logic."""
 
     def handle(self, cmd: Command) -> None: ...
-    def queue_broken(self, queue: TargetQueue, reason: str) -> None: ...
+    # (the queue: a TargetQueue, or the NVMe/TCP queue of blockfabric.fabric.tcp_target)
+    def queue_broken(self, queue: Any, reason: str) -> None: ...
+
+
+class CapsuleQueue(Protocol):
+    """What the capsule decoding of :class:`TargetQueue` (``_on_capsule``,
+    ``_check_inline``, ``take_inline``, ``fetch``) uses of its queue: a TargetQueue, and the
+    NVMe/TCP queue (:class:`~blockfabric.fabric.tcp_target.TcpTargetQueue`), which borrows
+    that code."""
+
+    name: str
+    qid: int
+    depth: int
+    inline_size: int
+    sqhd: int
+    dispatch: Callable[[Command], None]
+    commands: list[Command]
+    recv_views: list[memoryview]
+    _free: list[int]
+
+    @property
+    def handler(self) -> Handler: ...
+
+    def _check_inline(self, cmd: Command, sqe: SQE, inline_len: int) -> None: ...
+    def take_inline(self, cmd: Command, dest: memoryview, at: int, length: int) -> None: ...
+    def fetch_to(self, cmd: Command, addr: int, length: int, lkey: int,
+                 done: Callable[[Command], None]) -> None: ...
+    def respond(self, cmd: Command, status: int = ..., *, dnr: bool = ..., result: int = ...,
+                data: Sequence[SGE] = ..., cid: int | None = ...) -> None: ...
 
 
 class Command:
@@ -76,6 +107,10 @@ class Command:
                  "send_wr", "data_wr", "data_sge", "read_wr", "read_sge", "chain_send",
                  "chain_data", "chain_read")
 
+    #: the response SEND: made by :meth:`arm`, before the slot's first command (None until
+    #: then, which only :meth:`TargetQueue._on_capsule` looks at)
+    send_wr: SendWR
+
     def __init__(self, queue: TargetQueue, index: int) -> None:
         self.queue = queue
         self.index = index
@@ -91,11 +126,11 @@ class Command:
         self.slba = self.cdw12 = 0
         self.sgl_type: int | None = None
         self.sgl_addr = self.sgl_key = self.data_length = 0
-        self.ns: object = None              # the handler's: the namespace it pinned
+        self.ns: Any = None                 # the handler's: the namespace it pinned
         self.started = 0                    # the handler's: perf_counter_ns at the start
         # The slot's work requests, made with its first command (:meth:`arm`): a queue
         # whose peer never proves to be a host costs no more than it did.
-        self.send_wr: SendWR | None = None
+        self.send_wr = None  # type: ignore[assignment]  # (see send_wr: until arm())
 
     def arm(self) -> None:
         """Make the slot's work requests (once, before its first command)."""
@@ -113,12 +148,13 @@ class Command:
         self.chain_read = [self.read_wr]
 
     @property
-    def sqe(self) -> SQE | None:
-        """The SQE (None when the capsule was refused before it decoded)."""
+    def sqe(self) -> SQE:
+        """The SQE of a command handed to the handler (only a capsule refused before it
+        decoded, which no handler sees, has none: None)."""
         sqe = self._sqe
         if sqe is None and self.rw:
             sqe = self._sqe = SQE.unpack_from(self.queue.recv_views[self.recv_index])
-        return sqe
+        return sqe  # type: ignore[return-value]  # (see above: None only if refused)
 
     @property
     def sgl(self) -> KeyedSGL | OffsetSGL | None:
@@ -194,7 +230,7 @@ class TargetQueue(Endpoint):
     def handle(self, wcs: list[WC]) -> int:
         return self.handle_raw([(wc.wr_id, wc.status, wc.byte_len) for wc in wcs])
 
-    def handle_raw(self, wcs: list[tuple]) -> int:
+    def handle_raw(self, wcs: list[RawWC]) -> int:
         """:meth:`Endpoint.handle` with each completion's handling in this frame (no call
         per completion): a capsule, a response SEND done (its command free again), data
         fetched by an RDMA READ; a failed one breaks the queue."""
@@ -244,7 +280,7 @@ class TargetQueue(Endpoint):
             reason = f"work completion {status} on a {_KIND_NAMES.get(kind, kind)}"
         self.handler.queue_broken(self, reason)
 
-    def _on_capsule(self, recv_index: int, length: int) -> None:
+    def _on_capsule(self: CapsuleQueue, recv_index: int, length: int) -> None:
         if length < SQE_SIZE:
             self.handler.queue_broken(self, f"received {length} bytes, shorter than an SQE")
             return
@@ -301,14 +337,14 @@ class TargetQueue(Endpoint):
             sgl = sqe.sgl
             if sgl.type_byte == TYPE_OFFSET:
                 cmd.sgl_type = TYPE_OFFSET
-                cmd.sgl_addr = sgl.offset
+                cmd.sgl_addr = sgl.offset  # type: ignore[union-attr]  # (TYPE_OFFSET: an OffsetSGL)
                 cmd.sgl_key = 0
                 cmd.data_length = sgl.length
                 self._check_inline(cmd, sqe, inline_len)
             else:
                 cmd.sgl_type = sgl.type_byte
-                cmd.sgl_addr = sgl.addr
-                cmd.sgl_key = sgl.key
+                cmd.sgl_addr = sgl.addr  # type: ignore[union-attr]  # (not TYPE_OFFSET: a KeyedSGL)
+                cmd.sgl_key = sgl.key  # type: ignore[union-attr]
                 cmd.data_length = sgl.length
         except ProtocolError as exc:
             log.debug("%s: cid %s: %s", self.name, exc.cid, exc)
@@ -317,7 +353,7 @@ class TargetQueue(Endpoint):
             return
         self.dispatch(cmd)
 
-    def _check_inline(self, cmd: Command, sqe: SQE, inline_len: int) -> None:
+    def _check_inline(self: CapsuleQueue, cmd: Command, sqe: SQE, inline_len: int) -> None:
         if data_direction(sqe) != 1:
             raise ProtocolError("in-capsule data on a command that does not write",
                                 StatusCode.INVALID_FIELD, True, cid=cmd.cid)
@@ -327,7 +363,7 @@ class TargetQueue(Endpoint):
                                 StatusCode.SGL_INVALID_OFFSET, True, cid=cmd.cid)
 
     # -- data movement ---------------------------------------------------------------
-    def fetch(self, cmd: Command, view: memoryview, sge: SGE,
+    def fetch(self: CapsuleQueue, cmd: Command, view: memoryview, sge: SGE,
               done: Callable[[Command], None]) -> None:
         """RDMA READ the first ``sge.length`` bytes (at most the SGL's) of the host's keyed
         buffer into ``sge`` (or copy in-capsule data into ``view``), then call ``done(cmd)``
@@ -347,7 +383,8 @@ class TargetQueue(Endpoint):
         cmd.on_fetched = done
         self.post_send(cmd.chain_read)
 
-    def take_inline(self, cmd: Command, dest: memoryview, at: int, length: int) -> None:
+    def take_inline(self: CapsuleQueue, cmd: Command, dest: memoryview, at: int,
+                    length: int) -> None:
         """Copy ``length`` bytes of the command's in-capsule data (offset SGL) to
         ``dest[at:]``."""
         start = SQE_SIZE + cmd.sgl_addr

@@ -33,12 +33,18 @@ import logging
 import socket
 import threading
 from time import monotonic as _monotonic
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from blockfabric.protocol import tcp_pdu
-from blockfabric.rdma.soft.memory import KeyAllocator, SoftPD
+from blockfabric.rdma.soft.memory import KeyAllocator, SoftMR, SoftPD
+
+if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Reactor, Timer
 
 log = logging.getLogger(__name__)
+
+#: what a connection sends: PDU headers and the memory their data is in
+Buf = bytes | bytearray | memoryview
 
 _unpack_header = tcp_pdu.COMMON.unpack_from       # tcp_pdu.header, without the call
 
@@ -60,8 +66,8 @@ class _LocalKeys:
     and a key allocator (here for memory that only this process reads)."""
 
     def __init__(self) -> None:
-        self.lkeys: dict = {}
-        self.rkeys: dict = {}
+        self.lkeys: dict[int, SoftMR] = {}
+        self.rkeys: dict[int, SoftMR] = {}
         self._keys = KeyAllocator()
         self._lock = threading.Lock()
 
@@ -70,12 +76,12 @@ class _LocalKeys:
             return self._keys.pair()
 
 
-def local_pd() -> SoftPD:
+def local_pd() -> SoftPD[_LocalKeys]:
     """A protection domain for memory that a TCP queue moves (see the module text)."""
     return SoftPD(_LocalKeys())
 
 
-def resolve(pd: SoftPD, addr: int, length: int, key: int) -> memoryview:
+def resolve(pd: SoftPD[_LocalKeys], addr: int, length: int, key: int) -> memoryview:
     """The ``length`` bytes at ``addr`` in the region of ``pd`` whose lkey or rkey is
     ``key``; ValueError when they are not all inside one of its regions."""
     ctx = pd.ctx
@@ -117,7 +123,7 @@ class PduConnection:
         self._staging = bytearray(STAGING_START)
         self._view = memoryview(self._staging)
         self._filled = 0
-        self._out: list = []
+        self._out: list[Buf] = []
         self._out_bytes = 0
         #: given to :meth:`released` once what was queued before them is written or
         #: copied (the memory it referenced may then be reused)
@@ -129,15 +135,15 @@ class PduConnection:
         self.rx_at = 0.0
         #: a data PDU being received straight into its memory: [type, flags, header (its
         #: first pdo bytes), destination view, bytes in, data length], or None
-        self._direct: list | None = None
+        self._direct: list[Any] | None = None
         self._paused = False
-        self._retry = None
+        self._retry: Timer | None = None
         self.max_unsent = 64 << 20
-        self.reactor = None
+        self.reactor: Reactor | None = None
         self._send_lock = threading.RLock()
 
     # -- the reactor ---------------------------------------------------------------
-    def attach(self, reactor) -> None:
+    def attach(self, reactor: Reactor) -> None:
         """Serve the connection on ``reactor``: its socket's readiness, and its busy-poll
         (``Reactor.add_poller``: before the loop sleeps, it polls the socket while
         :meth:`expecting` says an answer is due; see :meth:`poll`)."""
@@ -334,7 +340,7 @@ class PduConnection:
         digest (the 4 bytes now at the staging buffer's start) and hand the PDU on;
         returns the parse position after it (0 and the PDU kept while its digest is not
         in yet)."""
-        ptype, flags, header, dest, _got, dlen = self._direct
+        ptype, flags, header, dest, _got, dlen = self._direct  # type: ignore[misc]  # (it is set)
         pos = 0
         bad = False
         if self.limits.ddgst:
@@ -410,7 +416,7 @@ class PduConnection:
         self.on_lost(f"protocol error: {exc} (termination request sent, FES {exc.fes:#x})")
 
     # -- sending -------------------------------------------------------------------
-    def send(self, bufs: list, after: Any = None) -> None:
+    def send(self, bufs: Sequence[Buf], after: Any = None) -> None:
         """Queue ``bufs`` to go out with the rest of this pass: at the end of the receive
         whose PDUs are being handled, else in the reactor's next pass (``after``: given
         to :meth:`released` once they are written or copied)."""
@@ -435,7 +441,7 @@ class PduConnection:
         side says otherwise."""
         item()
 
-    def send_now(self, bufs: list) -> None:
+    def send_now(self, bufs: Sequence[Buf]) -> None:
         """From a thread that is not the reactor's: write ``bufs`` at once (after what is
         queued), the rest when the socket takes it."""
         with self._send_lock:

@@ -32,13 +32,19 @@ import socket
 import struct
 import time
 from threading import get_ident as _get_ident
+from typing import TYPE_CHECKING, Any
 
 from blockfabric.fabric.host_side import HostQueue, Slot
-from blockfabric.fabric.tcp import PduConnection, resolve
+from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu
 from blockfabric.protocol.sgl import TYPE_KEYED
 from blockfabric.rdma import SGE, SendFlags, SendWR, WrOpcode
+
+if TYPE_CHECKING:
+    from blockfabric.fabric.reactor import Reactor
+    from blockfabric.fabric.tcp import _LocalKeys
+    from blockfabric.rdma.soft.memory import SoftPD
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +115,9 @@ class TcpHostQueue(PduConnection, HostQueue):
     #: the controller's answer, so after the data was read): no copy of a 1 MiB write's
     #: H2CData when the socket is full
     copy_unsent = False
+    pd: SoftPD[_LocalKeys]          # (local memory only: blockfabric.fabric.tcp.local_pd)
 
-    def __init__(self, sock: socket.socket, pd, resp: tcp_pdu.ICResp, *, qid: int, depth: int,
+    def __init__(self, sock: socket.socket, pd: SoftPD[_LocalKeys], resp: tcp_pdu.ICResp, *, qid: int, depth: int,
                  inline_size: int, name: str, hpda: int = 0) -> None:
         PduConnection.__init__(self, sock, name)
         self.pd = pd
@@ -128,17 +135,17 @@ class TcpHostQueue(PduConnection, HostQueue):
                                       SendFlags.SIGNALED))
                           for i in range(depth)])
         #: per slot, the data the transport moves: [view, length, moved, to host, bad]
-        self._data: list[list | None] = [None] * depth
+        self._data: list[list[Any] | None] = [None] * depth
         #: the C2HData precheck passed last: (cccid, its slot's data, the end it reaches)
-        self._checked: tuple = (0, None, 0)
+        self._checked: tuple[int, Any, int] = (0, None, 0)
 
-    def attach(self, reactor) -> None:
+    def attach(self, reactor: Reactor) -> None:
         PduConnection.attach(self, reactor)
         self._note_loop(reactor)
 
     # -- sending commands -----------------------------------------------------------------
-    def submit_rw(self, owner, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
-                  length: int, rkey: int, data=None) -> int:
+    def submit_rw(self, owner: Any, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
+                  length: int, rkey: int, data: Any = None) -> int:
         """:meth:`HostQueue.submit_rw` without the RDMA queue's reactor fast path, which
         posts the slot's SEND work request itself: here every command goes out through
         :meth:`_post` (the CapsuleCmd PDU, and the data's transport SGL)."""
@@ -161,7 +168,7 @@ class TcpHostQueue(PduConnection, HostQueue):
         data_len = 0
         index = slot.index
         self._data[index] = None
-        data = None
+        data: Buf = b""                 # (set whenever data_len is)
         if kind == TYPE_KEYED:
             n = word & 0xFFFFFF
             sgl_word = n | _TRANSPORT_WORD
@@ -183,8 +190,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         elif length > SQE_SIZE:
             data_len = length - SQE_SIZE
             data = bytes(view[SQE_SIZE:length])
-        out = [tcp_pdu.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst, self.ddgst,
-                                     self.tx_align)]
+        out: list[Buf] = [tcp_pdu.capsule_cmd_header(view[:SQE_SIZE], data_len, self.hdgst,
+                                                     self.ddgst, self.tx_align)]
         if data_len:
             out.append(data)
             if self.ddgst:
@@ -240,7 +247,7 @@ class TcpHostQueue(PduConnection, HostQueue):
                                        tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
             # _c2h (next for this PDU: nothing is parsed between) takes them from here
             self._checked = (cccid, data, offset + length)
-            return data[0][offset:offset + length]
+            return data[0][offset:offset + length]  # type: ignore[no-any-return]  # (a memoryview)
         else:
             if data[3]:
                 raise tcp_pdu.PduError(f"R2T for cid {cccid:#x}, a read",
@@ -289,10 +296,11 @@ class TcpHostQueue(PduConnection, HostQueue):
 
     def _r2t(self, pdu: memoryview) -> None:
         cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(pdu)
-        data = self._data[self._slot_for(cccid).index]
+        # precheck made sure of the slot and its data
+        data: list[Any] = self._data[self._slot_for(cccid).index]  # type: ignore[union-attr, assignment]
         mem = data[0]
         end = offset + length
-        out: list = []
+        out: list[Buf] = []
         hd, dd, align = self.hdgst, self.ddgst, self.tx_align
         while offset < end:
             n = min(self.maxh2cdata, end - offset)

@@ -31,16 +31,22 @@ from __future__ import annotations
 import logging
 import struct
 from time import monotonic as _monotonic
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from blockfabric.fabric.target_side import Command, TargetQueue
-from blockfabric.fabric.tcp import PduConnection, resolve
+from blockfabric.fabric.target_side import Command, Handler, TargetQueue
+from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import CQE_SIZE, SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu
 from blockfabric.protocol.capsule import pack_cqe_into
 from blockfabric.protocol.opcodes import FABRICS_OPCODE
 from blockfabric.protocol.sgl import KEYED_MAX_LENGTH, TYPE_KEYED, TYPE_OFFSET
 from blockfabric.rdma import SGE
+
+if TYPE_CHECKING:
+    import socket
+
+    from blockfabric.fabric.tcp import _LocalKeys
+    from blockfabric.rdma.soft.memory import SoftPD
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +66,17 @@ _NOT_RDMA = object()         # a Command's send_wr: never armed with RDMA work r
 _LAST_SUCCESS = tcp_pdu.F_DATA_LAST | tcp_pdu.F_DATA_SUCCESS
 
 
+class TcpHandler(Handler, Protocol):
+    """A TCP queue's handler: it learns the queue's qid from the Connect (set by the
+    queue before the handler sees that command)."""
+
+    qid: int
+
+
 class PeerInfo:
     """What the target asks of an RDMA CM id about its peer (``peer_address``)."""
 
-    def __init__(self, address: tuple) -> None:
+    def __init__(self, address: tuple[Any, ...]) -> None:
         self.peer_address = address
 
 
@@ -72,8 +85,9 @@ class TcpTargetQueue(PduConnection):
 
     pass_limit = 64     # read by the target's pass sharing; one read per wake-up here
 
-    def __init__(self, sock, pd, *, handler, inline_size: int, max_depth: Callable[[int], int],
-                 name: str, cpda: int = 0) -> None:
+    def __init__(self, sock: socket.socket, pd: SoftPD[_LocalKeys], *, handler: TcpHandler,
+                 inline_size: int, max_depth: Callable[[int], int], name: str,
+                 cpda: int = 0) -> None:
         super().__init__(sock, name)
         self.pd = pd
         self.cmid = PeerInfo(sock.getpeername())
@@ -93,7 +107,7 @@ class TcpTargetQueue(PduConnection):
         self._free: list[int] = []
         #: per command slot, a transfer the host owes (R2Ts sent): [dest, got, total, bad,
         #: asked (the end of the last R2T sent)]
-        self._xfer: list[list | None] = []
+        self._xfer: list[list[Any] | None] = []
         self._cqes: list[bytearray] = []
         self._grow_slots(1)
         self.limits = tcp_pdu.Limits(max_capsule_data=self.inline_size)
@@ -213,7 +227,7 @@ class TcpTargetQueue(PduConnection):
             raise tcp_pdu.PduError("H2CData LAST flag %s at %d, the R2T ends at %d" % (
                 "set" if flags & tcp_pdu.F_DATA_LAST else "clear", end, r2t_end),
                 tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
-        return xfer[0][offset:end]
+        return xfer[0][offset:end]  # type: ignore[no-any-return]  # (xfer[0]: a memoryview)
 
     def _capsule(self, pdu: memoryview, pdo: int, dlen: int, bad_digest: bool) -> None:
         free = self._free
@@ -275,7 +289,8 @@ class TcpTargetQueue(PduConnection):
     def _h2c_data(self, flags: int, pdu: memoryview, pdo: int, dlen: int,
                   bad_digest: bool) -> None:
         cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(pdu)
-        xfer = self._xfer[ttag]        # precheck made sure of it, and put the data in place
+        # precheck made sure of it, and put the data in place
+        xfer: list[Any] = self._xfer[ttag]  # type: ignore[assignment]
         end = xfer[1] = offset + length
         if bad_digest:
             xfer[3] = True
@@ -334,7 +349,7 @@ class TcpTargetQueue(PduConnection):
         cid = cmd.cid if cid is None else cid
         if data and status == StatusCode.SUCCESS and cmd.sgl_type == TYPE_KEYED:
             want = cmd.data_length
-            views = []
+            views: list[Buf] = []
             for sge in data:
                 if want <= 0:
                     break
@@ -386,17 +401,18 @@ class TcpTargetQueue(PduConnection):
             return
         self.respond(cmd)
 
-    def _c2h(self, cmd: Command, views: list, length: int, may_succeed: bool) -> list:
+    def _c2h(self, cmd: Command, views: list[Buf], length: int, may_succeed: bool
+             ) -> list[Buf]:
         """The C2HData PDUs carrying ``views`` (``length`` bytes): one per MAXH2CDATA
         bytes, LAST on the final one, and SUCCESS there too when no CapsuleResp follows."""
         success = may_succeed and not self.sq_flow
         hd, dd, align = self.hdgst, self.ddgst, self.tx_align
-        out: list = []
+        out: list[Buf] = []
         offset = 0
         pending = list(views)
         while offset < length:
             n = min(MAXH2CDATA, length - offset)
-            piece: list = []
+            piece: list[Buf] = []
             take = n
             while take:
                 v = pending[0]
@@ -430,3 +446,7 @@ class TcpTargetQueue(PduConnection):
             released(cmd)
         if not self.closed:
             self._free.append(cmd.index)
+
+
+#: A target queue of either transport, as the controller logic (blockfabric.target) sees it.
+AnyTargetQueue = TargetQueue | TcpTargetQueue

@@ -34,7 +34,8 @@ class GetLogPage(Command):
     """
 
     nsid: int = cmd(4, 32)  # @4
-    lid: LogPageId = cmd(40, 8, enum=LogPageId, status=StatusCode.INVALID_LOG_PAGE)  # @40
+    # @40: any int sent (a host may ask for any page); a LogPageId as decoded
+    lid: int = cmd(40, 8, enum=LogPageId, status=StatusCode.INVALID_LOG_PAGE)
     lsp: int = cmd(41, 7)  # @41 bits 6:0 log specific field
     rae: bool = cmd(41, 1, bit=7)  # @41 bit 7: retain asynchronous event
     numd: int = cmd(42, 32)  # @42 NUMDL u16, @44 NUMDU u16

@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar, dataclass_transform
 
 from blockfabric.protocol._wire import Buffer, Encodable, enum_lookup, need_bytes
 from blockfabric.protocol.errors import ProtocolError
@@ -215,7 +215,8 @@ class Command:
         """Reject field values the spec forbids (override)."""
 
 
-def command(opcode: int, fctype: int | None = None) -> Any:
+@dataclass_transform(frozen_default=True)
+def command(opcode: int, fctype: int | None = None) -> Callable[[type[C]], type[C]]:
     """Make a frozen, slotted dataclass of ``cmd`` fields bound to ``opcode`` (/``fctype``)."""
     def build(cls: type[C]) -> type[C]:
         cls = dataclasses.dataclass(frozen=True, slots=True)(cls)

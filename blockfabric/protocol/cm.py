@@ -4,7 +4,7 @@ kernel struct nvme_rdma_cm_req / _rep / _rej in include/linux/nvme-rdma.h)."""
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Callable, TypeVar, dataclass_transform
 
 from blockfabric.protocol._wire import Packed, packed, u16
 from blockfabric.protocol.errors import ProtocolError
@@ -27,7 +27,11 @@ class CMRejectStatus(enum.IntEnum):
     INVALID_CNTLID = 9
 
 
-def _private_data(size: int) -> Any:
+_P = TypeVar("_P", bound=Packed)
+
+
+@dataclass_transform(frozen_default=True)
+def _private_data(size: int) -> Callable[[type[_P]], type[_P]]:
     """Layout of a CM private data message: too short is 'invalid private data length'."""
     return packed(size, short=StatusCode.CONNECT_INVALID_PARAM,
                   cm_reject=CMRejectStatus.INVALID_PRIVATE_DATA_LENGTH)

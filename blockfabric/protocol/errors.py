@@ -8,19 +8,19 @@ from blockfabric.errors import BlockfabricError
 
 if TYPE_CHECKING:  # pragma: no cover - names only, avoids an import cycle
     from blockfabric.protocol.cm import CMRejectStatus
-    from blockfabric.protocol.status import StatusCode
 
 
 class ProtocolError(BlockfabricError):
     """Malformed or out-of-sequence input.
 
-    ``status`` (SCT<<8|SC) and ``dnr`` are what the CQE answering the command says;
-    ``cm_reject`` is set for RDMA CM private data, where the answer is a CM reject instead.
+    ``status`` (SCT<<8|SC: a StatusCode, or the int of one, as a namespace's ANA status) and
+    ``dnr`` are what the CQE answering the command says; ``cm_reject`` is set for RDMA CM
+    private data, where the answer is a CM reject instead.
     ``result`` is the CQE dword 0 where nvmet reports one (Connect IATTR/IPO), and ``cid`` the
     command identifier when the SQE header was readable, so the caller can still answer it.
     """
 
-    def __init__(self, message: str, status: StatusCode, dnr: bool = True,
+    def __init__(self, message: str, status: int, dnr: bool = True,
                  cm_reject: CMRejectStatus | None = None, *, result: int | None = None,
                  cid: int | None = None) -> None:
         super().__init__(message)

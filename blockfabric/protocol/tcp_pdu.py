@@ -104,6 +104,9 @@ FEI_TYPE, FEI_FLAGS, FEI_HLEN, FEI_PDO, FEI_PLEN = 0, 1, 2, 3, 4
 class PduError(Exception):
     """A PDU the receiver must not accept: terminate the connection with ``fes``/``fei``."""
 
+    #: the PDU bytes that broke the rule, for the termination request (set by the receiver)
+    offending: bytes = b""
+
     def __init__(self, message: str, fes: int, fei: int = 0) -> None:
         super().__init__(message)
         self.fes = int(fes)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 # --------------------------------------------------------------------------- enums
 # Values are libibverbs' (include/infiniband/verbs.h) and librdmacm's (rdma_cma.h).
@@ -145,7 +145,7 @@ CONNECTION_ENDED = frozenset((CMEventType.DISCONNECTED, CMEventType.DEVICE_REMOV
 #: ``(begin, end)`` pairs, where ``begin(thread_id)`` returns True when it opened a pass
 #: that ``end(thread_id)`` then closes.  Event loops (``blockfabric.fabric.reactor``) call
 #: them around each wake-up; a thread that does not is simply not batched.
-PASS_HOOKS: list = []
+PASS_HOOKS: list[tuple[Callable[[int], bool], Callable[[int], object]]] = []
 
 
 # --------------------------------------------------------------------------- plain data
@@ -192,7 +192,7 @@ class RecvWR:
     #: provider may keep a note here (the soft provider: the memory views it resolved to,
     #: reused while the SGE and its region are unchanged).  The note holds views of the
     #: memory: set it back to False (or None) before closing what backs the region.
-    resolved: object = field(default=None, repr=False, compare=False)
+    resolved: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -208,6 +208,12 @@ class WC:
     invalidated_rkey: int = 0
     imm_data: int = 0
     vendor_err: int = 0
+
+
+#: A completion as a CQ in raw mode hands it out (the soft provider's ``set_raw``):
+#: ``(wr_id, status, byte_len)``, no object made per completion; status a WcStatus, or 0
+#: for success.
+RawWC = tuple[int, int, int]
 
 
 @dataclass(slots=True)

@@ -98,7 +98,8 @@ class SoftCMId(CMId):
     def __init__(self, provider: "SoftProvider", sock: socket.socket | None = None,
                  private_data: bytes = b"") -> None:
         self.provider = provider
-        self.context = provider.context if sock is not None else None
+        # None until resolve() on the active side (the base class's contract: set by then)
+        self.context = provider.context if sock is not None else None  # type: ignore[assignment]
         self.qp: SoftQP | None = None
         self.private_data = private_data
         self._sock = sock
@@ -123,7 +124,8 @@ class SoftCMId(CMId):
         self._source = source
         self.context = self.provider.context
 
-    def create_qp(self, pd: SoftPD, send_cq: SoftCQ, recv_cq: SoftCQ, cap: QPCap | None = None,
+    def create_qp(self, pd: SoftPD[SoftContext], send_cq: SoftCQ,  # type: ignore[override]
+                  recv_cq: SoftCQ, cap: QPCap | None = None,  # (this provider's own only)
                   sq_sig_all: bool = False) -> SoftQP:
         if self.context is None:
             raise RdmaError("create_qp before resolve()", errno=_errno.EINVAL)
@@ -403,7 +405,7 @@ class SoftListener(Listener):
             self._shed_since = self._short_at
             log.warning("listener %s:%s: out of file descriptors (%s): shedding connection "
                         "requests until there are some again", *self.local_address[:2],
-                        _errno.errorcode.get(exc.errno, exc.errno))
+                        _errno.errorcode.get(exc.errno or 0, exc.errno))
 
     def _drop(self, fd: int) -> socket.socket:
         self._ep.unregister(fd)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.rdma.base import CQ, WC
 
 if TYPE_CHECKING:
+    from blockfabric.rdma.base import RawWC
     from blockfabric.rdma.soft.device import Group, SoftContext
 
 
@@ -34,7 +35,7 @@ class SoftCQ(CQ):
     def __init__(self, ctx: "SoftContext", depth: int) -> None:
         self.ctx = ctx
         self.depth = depth
-        self._q: deque[WC] = deque()
+        self._q: deque[WC | RawWC] = deque()     # RawWC tuples once set_raw
         self._armed = False
         self._signalled = False
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -94,7 +95,7 @@ class SoftCQ(CQ):
         if not n:
             return []
         popleft = q.popleft     # one consumer; producers only append
-        out = []                # (a loop in this frame: a comprehension is a call in 3.11)
+        out: list[Any] = []     # (a loop in this frame: a comprehension is a call in 3.11)
         for _ in range(n if n < max_entries else max_entries):
             out.append(popleft())
         return out

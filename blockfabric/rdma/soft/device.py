@@ -30,7 +30,7 @@ import os
 import select
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from blockfabric.rdma.base import PASS_HOOKS, Context
 from blockfabric.rdma.soft.cq import SoftCQ, drain_eventfd
@@ -156,6 +156,7 @@ class Group:
         opened = serve is not None and tid not in ctx.corks
         if opened:
             ctx.corks[tid] = []
+        ready: bool | Sequence[tuple[int, int]]     # (True: the reactor's epoll may have more)
         try:
             try:
                 if ctx.rnr_waiters:         # (the kick keeps the epoll ready meanwhile)
@@ -399,7 +400,7 @@ class SoftContext(Context):
         self.closed = False
 
     # ------------------------------------------------------------------ resources
-    def alloc_pd(self) -> SoftPD:
+    def alloc_pd(self) -> SoftPD[SoftContext]:
         return SoftPD(self)
 
     def create_cq(self, depth: int = 256) -> SoftCQ:
@@ -504,7 +505,7 @@ class SoftContext(Context):
 
     # ------------------------------------------------------------------ sockets
     def register(self, qp: "SoftQP") -> None:
-        fd = qp.sock.fileno()
+        fd = qp.sock.fileno()  # type: ignore[union-attr]  # (from SoftQP.start: it has one)
         self._fds[fd] = qp
         self._qps.add(qp)
         self._ep.register(fd, _IN)

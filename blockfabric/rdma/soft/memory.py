@@ -11,19 +11,35 @@ from __future__ import annotations
 import ctypes
 import errno as _errno
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from blockfabric.errors import RdmaError
 from blockfabric.rdma.base import MR, PD, Access
 
 if TYPE_CHECKING:
-    from blockfabric.rdma.soft.device import SoftContext
+    from typing_extensions import Buffer
+
+
+class KeyTables(Protocol):
+    """What a :class:`SoftPD` needs of its device: the key tables and the key allocator
+    (a :class:`~blockfabric.rdma.soft.device.SoftContext`, or the TCP transport's
+    memory-only stand-in, ``blockfabric.fabric.tcp._LocalKeys``)."""
+
+    lkeys: dict[int, SoftMR]
+    rkeys: dict[int, SoftMR]
+    _keys: KeyAllocator
+
+    def new_keys(self) -> tuple[int, int]: ...
+
+
+_Ctx = TypeVar("_Ctx", bound=KeyTables)
 
 
 class SoftMR(MR):
     """One registered region; ``buf`` is a memoryview of exactly its bytes."""
 
-    def __init__(self, pd: "SoftPD", buffer, access: Access, lkey: int, rkey: int) -> None:
+    def __init__(self, pd: SoftPD[Any], buffer: Buffer, access: Access, lkey: int,
+                 rkey: int) -> None:
         access = Access(access)
         try:
             view = memoryview(buffer).cast("B")
@@ -60,15 +76,16 @@ class SoftMR(MR):
                 f"rkey={self.rkey:#x}, access={self.access!r})")
 
 
-class SoftPD(PD):
-    """A protection domain; its MRs live in the device's key tables."""
+class SoftPD(PD, Generic[_Ctx]):
+    """A protection domain; its MRs live in the device's key tables (``ctx``: the device,
+    a :class:`~blockfabric.rdma.soft.device.SoftContext`, or what stands in for one)."""
 
-    def __init__(self, ctx: "SoftContext") -> None:
+    def __init__(self, ctx: _Ctx) -> None:
         self.ctx = ctx
         self._mrs: set[SoftMR] = set()
         self.closed = False
 
-    def reg_mr(self, buffer, access: Access = Access.LOCAL_WRITE) -> SoftMR:
+    def reg_mr(self, buffer: Buffer, access: Access = Access.LOCAL_WRITE) -> SoftMR:
         if self.closed:
             raise RdmaError("PD is closed", errno=_errno.EINVAL)
         lkey, rkey = self.ctx.new_keys()
@@ -103,7 +120,7 @@ class KeyAllocator:
 
     def pair(self) -> tuple[int, int]:
         live = self._live
-        keys = []
+        keys: list[int] = []
         while len(keys) < 2:
             key = secrets.randbits(32)
             if key not in live:

@@ -41,9 +41,11 @@ from blockfabric.rdma.soft import wire
 from blockfabric.rdma.soft.wire import Frame, FrameFlags
 
 if TYPE_CHECKING:
+    from blockfabric.rdma.base import SGE, RawWC
     from blockfabric.rdma.soft.cm import SoftCMId
     from blockfabric.rdma.soft.cq import SoftCQ
-    from blockfabric.rdma.soft.memory import SoftPD
+    from blockfabric.rdma.soft.device import Group, SoftContext
+    from blockfabric.rdma.soft.memory import SoftMR, SoftPD
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,19 @@ class _Entry:
     __slots__ = ("psn", "wr_id", "opcode", "byte_len", "signaled", "status", "frame", "views",
                  "rnr", "sent", "size", "end")
 
+    psn: int | None                 # None: it failed its local checks (never sent)
+    wr_id: int
+    opcode: WcOpcode
+    byte_len: int
+    signaled: bool
+    status: int                     # a WcStatus; 0 when it passed its local checks
+    frame: list[bytes | memoryview]     # header and payload views (unset: psn None)
+    views: list[memoryview] | list[bytes]
+    rnr: int                        # RNR NAKs it met
+    sent: bool
+    size: int                       # its frame's bytes
+    end: int                        # _tx_queued when its frame was queued whole
+
 
 def _advance(views: list, n: int) -> list:
     """The part of ``views`` left after the first ``n`` bytes."""
@@ -152,7 +167,7 @@ class SoftQP(QP):
     """``max_unsent`` (see :class:`QP`) counts each queued buffer QUEUED_BUFFER_COST more
     than its bytes; 0 means DEFAULT_MAX_UNSENT."""
 
-    def __init__(self, cmid: "SoftCMId", pd: "SoftPD", send_cq: "SoftCQ", recv_cq: "SoftCQ",
+    def __init__(self, cmid: "SoftCMId", pd: "SoftPD[SoftContext]", send_cq: "SoftCQ", recv_cq: "SoftCQ",
                  cap: QPCap | None, sq_sig_all: bool) -> None:
         self.ctx = pd.ctx
         self.pd = pd
@@ -192,7 +207,7 @@ class SoftQP(QP):
         self._done_psn = M
         self._rx_psn = M         # the SEND or WRITE whose payload is arriving
         self._ack_due = False
-        self.ack_group = None    # the reactor group this QP's owed ACK waits with, if any
+        self.ack_group: Group | None = None  # the reactor group its owed ACK waits with, if any
         self.posted = 0.0        # when the owner last posted send work (defer_ack)
         self._rnr_sent = False   # go-back-N: later PSNs are dropped until the NAKed one
         # frame reader
@@ -202,7 +217,7 @@ class SoftQP(QP):
         self._rviews: list | None = None
         self._rleft = 0
         self._rkind = RX_DISCARD
-        self._rwc: WC | None = None
+        self._rwc: WC | RawWC | None = None
         self._rentry: _Entry | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -270,7 +285,7 @@ class SoftQP(QP):
                         self.qp_num, reason)
         self.ctx.unregister(self, self._fd)
         try:
-            self.sock.close()
+            self.sock.close()  # type: ignore[union-attr]  # (only a started QP dies)
         except OSError:
             pass
         self._outq.clear()
@@ -311,7 +326,8 @@ class SoftQP(QP):
             wc, self._rwc = self._rwc, None
             if type(wc) is tuple:           # a raw CQ's entry (SoftCQ.set_raw)
                 wc = WC(wc[0], WcStatus.SUCCESS, WcOpcode.RECV)
-            self.recv_cq.push(WC(wc.wr_id, WcStatus.WR_FLUSH_ERR, wc.opcode, 0, self.qp_num))
+            self.recv_cq.push(WC(wc.wr_id, WcStatus.WR_FLUSH_ERR,  # type: ignore[union-attr]
+                                 wc.opcode, 0, self.qp_num))  # type: ignore[union-attr]  # (a WC now)
         self._rentry = None
         self._rviews = None
         self._rkind = RX_DISCARD
@@ -338,11 +354,12 @@ class SoftQP(QP):
             push(WC(rq.popleft()[0], WcStatus.WR_FLUSH_ERR, WcOpcode.RECV, 0, qpn))
 
     # ------------------------------------------------------------------ posting
-    def _resolve(self, sg_list: Sequence, local_write: bool) -> tuple[list, int, int]:
+    def _resolve(self, sg_list: Sequence[SGE], local_write: bool
+                 ) -> tuple[list[memoryview], int, int]:
         """(views, total, status): SGEs -> memoryviews of registered memory, or a local error
         status as the HCA would report it."""
         lkeys, pd = self.ctx.lkeys, self.pd
-        views = []
+        views: list[memoryview] = []
         total = 0
         for sge in sg_list:
             mr = lkeys.get(sge.lkey)
@@ -413,6 +430,8 @@ class SoftQP(QP):
         e.signaled = self.sig_all or bool(flags & _SIGNALED)
         e.rnr = 0
         e.sent = False
+        views: list[memoryview] | list[bytes]       # (bytes: an inline copy)
+        status: int                     # a WcStatus, or 0
         sg = wr.sg_list
         if len(sg) == 1 and op != _OP_READ:
             # _resolve of one SGE read from (no LOCAL_WRITE needed), inline: the per-I/O case
@@ -435,7 +454,7 @@ class SoftQP(QP):
         e.status = status
         if status:
             e.psn = None
-            e.frame = None
+            e.frame = None  # type: ignore[assignment]  # (psn None: it is never sent)
             return e
         if flags & _INLINE and op != _OP_READ:
             if total > cap.max_inline_data:
@@ -535,7 +554,7 @@ class SoftQP(QP):
                 return
         if not q and len(bufs) <= IOV_BATCH:
             try:
-                n = self.sock.sendmsg(bufs)
+                n = self.sock.sendmsg(bufs)  # type: ignore[union-attr]  # (started: a socket)
             except BlockingIOError:
                 n = 0
             except OSError as exc:
@@ -553,7 +572,7 @@ class SoftQP(QP):
         else:
             q.extend(bufs)
             if self._blocked:   # the socket is full: the engine flushes when it is writable
-                bufs = None
+                bufs = None  # type: ignore[assignment]  # (from here: whether to flush)
         if bufs is not None:
             self._flush()
         self._check_unsent()
@@ -569,7 +588,7 @@ class SoftQP(QP):
 
     def _flush(self) -> None:
         q = self._outq
-        sock = self.sock
+        sock: socket.socket = self.sock  # type: ignore[assignment]  # (started: a socket)
         while q and not self._dead:
             try:
                 n = sock.sendmsg(list(islice(q, IOV_BATCH)))
@@ -655,7 +674,7 @@ class SoftQP(QP):
         with self._lock:
             if self._dead:
                 return
-            sock = self.sock
+            sock: socket.socket = self.sock  # type: ignore[assignment]  # (not _dead: a socket)
             stage = self._smv
             try:
                 for _ in range(READ_ROUNDS):    # then the other connections get their turn
@@ -821,7 +840,8 @@ class SoftQP(QP):
         """NAK the request, report the receive (if any) as failed, QP to ERR, drop payload."""
         self._xmit([_pack(Frame.NAK, psn, 0, nak_status)], HDR)
         if recv is not None:
-            self.recv_cq.push(WC(recv[0], local_status, WcOpcode.RECV, 0, self.qp_num))
+            self.recv_cq.push(WC(recv[0], local_status,  # type: ignore[arg-type]  # (with recv)
+                                 WcOpcode.RECV, 0, self.qp_num))
         self._to_error()
         self._discard(length)
 
@@ -859,7 +879,7 @@ class SoftQP(QP):
         self._rviews = _cut(views, length) if len(views) != 1 else \
             [views[0][:length] if len(views[0]) > length else views[0]]
 
-    def _rkey_mr(self, key: int, addr: int, length: int, need: int):
+    def _rkey_mr(self, key: int, addr: int, length: int, need: int) -> SoftMR | None:
         """The MR that ``key`` grants ``need`` on [addr, addr+length), else None."""
         mr = self.ctx.rkeys.get(key)
         if (mr is None or mr.pd is not self.pd or not mr.bits & need or addr < mr.addr
@@ -888,8 +908,8 @@ class SoftQP(QP):
         if not length:
             self._expect(None, 0, RX_WRITE)
             return
-        off = addr - mr.addr            # _expect, inline
-        self._rviews = [mr.buf[off:off + length]]
+        off = addr - mr.addr  # type: ignore[union-attr]  # _expect, inline (length: an mr)
+        self._rviews = [mr.buf[off:off + length]]  # type: ignore[union-attr]
         self._rleft = length
         self._rkind = RX_WRITE
 
@@ -903,8 +923,8 @@ class SoftQP(QP):
         self._ack_due = False           # the response acknowledges everything up to psn
         hdr = _pack(Frame.READ_RESP, psn, length)
         if length:
-            off = addr - mr.addr
-            self._xmit([hdr, mr.buf[off:off + length]], HDR + length)
+            off = addr - mr.addr  # type: ignore[union-attr]  # (length: mr was found)
+            self._xmit([hdr, mr.buf[off:off + length]], HDR + length)  # type: ignore[union-attr]
         else:
             self._xmit([hdr], HDR)
 
@@ -927,10 +947,10 @@ class SoftQP(QP):
                 if not cq.listed:
                     cq.note()
         elif kind == RX_READ:
-            e = self._rentry
+            e: _Entry = self._rentry  # type: ignore[assignment]  # (RX_READ: the READ answered)
             self._rentry = None
             self._sq.popleft()
-            self._acked = e.psn
+            self._acked = e.psn  # type: ignore[assignment]  # (a READ that was sent: a psn)
             if e.signaled:
                 self.send_cq.push(WC(e.wr_id, WcStatus.SUCCESS, _WC_READ, e.byte_len,
                                      self.qp_num))

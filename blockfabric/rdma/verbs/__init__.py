@@ -33,7 +33,7 @@ class VerbsProvider(base.Provider):
 
     name = "verbs"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._pv = _native.load()
         try:
             found = self._pv.device.get_device_list()

@@ -85,7 +85,7 @@ class _Waker:
 class _Channel:
     """One rdma_cm event channel and the ids whose events arrive on it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         pv = self._pv = _native.load()
         try:
             self.ch, self.fd = _native.create_with_fd(pv.cmid.CMEventChannel,
@@ -95,9 +95,9 @@ class _Channel:
                              exc) from exc
         self.ptr = _native.channel_pointer(self.ch, self.fd)
         self.lock = threading.RLock()
-        self.owners: dict[int, "_Endpoint"] = {}    # rdma_cm_id pointer -> owner
+        self.owners: dict[int, "VerbsCMId"] = {}    # rdma_cm_id pointer -> owner
         self.listener: "VerbsListener | None" = None
-        self.default: "_Endpoint | None" = None     # an active id, before its pointer is known
+        self.default: "VerbsCMId | None" = None     # an active id, before its pointer is known
         self.users = 0
 
     def new_id(self):
@@ -185,6 +185,8 @@ class _Endpoint:
 class VerbsCMId(_Endpoint, base.CMId):
     """One end of one RC connection over rdma_cm."""
 
+    context: VerbsContext           # (None until bound to a device: see _set_device)
+
     def __init__(self, provider: "VerbsProvider", channel: _Channel, cmid, *,
                  id_ptr: int | None = None, private_data: bytes = b"",
                  request: RawEvent | None = None):
@@ -193,7 +195,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         self._cm = cmid
         self._attach(channel)
         self.qp: VerbsQP | None = None
-        self.context = None
+        self.context = None  # type: ignore[assignment]  # (until _set_device)
         self.private_data = private_data
         self.local_address = ("", 0)
         self.peer_address = ("", 0)
@@ -215,7 +217,8 @@ class VerbsCMId(_Endpoint, base.CMId):
     def _set_device(self) -> None:
         """Called once the id is bound to a device: share that device's context."""
         self.context = VerbsContext(self._provider._device(self._cm.dev_name))
-        self.local_address, self.peer_address = _native.id_addresses(self._ptr)
+        self.local_address, self.peer_address = _native.id_addresses(
+            self._ptr)  # type: ignore[arg-type]  # (bound to a device: it has its pointer)
 
     def _on_event(self, raw: RawEvent) -> None:
         if raw.type not in _KNOWN:
@@ -286,13 +289,14 @@ class VerbsCMId(_Endpoint, base.CMId):
             # provider, so they are set here
             attr.retry_cnt, attr.rnr_retry = self._retry
             mask |= e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY
-        self.qp.modify(attr, mask, what)
+        self.qp.modify(attr, mask, what)  # type: ignore[union-attr]  # (after _need_qp)
 
     def _conn_param(self, private_data: bytes, resources: int, depth: int, retry: int = 7,
                     rnr_retry: int = 7):
         # pyverbs sends private data only from a buffer sized by data_len at construction
         param = self._pv.cmid.ConnParam(resources=resources, depth=depth, retry=retry,
-                                        rnr_retry=rnr_retry, qp_num=self.qp.qp_num,
+                                        rnr_retry=rnr_retry,
+                                        qp_num=self.qp.qp_num,  # type: ignore[union-attr]
                                         data_len=len(private_data))
         if private_data:
             param.set_private_data(bytes(private_data))
@@ -440,7 +444,7 @@ class VerbsCMId(_Endpoint, base.CMId):
             self._cm.close()
         finally:
             with self._channel.lock:
-                self._channel.owners.pop(self._ptr, None)
+                self._channel.owners.pop(self._ptr, None)  # type: ignore[arg-type]  # (None: none)
             if self.context is not None:
                 self.context.close()
             self._waker.close()

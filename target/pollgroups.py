@@ -157,7 +157,7 @@ class PollGroups:
 
     # -- lifecycle ----------------------------------------------------------------------
     def _memfds(self) -> dict[tuple[str, int], int]:
-        return {(sub.nqn, ns.nsid): ns.backend.memfd
+        return {(sub.nqn, ns.nsid): ns.backend.memfd  # type: ignore[attr-defined]  # (below)
                 for sub in self.target.subsystems.values() for ns in sub.namespaces.values()
                 if getattr(ns.backend, "memfd", None) is not None}
 
@@ -175,12 +175,15 @@ class PollGroups:
                 left = deadline - time.monotonic()
                 if left <= 0 or not g.alive:
                     raise OSError(f"poll group {g.index} did not start (see its log lines)")
-                got = g.chan.recv(block=True) if _readable(g.chan, left) else None
+                # (spawned: a channel)
+                got = (g.chan.recv(block=True)  # type: ignore[union-attr]
+                       if _readable(g.chan, left) else None)  # type: ignore[arg-type]
                 if got is not None:
                     self._handle(g, *got)
-        for g in self.groups:
-            g.chan.serve(self.target.reactor, lambda m, f, g=g: self._handle(g, m, f),
-                         lambda reason, g=g: self._lost(g, reason))
+        for g in self.groups:       # (spawned: a channel; the lambdas bind their group)
+            g.chan.serve(self.target.reactor,  # type: ignore[union-attr]
+                         lambda m, f, g=g: self._handle(g, m, f),  # type: ignore[misc]
+                         lambda reason, g=g: self._lost(g, reason))  # type: ignore[misc]
         self.started = True
         log.info("poll groups: %d (the coordinator and %d worker%s: pids %s)", self.count,
                  len(self.groups), "" if len(self.groups) == 1 else "s",
@@ -264,7 +267,7 @@ class PollGroups:
         remote = RemoteQueue(group, ctrl.cntlid, session.qid, queue.depth, peer,
                              f"{queue.name} g{group.index}")
         # Out of this reactor, then over: the socket is the worker's from here.
-        queue.reactor.remove_reader(fd, queue.on_readable)
+        queue.reactor.remove_reader(fd, queue.on_readable)  # type: ignore[union-attr]  # (attached)
         queue.reactor = None
         if not group.send(("queue", meta), (fd,)):
             queue.reactor = t.reactor
@@ -272,10 +275,12 @@ class PollGroups:
             return
         queue.closed = True
         queue.sock.close()          # this process's copy: the connection lives on there
-        session.queue = remote
+        # (from here the worker's queue: a RemoteQueue stands in for it, in the session and
+        # the controller the coordinator keeps)
+        session.queue = remote  # type: ignore[assignment]
         group.queues[ctrl.cntlid, session.qid] = remote
         if ctrl.queues.get(session.qid) is queue:
-            ctrl.queues[session.qid] = remote
+            ctrl.queues[session.qid] = remote  # type: ignore[assignment]
         log.debug("%s qid=%d: to poll group %d", ctrl.name, session.qid, group.index)
 
     def handoff_rdma(self, lconf: Any, provider: str, cmid: Any, req: Any) -> bool:
@@ -307,7 +312,8 @@ class PollGroups:
         sock.close()                # this process's copy: the connection lives on there
         cmid.close()
         session = t._new_session(lconf, provider, req)
-        session.queue = RemoteQueue(group, 0, req.qid, depth, peer,
+        session.queue = RemoteQueue(  # type: ignore[assignment]  # (as in handoff)
+            group, 0, req.qid, depth, peer,
                                     f"{peer[0]} q{req.qid} g{group.index}", hid)
         group.pending[hid] = session
         t.registry.sessions.add(session)
@@ -366,10 +372,11 @@ class PollGroups:
             return
 
         class _Failed:          # what Target.auth_failed reads of the exchange
-            pass
+            reason: str
+            explanation: int
         failed = _Failed()
         failed.reason, failed.explanation = reason, explanation
-        self.target.connector.auth_failed(ctrl, remote, failed)
+        self.target.connector.auth_failed(ctrl, remote, failed)  # type: ignore[arg-type]
 
     # -- messages from the workers ----------------------------------------------------------
     def _handle(self, g: Group, msg: tuple, fds: list[int]) -> None:
@@ -411,7 +418,7 @@ class PollGroups:
         t = self.target
         for session in list(t.registry.sessions):
             if session.queue is remote:
-                t.registry.queue_broken(session, remote, reason)
+                t.registry.queue_broken(session, remote, reason)  # type: ignore[arg-type]
                 return
 
     def _lost(self, g: Group, reason: str) -> None:
@@ -446,8 +453,9 @@ class PollGroups:
         except OSError as exc:
             log.error("poll group %d: cannot start again: %s", g.index, exc)
             return
-        g.chan.serve(self.target.reactor, lambda m, f, g=g: self._handle(g, m, f),
-                     lambda r, g=g: self._lost(g, r))
+        g.chan.serve(self.target.reactor,  # type: ignore[union-attr]  # (spawned)
+                     lambda m, f, g=g: self._handle(g, m, f),  # type: ignore[misc]
+                     lambda r, g=g: self._lost(g, r))  # type: ignore[misc]
 
     # -- reservations ----------------------------------------------------------------------
     def _namespace(self, nqn: str, nsid: int) -> Namespace | None:

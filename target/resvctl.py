@@ -15,7 +15,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from blockfabric.protocol import resv
 from blockfabric.protocol.errors import ProtocolError
@@ -124,7 +124,7 @@ class CtrlResv:
         return resv.NotificationLog(count, log_type, len(self.queue), nsid).pack()
 
 
-def _notify(controllers: dict[int, Controller], ns: Namespace,
+def _notify(controllers: Mapping[int, Controller], ns: Namespace,
             notices: list[reservations.Notice]) -> None:
     """Log entries and AENs for every controller of each notice's host on this daemon."""
     for notice in notices:
@@ -235,7 +235,7 @@ def _fence(ctrl: Controller, ns: Namespace, hosts: set[bytes], cmd: Command) -> 
              lambda: cmd.queue.closed)
 
 
-def _drained(controllers: dict[int, Controller], reactor: Reactor, hosts: set[bytes],
+def _drained(controllers: Mapping[int, Controller], reactor: Reactor, hosts: set[bytes],
              then: Callable[[], None],
              give_up: Callable[[], bool] = lambda: False) -> None:
     """On the reactor: ``then()`` once no controller of ``hosts`` has a command in flight

@@ -16,7 +16,7 @@ daemon did (the per-I/O path uses ``with_bounce``, ``run_blocking`` and ``reacto
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 if TYPE_CHECKING:
     from blockfabric.fabric.tcp_target import AnyTargetQueue
@@ -86,7 +86,7 @@ class Owner:
                  flush_subsystem: Callable[[Subsystem | None], None],
                  auth_failed: Callable[[Controller, AnyTargetQueue, TargetAuth], None],
                  discovery_log: Callable[[Controller], bytes],
-                 controllers: dict[int, Controller],
+                 controllers: Mapping[int, Controller],
                  ana: Ana | None,
                  discovery_nqn: str, discovery_serial: str, firmware_revision: str) -> None:
         self.destroy_controller = destroy_controller

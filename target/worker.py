@@ -116,7 +116,7 @@ class WorkerController(Controller):
         self.last_activity = time.monotonic()
         self.kato_timer = None
         self.dead = False
-        self.listener = None
+        self.listener = None  # type: ignore[assignment]  # (a worker's: no listener here)
         self.auth_policy = None
         self.auth = {}
         self.auth_timers = {}
@@ -312,9 +312,9 @@ class Worker:
         elif kind == "connected":
             self.connected(*msg[1:])
         elif kind == "close_pending":
-            session = self.rdma_sessions.get(msg[1])
-            if session is not None:
-                self.rdma_lost(session, "closed by the coordinator", tell=False)
+            pending = self.rdma_sessions.get(msg[1])
+            if pending is not None:
+                self.rdma_lost(pending, "closed by the coordinator", tell=False)
         elif kind == "answer":
             with self._answer_lock:
                 entry = self._answers.pop(msg[1], None)
@@ -398,7 +398,8 @@ class Worker:
         session = _RdmaSession(self, hid, qid)
         try:
             from blockfabric.rdma.soft.cm import SoftCMId  # noqa: PLC0415
-            cmid = SoftCMId(get_provider("soft"), sock, meta["private_data"])
+            cmid = SoftCMId(get_provider("soft"),  # type: ignore[arg-type]  # (a SoftProvider)
+                            sock, meta["private_data"])
             pd = self.broker.pd_for(cmid)
             queue = TargetQueue(cmid, pd, qid=qid, depth=depth,
                                 inline_size=meta["inline_size"], handler=session,
@@ -423,7 +424,7 @@ class Worker:
     def _on_cm_event(self, session: _RdmaSession) -> None:
         queue = session.queue
         while queue is not None and not queue.closed:
-            event = queue.cmid.get_event(0)
+            event = queue.cmid.get_event(0)  # type: ignore[union-attr]  # (RDMA: a CM id)
             if event is None:
                 return
             if event.type in CONNECTION_ENDED:
@@ -472,7 +473,7 @@ class Worker:
 
     def queue_lost(self, session: _Session, reason: str, tell: bool) -> None:
         ctrl, qid = session.ctrl, session.qid
-        self.rdma_sessions.pop(getattr(session, "hid", None), None)
+        self.rdma_sessions.pop(getattr(session, "hid", None), None)  # type: ignore[arg-type]
         if self.sessions.pop((ctrl.cntlid, qid), None) is None:
             return
         queue = session.queue
@@ -579,10 +580,12 @@ class _WorkerSubsystem:
         self.namespaces: dict[int, Namespace] = {}
         for nc in conf.namespaces:
             fd = memfds.get((conf.nqn, nc.nsid))
-            backend = (RamdiskBackend(nc.size, nc.block_size, nc.read_only, fd=fd)
+            backend = (RamdiskBackend(nc.size,  # type: ignore[arg-type]  # (a memfd: a ramdisk's)
+                                      nc.block_size, nc.read_only, fd=fd)
                        if fd is not None else open_backend(nc))
             ns = Namespace(nc, backend=backend, resv=False)
-            ns.resv_store = ForwardStore(worker, conf.nqn, nc.nsid,
+            ns.resv_store = ForwardStore(  # type: ignore[assignment]  # (a Store's methods)
+                worker, conf.nqn, nc.nsid,
                                          nc.backend == "file")
             self.namespaces[nc.nsid] = ns
 
@@ -602,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         got = chan.recv(block=True)
     except ChannelClosed:
         return 1
-    msg, _fds = got
+    msg, _fds = got  # type: ignore[misc]  # (block=True: a message)
     _kind, config, memfds, states = msg
     worker = Worker(index, chan, config, memfds)
     for (nqn, nsid), st in states.items():

@@ -208,9 +208,6 @@ def test_shared_ramdisk_is_one_memory_in_every_mapping():
      ["reactors", "verbs", "rdma_cm"]),
     ({"listeners": [{"address": "127.0.0.1", "port": 4420}]},          # provider: auto
      ["reactors", "auto"]),
-    ({"subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
-        {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}]},
-     ["reactors", "rbd"]),
 ])
 def test_what_poll_groups_cannot_serve_is_refused_at_load(change, words):
     config = {**ram_config(4420, transport="tcp", reactors=2), **change}
@@ -220,6 +217,14 @@ def test_what_poll_groups_cannot_serve_is_refused_at_load(change, words):
         assert word in str(err.value), err.value
     # one poll group serves all of them as before
     cfg.TargetConfig.from_dict({**config, "reactors": 1})
+
+
+def test_rbd_namespaces_load_with_poll_groups():
+    # served since issue 19 (tests/ceph/test_rbd.py with 2 reactors)
+    config = {**ram_config(4420, transport="tcp", reactors=2), "subsystems": [
+        {"nqn": NQN, "allow_any_host": True, "namespaces": [
+            {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}]}
+    assert cfg.TargetConfig.from_dict(config).reactor_count == 2
 
 
 @pytest.mark.parametrize("value", [0, -1, 257, True, "all", 1.5])

@@ -1,0 +1,110 @@
+"""What poll groups share besides queues and reservations (see docs/scaling.md): RBD volumes
+(which subsystems keep their I/O queues in the coordinator, a volume a worker lost, an image's
+new size).
+
+Coordinator side: :func:`install` (at PollGroups' start), :func:`init_extra` (what a worker
+gets with its configuration), :func:`handle` (a worker's messages of these kinds).  Worker
+side: :func:`apply_extra`, :func:`worker_message`, :func:`volume_lost`.
+
+Kept apart from target.pollgroups and target.worker (the channel and the queues' hand-over)
+so that each concern is a few lines there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+from typing import TYPE_CHECKING, Any
+
+from blockfabric.target.backends import Unavailable
+
+if TYPE_CHECKING:
+    from blockfabric.target.namespace import Namespace
+    from blockfabric.target.pollgroups import Group, PollGroups
+    from blockfabric.target.server import Target
+    from blockfabric.target.worker import Worker
+
+log = logging.getLogger("blockfabric.target.pollgroups")
+
+
+# -- coordinator side -----------------------------------------------------------------------
+def local_subsystems(target: Target) -> dict[str, str]:
+    """The subsystems whose I/O queues stay in the coordinator, and why: those with an RBD
+    image that has the exclusive-lock feature.  librbd's lock is per client, and every
+    worker would be a client of its own: each write from another process than the lock's
+    holder asks for the lock, and the holder hands it over, so the lock would pass back and
+    forth between the groups on every write.  One client (the coordinator) keeps it."""
+    out = {}
+    for sub in target.subsystems.values():
+        for ns in sub.namespaces.values():
+            if getattr(ns.backend, "exclusive_lock", False):
+                name = ns.conf.rbd_image
+                out[sub.nqn] = (f"rbd image {name} (nsid {ns.nsid}) has the exclusive-lock "
+                                "feature, which one client holds at a time; to spread its "
+                                f"queues: rbd feature disable {name} fast-diff object-map "
+                                "exclusive-lock")
+                break
+    return out
+
+
+def install(groups: PollGroups) -> None:
+    """At start: say which subsystems stay in the coordinator, and have every RBD image's
+    new size reach the workers."""
+    t = groups.target
+    for nqn, why in groups.local.items():
+        log.warning("poll groups: subsystem %s keeps its I/O queues in the coordinator: %s",
+                    nqn, why)
+    resize = t.volumes.resize
+
+    def resized(sub: Any, ns: Namespace, conf: Any) -> None:
+        resize(sub, ns, conf)
+        for g in groups.groups:
+            g.send(("resize", sub.nqn, ns.nsid, conf.size))
+    t.volumes.resize = resized
+
+
+def init_extra(groups: PollGroups) -> dict[str, Any]:
+    """What a worker needs besides its configuration before it opens its volumes."""
+    return {"local": sorted(groups.local)}
+
+
+def handle(groups: PollGroups, g: Group, msg: tuple) -> None:
+    """A worker's message of the kinds here."""
+    kind = msg[0]
+    if kind == "volume_lost":
+        _, nqn, nsid, err, text = msg
+        ns = groups._namespace(nqn, nsid)
+        if ns is not None:
+            groups.target.volumes.lost([ns], Unavailable(err, f"poll group {g.index}: {text}"))
+
+
+# -- worker side -------------------------------------------------------------------------------
+def apply_extra(worker: Worker, extra: dict[str, Any]) -> None:
+    """What came with the configuration, once the volumes are open."""
+
+
+def worker_message(worker: Worker, msg: tuple) -> None:
+    """A coordinator's message of the kinds here."""
+    kind = msg[0]
+    if kind == "resize":
+        _, nqn, nsid, size = msg
+        sub = worker.subsystems.get(nqn)
+        ns = sub.namespaces.get(nsid) if sub is not None else None
+        if ns is None or ns.size == size:
+            return
+        try:
+            ns.resize(dataclasses.replace(ns.conf, size=size))
+        except (OSError, BufferError) as exc:
+            log.error("group %d: resize of %s nsid %d to %d bytes: %s", worker.index, nqn,
+                      nsid, size, exc)
+
+
+def volume_lost(worker: Worker, nss: list[Namespace], exc: BaseException) -> None:
+    """A command here found its volume gone (the cluster did not answer): the coordinator
+    marks it unavailable, ends its subsystem's controllers and probes it (VolumeWatch)."""
+    for nqn, sub in worker.subsystems.items():
+        for ns in nss:
+            if sub.namespaces.get(ns.nsid) is ns:
+                worker.send(("volume_lost", nqn, ns.nsid,
+                             getattr(exc, "errno", None) or errno.EIO, str(exc)))

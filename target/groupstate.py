@@ -1,6 +1,6 @@
 """What poll groups share besides queues and reservations (see docs/scaling.md): RBD volumes
 (which subsystems keep their I/O queues in the coordinator, a volume a worker lost, an image's
-new size).
+new size), and a gateway's ANA state.
 
 Coordinator side: :func:`install` (at PollGroups' start), :func:`init_extra` (what a worker
 gets with its configuration), :func:`handle` (a worker's messages of these kinds).  Worker
@@ -49,12 +49,14 @@ def local_subsystems(target: Target) -> dict[str, str]:
 
 
 def install(groups: PollGroups) -> None:
-    """At start: say which subsystems stay in the coordinator, and have every RBD image's
-    new size reach the workers."""
+    """At start: say which subsystems stay in the coordinator, and have every change of
+    ANA state and every RBD image's new size reach the workers."""
     t = groups.target
     for nqn, why in groups.local.items():
         log.warning("poll groups: subsystem %s keeps its I/O queues in the coordinator: %s",
                     nqn, why)
+    if t.ana is not None:
+        t.ana.on_refresh = lambda: push_ana(groups)
     resize = t.volumes.resize
 
     def resized(sub: Any, ns: Namespace, conf: Any) -> None:
@@ -64,9 +66,23 @@ def install(groups: PollGroups) -> None:
     t.volumes.resize = resized
 
 
+def ana_states(target: Target) -> dict[tuple[str, int], tuple[int, int]]:
+    """Every namespace's ANA group and path status (0: this path serves I/O)."""
+    return {(sub.nqn, ns.nsid): (ns.ana_group, ns.ana_status)
+            for sub in target.subsystems.values() for ns in sub.namespaces.values()}
+
+
+def push_ana(groups: PollGroups) -> None:
+    """The coordinator's ANA state changed (a group taken or given up, a lease that ran
+    out, a reload): every worker answers I/O with the new status from its next command."""
+    states = ana_states(groups.target)
+    for g in groups.groups:
+        g.send(("ana", states))
+
+
 def init_extra(groups: PollGroups) -> dict[str, Any]:
     """What a worker needs besides its configuration before it opens its volumes."""
-    return {"local": sorted(groups.local)}
+    return {"local": sorted(groups.local), "ana": ana_states(groups.target)}
 
 
 def handle(groups: PollGroups, g: Group, msg: tuple) -> None:
@@ -81,13 +97,23 @@ def handle(groups: PollGroups, g: Group, msg: tuple) -> None:
 
 # -- worker side -------------------------------------------------------------------------------
 def apply_extra(worker: Worker, extra: dict[str, Any]) -> None:
-    """What came with the configuration, once the volumes are open."""
+    set_ana(worker, extra.get("ana", {}))
+
+
+def set_ana(worker: Worker, states: dict[tuple[str, int], tuple[int, int]]) -> None:
+    for (nqn, nsid), (group, status) in states.items():
+        sub = worker.subsystems.get(nqn)
+        ns = sub.namespaces.get(nsid) if sub is not None else None
+        if ns is not None:
+            ns.ana_group, ns.ana_status = group, status
 
 
 def worker_message(worker: Worker, msg: tuple) -> None:
     """A coordinator's message of the kinds here."""
     kind = msg[0]
-    if kind == "resize":
+    if kind == "ana":
+        set_ana(worker, msg[1])
+    elif kind == "resize":
         _, nqn, nsid, size = msg
         sub = worker.subsystems.get(nqn)
         ns = sub.namespaces.get(nsid) if sub is not None else None

@@ -219,11 +219,13 @@ def test_what_poll_groups_cannot_serve_is_refused_at_load(change, words):
     cfg.TargetConfig.from_dict({**config, "reactors": 1})
 
 
-def test_rbd_namespaces_load_with_poll_groups():
-    # served since issue 19 (tests/ceph/test_rbd.py with 2 reactors)
+def test_rbd_namespaces_and_a_gateway_load_with_poll_groups():
+    # served since issue 19 (tests/ceph: test_rbd.py, test_gateway.py with 2 reactors)
     config = {**ram_config(4420, transport="tcp", reactors=2), "subsystems": [
         {"nqn": NQN, "allow_any_host": True, "namespaces": [
-            {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}]}
+            {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}],
+        "gateway": {"name": "a", "group": "g", "cntlid_min": 1, "cntlid_max": 9,
+                    "ana_groups": [1]}}
     assert cfg.TargetConfig.from_dict(config).reactor_count == 2
 
 

@@ -18,6 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from blockfabric.target.backends import Unavailable
+from blockfabric.target.sessions import peer_of
 
 if TYPE_CHECKING:
     from blockfabric.target.namespace import Namespace
@@ -88,7 +89,16 @@ def init_extra(groups: PollGroups) -> dict[str, Any]:
 def handle(groups: PollGroups, g: Group, msg: tuple) -> None:
     """A worker's message of the kinds here."""
     kind = msg[0]
-    if kind == "volume_lost":
+    if kind == "hoarding":
+        _, cntlid, qid, held, bound = msg
+        registry = groups.target.registry
+        ctrl = registry.controllers.get(cntlid)
+        if ctrl is None or ctrl.dead:       # ended already (its other queues' groups)
+            return
+        remote: Any = g.queues.get((cntlid, qid))     # its cmid has the peer's address
+        registry.hold_expired(ctrl, qid, peer_of(remote), held, bound, f", poll group {g.index}")
+        registry.destroy_controller(ctrl, f"qid {qid} over limits.buffer_hold_timeout")
+    elif kind == "volume_lost":
         _, nqn, nsid, err, text = msg
         ns = groups._namespace(nqn, nsid)
         if ns is not None:
@@ -124,6 +134,14 @@ def worker_message(worker: Worker, msg: tuple) -> None:
         except (OSError, BufferError) as exc:
             log.error("group %d: resize of %s nsid %d to %d bytes: %s", worker.index, nqn,
                       nsid, size, exc)
+
+
+def hoarding(worker: Worker, cntlid: int, qid: int, held: float, bound: float) -> None:
+    """A queue here held a bounce buffer past limits.buffer_hold_timeout: the coordinator
+    counts it, logs it once and ends the controller (every group's queues of it)."""
+    log.debug("group %d ctrl %d qid=%d: over limits.buffer_hold_timeout", worker.index,
+              cntlid, qid)
+    worker.send(("hoarding", cntlid, qid, held, bound))
 
 
 def volume_lost(worker: Worker, nss: list[Namespace], exc: BaseException) -> None:

@@ -254,17 +254,14 @@ class Worker:
         """A queue's host kept a bounce buffer waiting past limits.buffer_hold_timeout: as
         the coordinator does (registry.hoarding), cut the queue and have its controller
         ended (by the coordinator, which owns it)."""
-        ctrl = getattr(queue.handler, "controller", None)
-        log.warning("group %d qid=%d: held a bounce buffer for %.1f s "
-                    "(limits.buffer_hold_timeout is %g s): disconnecting it",
-                    self.index, queue.qid, held, bound)
+        ctrl = getattr(queue.handler, "controller", None) or getattr(queue.handler, "ctrl", None)
         reason = f"qid {queue.qid} over limits.buffer_hold_timeout"
+        if ctrl is not None:        # first: counted, logged and ended there
+            groupstate.hoarding(self, ctrl.cntlid, queue.qid, held, bound)
         self.end_queue(queue, reason)
         for rdma in list(self.rdma_sessions.values()):
             if rdma.queue is queue:
                 self.rdma_lost(rdma, reason)
-        if ctrl is not None:
-            self.destroy_controller(ctrl, reason)
 
     def auth_failed(self, ctrl: Any, queue: Any, auth: Any) -> None:
         """Counted and the peer's back-off: the coordinator's (it has the registry)."""

@@ -1,10 +1,13 @@
 """What poll groups share besides queues and reservations (see docs/scaling.md): RBD volumes
 (which subsystems keep their I/O queues in the coordinator, a volume a worker lost, an image's
-new size), and a gateway's ANA state.
+new size), a gateway's ANA state, a hoarder in a worker, and the activity of a worker's
+queues for keep-alive.
 
 Coordinator side: :func:`install` (at PollGroups' start), :func:`init_extra` (what a worker
-gets with its configuration), :func:`handle` (a worker's messages of these kinds).  Worker
-side: :func:`apply_extra`, :func:`worker_message`, :func:`volume_lost`.
+gets with its configuration), :func:`handle` (a worker's messages of these kinds),
+:func:`served_remotely` (a controller with a queue in a worker), :func:`take_activity`.
+Worker side: :func:`apply_extra`, :func:`worker_message`, :func:`hoarding`,
+:func:`volume_lost`, :func:`activity`.
 
 Kept apart from target.pollgroups and target.worker (the channel and the queues' hand-over)
 so that each concern is a few lines there.
@@ -21,12 +24,18 @@ from blockfabric.target.backends import Unavailable
 from blockfabric.target.sessions import peer_of
 
 if TYPE_CHECKING:
+    from blockfabric.target.controller import Controller
     from blockfabric.target.namespace import Namespace
     from blockfabric.target.pollgroups import Group, PollGroups
     from blockfabric.target.server import Target
     from blockfabric.target.worker import Worker
 
 log = logging.getLogger("blockfabric.target.pollgroups")
+
+#: How late a worker's report of a queue's activity may reach the coordinator: its stats
+#: go every STATS_INTERVAL (0.5 s), and one may be late behind a busy pass.  A controller
+#: served in a worker gets this much more before its keep-alive expires.
+ACTIVITY_LAG = 1.0
 
 
 # -- coordinator side -----------------------------------------------------------------------
@@ -84,6 +93,21 @@ def push_ana(groups: PollGroups) -> None:
 def init_extra(groups: PollGroups) -> dict[str, Any]:
     """What a worker needs besides its configuration before it opens its volumes."""
     return {"local": sorted(groups.local), "ana": ana_states(groups.target)}
+
+
+def served_remotely(ctrl: Controller) -> None:
+    """``ctrl`` has a queue in a worker: its keep-alive allows for the workers' reports."""
+    ctrl.activity_lag = ACTIVITY_LAG
+
+
+def take_activity(groups: PollGroups, stats: dict) -> None:
+    """A worker's stats: the last command time of each controller it serves (monotonic,
+    the same clock in every process) counts as activity for its keep-alive."""
+    controllers = groups.target.registry.controllers
+    for cntlid, when in stats.get("active", {}).items():
+        ctrl = controllers.get(cntlid)
+        if ctrl is not None and when > ctrl.last_activity:
+            ctrl.last_activity = when
 
 
 def handle(groups: PollGroups, g: Group, msg: tuple) -> None:
@@ -152,3 +176,8 @@ def volume_lost(worker: Worker, nss: list[Namespace], exc: BaseException) -> Non
             if sub.namespaces.get(ns.nsid) is ns:
                 worker.send(("volume_lost", nqn, ns.nsid,
                              getattr(exc, "errno", None) or errno.EIO, str(exc)))
+
+
+def activity(worker: Worker) -> dict[int, float]:
+    """Each controller's last command here (for its keep-alive in the coordinator)."""
+    return {c: ctrl.last_activity for c, ctrl in worker.controllers.items()}

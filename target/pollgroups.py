@@ -285,6 +285,7 @@ class PollGroups:
         queue.sock.close()          # this process's copy: the connection lives on there
         session.queue = remote
         group.queues[ctrl.cntlid, session.qid] = remote
+        groupstate.served_remotely(ctrl)
         if ctrl.queues.get(session.qid) is queue:
             ctrl.queues[session.qid] = remote
         log.debug("%s qid=%d: to poll group %d", ctrl.name, session.qid, group.index)
@@ -356,6 +357,7 @@ class PollGroups:
             session.connect_timer = None
         remote.cntlid = ctrl.cntlid
         g.queues[ctrl.cntlid, session.qid] = remote
+        groupstate.served_remotely(ctrl)
         peer = remote.cmid.peer_address
         from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR  # noqa: PLC0415
         g.send(("connected", hid, True, {
@@ -393,6 +395,7 @@ class PollGroups:
             g.ready = True
         elif kind == "stats":
             g.stats = msg[1]
+            groupstate.take_activity(self, msg[1])
         elif kind == "lost":
             self._queue_lost(g, msg[1], msg[2], msg[3])
         elif kind == "connect":

@@ -516,7 +516,7 @@ class Worker:
         return {"index": self.index, "pid": os.getpid(), "cpu_s": t.user + t.system,
                 "queues": len(self.sessions),
                 "controllers": {c: ctrl.io.copy() for c, ctrl in self.controllers.items()},
-                "namespaces": per_ns,
+                "namespaces": per_ns, "active": groupstate.activity(self),
                 "inflight": sum(c.io.inflight for c in self.controllers.values())}
 
     def _tick(self) -> None:

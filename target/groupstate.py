@@ -170,12 +170,19 @@ def hoarding(worker: Worker, cntlid: int, qid: int, held: float, bound: float) -
 
 def volume_lost(worker: Worker, nss: list[Namespace], exc: BaseException) -> None:
     """A command here found its volume gone (the cluster did not answer): the coordinator
-    marks it unavailable, ends its subsystem's controllers and probes it (VolumeWatch)."""
+    marks it unavailable, ends its subsystem's controllers and probes it (VolumeWatch).
+    The subsystem's queues here end at once, before the command is answered, as the
+    coordinator's own do: the host then re-issues its commands after it reconnects
+    (Controller Busy until the volume answers) instead of getting them failed."""
     for nqn, sub in worker.subsystems.items():
-        for ns in nss:
-            if sub.namespaces.get(ns.nsid) is ns:
-                worker.send(("volume_lost", nqn, ns.nsid,
-                             getattr(exc, "errno", None) or errno.EIO, str(exc)))
+        lost = [ns for ns in nss if sub.namespaces.get(ns.nsid) is ns]
+        for ns in lost:
+            worker.send(("volume_lost", nqn, ns.nsid,
+                         getattr(exc, "errno", None) or errno.EIO, str(exc)))
+        if lost:
+            for session in list(worker.sessions.values()):
+                if session.ctrl.subsystem is sub:
+                    worker.queue_lost(session, f"namespace {lost[0].nsid} unavailable", True)
 
 
 def activity(worker: Worker) -> dict[int, float]:

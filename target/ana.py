@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol.identify import CMIC_ANA, CMIC_MULTI_CTRL, CMIC_MULTI_PORT
@@ -67,6 +67,8 @@ class Ana:
         self._told: weakref.WeakSet[Controller] = weakref.WeakSet()
         self._timer: Timer | None = None
         self.groups: frozenset[int] = frozenset(gw.ana_groups)
+        #: called after every refresh: poll groups push the new state to their workers
+        self.on_refresh: Callable[[], None] | None = None
         self.refresh()
 
     # -- state ------------------------------------------------------------------------
@@ -83,6 +85,8 @@ class Ana:
                 groups.add(ns.ana_group)
                 ns.ana_status = _STATUS.get(self.state(ns.ana_group), 0)
         self.groups = frozenset(groups)
+        if self.on_refresh is not None:
+            self.on_refresh()
 
     def set_owned(self, group: int, owned: bool, deadline: float = 0.0,
                   why: str = "") -> None:

@@ -129,8 +129,9 @@ class TargetConfig(Model):
     #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
     #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:
     #: one per CPU the process may run on.  NVMe/TCP and soft-RDMA I/O queues are spread
-    #: over the groups.  Not with verbs listeners, rbd namespaces or a gateway section
-    #: (yet); a reload cannot change it.
+    #: over the groups (a subsystem with an RBD image that has exclusive-lock keeps its
+    #: queues in the main process).  Not with verbs listeners (yet); a reload cannot
+    #: change it.
     reactors: int | str = setting(Reactors(), 1)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
@@ -208,15 +209,6 @@ class TargetConfig(Model):
                           "rdma_cm ids cannot move between processes, poll groups serve "
                           "NVMe/TCP and the soft provider only (set provider: soft, or "
                           "reactors: 1)", Plain(shown))
-        for s in self.subsystems:
-            for ns in s.namespaces:
-                if ns.backend == "rbd":
-                    here.fail(f"1 with backend: rbd namespaces ({s.nqn} nsid {ns.nsid}): "
-                              "poll groups do not open RBD images per worker yet",
-                              Plain(shown))
-        if self.gateway is not None:
-            here.fail("1 in a gateway (the gateway section): ANA state is not shared with "
-                      "poll groups yet", Plain(shown))
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "<dict>") -> TargetConfig:

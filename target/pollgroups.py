@@ -14,6 +14,11 @@ serves the queue.  A soft-RDMA I/O queue goes earlier, at its CM request (whose 
 data names the qid): the worker accepts it, and sends its Connect back here to be checked.
 Here the queue is a :class:`RemoteQueue`: the controller's registry entry (limits, status,
 teardown), never on the I/O path.
+
+Over 500 lines (the hand-over of both transports and the channel's messages): not split
+while the verbs hand-over (branch verbspg) changes the same functions; what the groups
+share besides queues and reservations is in target.groupstate, a few lines here
+each.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.tcp_target import PeerInfo, TcpTargetQueue
+from blockfabric.target import groupstate
 from blockfabric.target import reservations
 from blockfabric.target import resvctl
 from blockfabric.target.backends import RamdiskBackend
@@ -106,7 +112,7 @@ class Group:
         self.pid = 0
 
     def start(self, config: Any, memfds: dict, states: dict, placement: Any = None,
-              count: int = 1) -> None:
+              count: int = 1, extra: dict | None = None) -> None:
         chan, theirs = Channel.pair()
         fds = [theirs.fileno(), *memfds.values()]
         try:
@@ -127,7 +133,7 @@ class Group:
         self.pid = self.proc.pid
         self.alive = True
         self.ready = False
-        chan.send(("init", config, memfds, states))
+        chan.send(("init", config, memfds, states, extra or {}))
 
     def send(self, msg: tuple, fds: tuple[int, ...] = ()) -> bool:
         if not self.alive or self.chan is None:
@@ -154,6 +160,8 @@ class PollGroups:
         self._next_req = 1
         self.started = False
         self.respawn = True
+        #: subsystems whose I/O queues stay here, and why (groupstate.local_subsystems)
+        self.local = groupstate.local_subsystems(target)
 
     # -- lifecycle ----------------------------------------------------------------------
     def _memfds(self) -> dict[tuple[str, int], int]:
@@ -167,6 +175,7 @@ class PollGroups:
 
     def start(self) -> None:
         """Start every worker and wait until each has opened its volumes."""
+        groupstate.install(self)
         for g in self.groups:
             self._spawn(g)
         deadline = time.monotonic() + START_TIMEOUT
@@ -191,7 +200,8 @@ class PollGroups:
 
     def _spawn(self, g: Group) -> None:
         g.start(self.target.config, self._memfds(), self._states(),
-                getattr(self.target, "placement", None), self.count)
+                getattr(self.target, "placement", None), self.count,
+                groupstate.init_extra(self))
 
     def close(self) -> None:
         self.respawn = False
@@ -231,7 +241,8 @@ class PollGroups:
         host that authenticates its queues)."""
         queue = session.queue
         if not isinstance(queue, TcpTargetQueue) or not session.qid \
-                or ctrl.auth_policy is not None or self.target.draining:
+                or ctrl.auth_policy is not None or self.target.draining \
+                or ctrl.subnqn in self.local:
             return False
         group = self.pick(session)
         if group is None:
@@ -279,6 +290,7 @@ class PollGroups:
         # the controller the coordinator keeps)
         session.queue = remote  # type: ignore[assignment]
         group.queues[ctrl.cntlid, session.qid] = remote
+        groupstate.served_remotely(ctrl)
         if ctrl.queues.get(session.qid) is queue:
             ctrl.queues[session.qid] = remote  # type: ignore[assignment]
         log.debug("%s qid=%d: to poll group %d", ctrl.name, session.qid, group.index)
@@ -291,7 +303,9 @@ class PollGroups:
         stays here (verbs, the admin queue, group 0)."""
         sock = getattr(cmid, "_sock", None)
         if provider != "soft" or not req.qid or sock is None or self.target.draining \
-                or _authenticates(self.target.config, lconf):
+                or _authenticates(self.target.config, lconf) \
+                or any(s.nqn in self.local for s in self.target.config.subsystems
+                       if lconf in self.target.config.listeners_for(s)):
             return False
         group = self.pick()
         if group is None:
@@ -349,6 +363,7 @@ class PollGroups:
             session.connect_timer = None
         remote.cntlid = ctrl.cntlid
         g.queues[ctrl.cntlid, session.qid] = remote
+        groupstate.served_remotely(ctrl)
         peer = remote.cmid.peer_address
         from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR  # noqa: PLC0415
         g.send(("connected", hid, True, {
@@ -387,6 +402,7 @@ class PollGroups:
             g.ready = True
         elif kind == "stats":
             g.stats = msg[1]
+            groupstate.take_activity(self, msg[1])
         elif kind == "lost":
             self._queue_lost(g, msg[1], msg[2], msg[3])
         elif kind == "connect":
@@ -409,6 +425,8 @@ class PollGroups:
                     OSError("no such namespace")))
         elif kind == "resv_put":
             self._resv_put(g, *msg[1:])
+        else:
+            groupstate.handle(self, g, msg)
 
     def _queue_lost(self, g: Group, cntlid: int, qid: int, reason: str) -> None:
         remote = g.queues.pop((cntlid, qid), None)

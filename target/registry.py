@@ -128,15 +128,21 @@ class ControllerRegistry:
         destroyed, never while a work request may still reference them."""
         session: QueueSession = queue.handler  # type: ignore[assignment]  # (the target's)
         ctrl = session.controller
-        self.hold_disconnects += 1
-        log.warning("ctrl %s hostnqn=%r qid=%d peer=%r: held a bounce buffer for %.1f s "
-                    "(limits.buffer_hold_timeout is %g s): disconnecting it",
-                    ctrl.cntlid if ctrl else "-", ctrl.hostnqn if ctrl else None, queue.qid,
-                    peer_of(queue), held, bound)
+        self.hold_expired(ctrl, queue.qid, peer_of(queue), held, bound)
         self.close_queue(session)
         if ctrl is not None:
             ctrl.queues.pop(queue.qid, None)
             self.destroy_controller(ctrl, f"qid {queue.qid} over limits.buffer_hold_timeout")
+
+    def hold_expired(self, ctrl: Controller | None, qid: int, peer: str, held: float,
+                     bound: float, where: str = "") -> None:
+        """Count and log a controller ended for holding a bounce buffer (here, or in the
+        poll group ``where`` names)."""
+        self.hold_disconnects += 1
+        log.warning("ctrl %s hostnqn=%r qid=%d peer=%r: held a bounce buffer for %.1f s "
+                    "(limits.buffer_hold_timeout is %g s%s): disconnecting it",
+                    ctrl.cntlid if ctrl else "-", ctrl.hostnqn if ctrl else None, qid,
+                    peer, held, bound, where)
 
     # -- controllers -------------------------------------------------------------------------
     def destroy_controller(self, ctrl: Controller, reason: str) -> None:

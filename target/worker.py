@@ -12,6 +12,11 @@ What it runs: the I/O commands of the queues it was given, with the controller l
 needs).  What it does not: admin commands, keep-alive, AENs, authentication, reload, the
 listeners; the coordinator owns those and the reservation state, which it pushes here (and
 waits for the acknowledgement) before it answers the command that changed it.
+
+Over 500 lines (the hand-over of both transports and the channel's messages): not split
+while the verbs hand-over (branch verbspg) changes the same functions; what the groups
+share besides queues and reservations is in target.groupstate, a few lines here
+each.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from blockfabric.protocol.cm import CMAccept
 from blockfabric.rdma import CONNECTION_ENDED, get_provider
 from blockfabric.protocol.controller import Phase, QueueState, admit
 from blockfabric.target import config as cfg
+from blockfabric.target import groupstate
 from blockfabric.target import resvctl
 from blockfabric.target import reservations
 from blockfabric.target.backends import RamdiskBackend, open_backend
@@ -206,7 +212,7 @@ class Worker:
     """One poll group's process."""
 
     def __init__(self, index: int, chan: Channel, config: cfg.TargetConfig,
-                 memfds: dict[tuple[str, int], int]) -> None:
+                 memfds: dict[tuple[str, int], int], local: tuple[str, ...] = ()) -> None:
         self.index = index
         self.chan = chan
         self.config = config
@@ -231,7 +237,7 @@ class Worker:
             reactor=self.reactor, control_buffer=self.broker.control_buffer,
             zeros=self.broker.zeros, with_bounce=self.broker.with_bounce,
             run_blocking=self.broker.run_blocking,
-            volume_lost=lambda nss, exc: log.error("group %d: volume lost: %s", index, exc),
+            volume_lost=lambda nss, exc: groupstate.volume_lost(self, nss, exc),
             config=lambda: self.config)
         self.owner = Owner(
             destroy_controller=self.destroy_controller, end_queue=self.end_queue,
@@ -239,24 +245,23 @@ class Worker:
             discovery_log=lambda c: b"", controllers=self.controllers, ana=None,
             discovery_nqn="", discovery_serial="", firmware_revision="")
         for sub in config.subsystems:
-            self.subsystems[sub.nqn] = _WorkerSubsystem(self, sub, memfds)
+            # a subsystem whose queues stay in the coordinator: not opened here
+            self.subsystems[sub.nqn] = _WorkerSubsystem(self, sub, memfds,
+                                                        sub.nqn not in local)
 
     # -- what controllers use -----------------------------------------------------------
     def _hoarding(self, queue: Any, held: float, bound: float) -> None:
         """A queue's host kept a bounce buffer waiting past limits.buffer_hold_timeout: as
         the coordinator does (registry.hoarding), cut the queue and have its controller
         ended (by the coordinator, which owns it)."""
-        ctrl = getattr(queue.handler, "controller", None)
-        log.warning("group %d qid=%d: held a bounce buffer for %.1f s "
-                    "(limits.buffer_hold_timeout is %g s): disconnecting it",
-                    self.index, queue.qid, held, bound)
+        ctrl = getattr(queue.handler, "controller", None) or getattr(queue.handler, "ctrl", None)
         reason = f"qid {queue.qid} over limits.buffer_hold_timeout"
+        if ctrl is not None:        # first: counted, logged and ended there
+            groupstate.hoarding(self, ctrl.cntlid, queue.qid, held, bound)
         self.end_queue(queue, reason)
         for rdma in list(self.rdma_sessions.values()):
             if rdma.queue is queue:
                 self.rdma_lost(rdma, reason)
-        if ctrl is not None:
-            self.destroy_controller(ctrl, reason)
 
     def auth_failed(self, ctrl: Any, queue: Any, auth: Any) -> None:
         """Counted and the peer's back-off: the coordinator's (it has the registry)."""
@@ -329,6 +334,8 @@ class Worker:
             self.drain(msg[1])
         elif kind == "stop":
             self.reactor.stop()
+        else:
+            groupstate.worker_message(self, msg)
 
     def lost_coordinator(self, reason: str) -> None:
         log.warning("group %d: coordinator gone (%s): stopping", self.index, reason)
@@ -510,7 +517,7 @@ class Worker:
         return {"index": self.index, "pid": os.getpid(), "cpu_s": t.user + t.system,
                 "queues": len(self.sessions),
                 "controllers": {c: ctrl.io.copy() for c, ctrl in self.controllers.items()},
-                "namespaces": per_ns,
+                "namespaces": per_ns, "active": groupstate.activity(self),
                 "inflight": sum(c.io.inflight for c in self.controllers.values())}
 
     def _tick(self) -> None:
@@ -574,11 +581,11 @@ class _WorkerSubsystem:
     """A subsystem as a worker sees it: its namespaces (own views), nothing of its hosts."""
 
     def __init__(self, worker: Worker, conf: cfg.Subsystem,
-                 memfds: dict[tuple[str, int], int]) -> None:
+                 memfds: dict[tuple[str, int], int], open_volumes: bool = True) -> None:
         self.conf = conf
         self.nqn = conf.nqn
         self.namespaces: dict[int, Namespace] = {}
-        for nc in conf.namespaces:
+        for nc in conf.namespaces if open_volumes else ():
             fd = memfds.get((conf.nqn, nc.nsid))
             backend = (RamdiskBackend(nc.size,  # type: ignore[arg-type]  # (a memfd: a ramdisk's)
                                       nc.block_size, nc.read_only, fd=fd)
@@ -606,8 +613,10 @@ def main(argv: list[str] | None = None) -> int:
     except ChannelClosed:
         return 1
     msg, _fds = got  # type: ignore[misc]  # (block=True: a message)
-    _kind, config, memfds, states = msg
-    worker = Worker(index, chan, config, memfds)
+    _kind, config, memfds, states, *rest = msg
+    extra = rest[0] if rest else {}
+    worker = Worker(index, chan, config, memfds, tuple(extra.get("local", ())))
+    groupstate.apply_extra(worker, extra)
     for (nqn, nsid), st in states.items():
         ns = worker.subsystems[nqn].namespaces.get(nsid)
         if ns is not None and st is not None:

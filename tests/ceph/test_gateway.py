@@ -41,8 +41,9 @@ def _image(ceph) -> str:
     return name
 
 
-def gateway_config(ceph, images, port, name, group, cntlids, home, others="non-optimized"):
-    return {"listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
+def gateway_config(ceph, images, port, name, group, cntlids, home, others="non-optimized",
+                   reactors=1):
+    return {**({"reactors": reactors} if reactors > 1 else {}), "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
             "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
                 {"nsid": i + 1, "backend": "rbd", "ana_group": i + 1, "rbd": {
                     "pool": ceph.pool, "image": img, "ceph_conf": ceph.conf,
@@ -66,19 +67,37 @@ def wait_for(cond, timeout: float, what: str) -> float:
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
+#: A gateway test with one reactor and with two: then the I/O queues are served by the
+#: worker, which answers with the ANA state the coordinator pushes it.
+GROUPS = pytest.mark.parametrize("reactors", [1, 2], ids=["1r", "2r"])
+
+
 @pytest.fixture
-def two_gateways(ceph, tmp_path):
+def reactors(request):
+    return getattr(request, "param", 1)
+
+
+def served_by_worker(proc, reactors: int) -> None:
+    if reactors > 1:
+        assert "to poll group 1" in proc.log, proc.log
+
+
+@pytest.fixture
+def two_gateways(ceph, tmp_path, reactors):
     images = [_image(ceph), _image(ceph)]
     group = f"g{uuid.uuid4().hex[:6]}"
     ports = free_port(), free_port()
-    confs = [gateway_config(ceph, images, ports[0], "gw-a", group, (1, 99), [1]),
-             gateway_config(ceph, images, ports[1], "gw-b", group, (100, 199), [2])]
+    confs = [gateway_config(ceph, images, ports[0], "gw-a", group, (1, 99), [1],
+                            reactors=reactors),
+             gateway_config(ceph, images, ports[1], "gw-b", group, (100, 199), [2],
+                            reactors=reactors)]
     procs = [TargetProc(c, tmp_path).start() for c in confs]
     box = {"procs": procs, "confs": confs, "ports": ports, "images": images, "tmp": tmp_path}
     yield box
     for p in box["procs"]:
         p.stop()
         assert "Traceback" not in p.log, p.log
+    served_by_worker(box["procs"][1], reactors)
     for img in images:
         _remove(ceph, img)
 
@@ -90,6 +109,7 @@ def _remove(ceph, image: str) -> None:
                    capture_output=True, timeout=30)
 
 
+@GROUPS
 def test_two_gateways_identify_ana_failover_and_failback(two_gateways):
     gw = two_gateways
     a_port, b_port = gw["ports"]
@@ -156,7 +176,9 @@ def test_two_gateways_identify_ana_failover_and_failback(two_gateways):
               f"{t_back:.2f} s; took={took:.2f} back={back:.2f}")
 
 
-def test_inaccessible_path_answers_ana_status_until_it_takes_the_group(ceph, tmp_path):
+@GROUPS
+def test_inaccessible_path_answers_ana_status_until_it_takes_the_group(ceph, tmp_path,
+                                                                       reactors):
     """others: inaccessible: I/O for a group whose (live) home is elsewhere gets ANA
     Inaccessible (0x302, no DNR); when the home goes, this gateway takes the group within
     the bound, tells the host by AEN, and the I/O is served."""
@@ -172,7 +194,8 @@ def test_inaccessible_path_answers_ana_status_until_it_takes_the_group(ceph, tmp
         io.lock_exclusive(f"{prefix}.gw.ghost", "alive", "ghost", duration=60)
         io.lock_exclusive(f"{prefix}.ana.1", "owner", "ghost", duration=60)
         proc = TargetProc(gateway_config(ceph, [image], port, "gw-c", group, (300, 399), [],
-                                         others="inaccessible"), tmp_path).start()
+                                         others="inaccessible", reactors=reactors),
+                          tmp_path).start()
         try:
             with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN) as c:
                 assert states(c) == {1: AnaState.INACCESSIBLE}
@@ -189,6 +212,7 @@ def test_inaccessible_path_answers_ana_status_until_it_takes_the_group(ceph, tmp
                 assert events[-1][1][0].state == AnaState.OPTIMIZED
                 c.namespaces[1].write(0, b"x" * 4096)
                 assert c.namespaces[1].read(0, 4096) == b"x" * 4096
+            served_by_worker(proc, reactors)
         finally:
             proc.stop()
             assert "Traceback" not in proc.log, proc.log

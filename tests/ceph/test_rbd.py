@@ -13,6 +13,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -34,15 +35,34 @@ def rbd_config(ceph, image: str, port: int) -> dict:
 
 
 @pytest.fixture
-def rbd_target(ceph, tmp_path):
-    image = ceph.create_image(64 * MiB)
+def rbd_target(ceph, tmp_path, request):
+    """A target on a fresh image; parametrised (indirect) with ``reactors``: with 2 the
+    image has no exclusive-lock (rbd create --image-feature layering), so that the I/O
+    queues go to the worker, which opens the image as a client of its own."""
+    reactors = getattr(request, "param", 1)
+    if reactors > 1:
+        image = f"t-{uuid.uuid4().hex[:8]}"
+        ceph.rbd("create", "--size", "64M", "--image-feature", "layering",
+                 f"{ceph.pool}/{image}")
+    else:
+        image = ceph.create_image(64 * MiB)
     port = free_port()
-    proc = TargetProc(rbd_config(ceph, image, port), tmp_path).start()
-    proc.port, proc.image = port, image
+    config = rbd_config(ceph, image, port)
+    if reactors > 1:
+        config["reactors"] = reactors
+    proc = TargetProc(config, tmp_path).start()
+    proc.port, proc.image, proc.reactors = port, image, reactors
     yield proc
     proc.stop()
     assert "Traceback" not in proc.log, proc.log
+    if reactors > 1:
+        # the I/O queues were the worker's, not the coordinator's
+        assert "to poll group 1" in proc.log, proc.log
     ceph.rbd("rm", f"{ceph.pool}/{image}")
+
+
+#: A test run with one reactor and with two (the worker opens the image as its own client).
+GROUPS = pytest.mark.parametrize("rbd_target", [1, 2], indirect=True, ids=["1r", "2r"])
 
 
 def bench(port: int, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -53,6 +73,7 @@ def bench(port: int, *args: str, timeout: float = 60) -> subprocess.CompletedPro
                           timeout=timeout)
 
 
+@GROUPS
 def test_rbd_io_verified_through_the_host_library(rbd_target):
     for args in (["--rw", "randrw", "--bs", "4k", "--iodepth", "16"],
                  ["--rw", "write", "--bs", "1M", "--iodepth", "4"]):
@@ -61,6 +82,7 @@ def test_rbd_io_verified_through_the_host_library(rbd_target):
         assert "err= 0" in out.stdout and "verified" in out.stdout, out.stdout
 
 
+@GROUPS
 def test_flush_discard_and_write_zeroes_reach_the_image(ceph, rbd_target):
     # RBD objects are 4 MiB: discarding a whole one removes it (rbd du drops)
     data = os.urandom(8 * MiB)
@@ -99,6 +121,7 @@ def _du(ceph, image: str) -> int:
     return sum(i["used_size"] for i in out["images"])
 
 
+@GROUPS
 def test_resize_reaches_the_host_as_an_aen(ceph, rbd_target):
     changed = threading.Event()
     with connect("127.0.0.1", NQN, rbd_target.port, provider="soft", hostnqn=HOSTNQN) as ctrl:
@@ -171,6 +194,7 @@ def stopped_osd(ceph):
         osd.cont()
 
 
+@GROUPS
 def test_cluster_stopped_mid_io_then_back_inside_ctrl_loss_tmo(rbd_target, stopped_osd):
     """I/O is held (not failed) while the cluster is away and resumes when it returns."""
     run = subprocess.Popen(
@@ -231,3 +255,40 @@ def test_start_with_the_cluster_unreachable_fails_clearly(ceph, tmp_path):
     assert "rbd image rbd/img" in out.stderr and "rbd.connect_timeout" in out.stderr, \
         out.stderr
     assert "Traceback" not in out.stderr, out.stderr
+
+
+def _watchers(ceph, image: str) -> int:
+    import json
+    return len(json.loads(ceph.rbd("status", "--format", "json",
+                                   f"{ceph.pool}/{image}"))["watchers"])
+
+
+@pytest.mark.parametrize("exclusive_lock", [False, True], ids=["layering", "exclusive-lock"])
+def test_two_reactors_open_an_image_per_client_unless_it_has_exclusive_lock(
+        ceph, tmp_path, exclusive_lock):
+    """With reactors 2 a worker is a librbd client of its own (its own cluster connection
+    and image handle: a second watcher).  An image with exclusive-lock would have its lock
+    pass between the two clients on every write, so its subsystem's I/O queues stay in
+    the coordinator (one client, one watcher), which says so at start."""
+    image = f"t-{uuid.uuid4().hex[:8]}"
+    features = ["--image-feature", "layering"] + (
+        ["--image-feature", "exclusive-lock"] if exclusive_lock else [])
+    ceph.rbd("create", "--size", "64M", *features, f"{ceph.pool}/{image}")
+    port = free_port()
+    proc = TargetProc({**rbd_config(ceph, image, port), "reactors": 2}, tmp_path).start()
+    try:
+        assert _watchers(ceph, image) == (1 if exclusive_lock else 2)
+        kept = "keeps its I/O queues in the coordinator"
+        assert (kept in proc.log) == exclusive_lock, proc.log
+        if exclusive_lock:
+            assert f"rbd feature disable {ceph.pool}/{image} fast-diff object-map " \
+                   "exclusive-lock" in proc.log
+        out = bench(port, "--rw", "randrw", "--bs", "4k", "--iodepth", "8", "--runtime", "2",
+                    "-i", "2")
+        assert out.returncode == 0, out.stdout + out.stderr + proc.log
+        assert "err= 0" in out.stdout and "verified" in out.stdout, out.stdout
+        assert ("to poll group 1" in proc.log) != exclusive_lock, proc.log
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+    ceph.rbd("rm", f"{ceph.pool}/{image}")

@@ -10,7 +10,10 @@ back again."""
 
 from __future__ import annotations
 
+import os
+
 from blockfabric.sizes import MiB
+from blockfabric.target.backends import RamdiskBackend
 from blockfabric.target.config import Namespace as NsConf
 from blockfabric.target.namespace import Namespace
 
@@ -53,3 +56,29 @@ def test_registered_ramdisk_is_zeroed_in_place_and_released_only_when_unregister
         assert touched - _rss() > 24 * MiB       # unregistered: handed back as before
     finally:
         ns.close()
+
+
+def test_shared_ramdisk_is_zeroed_in_place_by_every_group():
+    """With poll groups a ramdisk is one memfd that every process maps, and ``pinned`` is
+    each process's own: a group that has not registered the volume must not punch holes
+    under another's registration (nor have it fault every page back in, the 2.5x CPU per
+    Write Zeroes measured in docs/scaling.md).  Its pages stay: the memfd keeps its blocks."""
+    RamdiskBackend.shared = True
+    try:
+        registered = RamdiskBackend(64 * MiB)
+    finally:
+        RamdiskBackend.shared = False
+    worker = RamdiskBackend(64 * MiB, fd=os.dup(registered.memfd))
+    try:
+        registered.pinned = True                # its memory is in a memory region here
+        registered.write(0, b"\x01" * (32 * MiB))
+        held = os.fstat(registered.memfd).st_blocks * 512
+        assert held >= 32 * MiB
+        assert not worker.pinned
+        worker.write_zeroes(0, 32 * MiB)        # on the other group's queue
+        assert bytes(registered.memory[:4096]) == bytes(4096)
+        assert bytes(registered.memory[32 * MiB - 4096:32 * MiB]) == bytes(4096)
+        assert os.fstat(registered.memfd).st_blocks * 512 >= held   # no page handed back
+    finally:
+        worker.close()
+        registered.close()

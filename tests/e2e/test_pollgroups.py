@@ -208,9 +208,6 @@ def test_shared_ramdisk_is_one_memory_in_every_mapping():
      ["reactors", "verbs", "rdma_cm"]),
     ({"listeners": [{"address": "127.0.0.1", "port": 4420}]},          # provider: auto
      ["reactors", "auto"]),
-    ({"subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
-        {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}]},
-     ["reactors", "rbd"]),
 ])
 def test_what_poll_groups_cannot_serve_is_refused_at_load(change, words):
     config = {**ram_config(4420, transport="tcp", reactors=2), **change}
@@ -220,6 +217,16 @@ def test_what_poll_groups_cannot_serve_is_refused_at_load(change, words):
         assert word in str(err.value), err.value
     # one poll group serves all of them as before
     cfg.TargetConfig.from_dict({**config, "reactors": 1})
+
+
+def test_rbd_namespaces_and_a_gateway_load_with_poll_groups():
+    # served since issue 19 (tests/ceph: test_rbd.py, test_gateway.py with 2 reactors)
+    config = {**ram_config(4420, transport="tcp", reactors=2), "subsystems": [
+        {"nqn": NQN, "allow_any_host": True, "namespaces": [
+            {"nsid": 1, "backend": "rbd", "rbd": {"pool": "p", "image": "i"}}]}],
+        "gateway": {"name": "a", "group": "g", "cntlid_min": 1, "cntlid_max": 9,
+                    "ana_groups": [1]}}
+    assert cfg.TargetConfig.from_dict(config).reactor_count == 2
 
 
 @pytest.mark.parametrize("value", [0, -1, 257, True, "all", 1.5])
@@ -248,3 +255,37 @@ def test_a_reload_cannot_change_reactors(two_groups, tmp_path):
     with connect("127.0.0.1", NQN, two_groups.port, transport="tcp", hostnqn=HOSTNQN,
                  nr_io_queues=2) as ctrl:
         verify_workload(ctrl.namespaces[1], seed=9, ops=100, inflight=16)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "rdma"])
+def test_io_on_a_workers_queue_keeps_a_silent_host_alive(two_groups, transport):
+    """A host that sends no Keep Alive (KATO 2 s) but does I/O on a queue in the worker:
+    the worker's reports (each controller's last command, in its 0.5 s stats) count as
+    activity, so the controller lives on; once the host falls silent it expires within
+    KATO plus the reports' allowance (groupstate.ACTIVITY_LAG)."""
+    from blockfabric.target.groupstate import ACTIVITY_LAG
+    kato = 2.0
+    port = two_groups.port if transport == "tcp" else two_groups.rdma_port
+    ctrl = connect("127.0.0.1", NQN, port, transport=transport, hostnqn=HOSTNQN,
+                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
+                   ctrl_loss_tmo=0)
+    try:
+        (c,) = _status(two_groups.socket)["controllers"]
+        assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
+        ns = ctrl.namespaces[1]
+        end = time.monotonic() + 3 * kato
+        while time.monotonic() < end:
+            ns.write(0, b"k" * 4096)
+            time.sleep(0.05)
+        assert ns.read(0, 4096) == b"k" * 4096
+        assert "keep-alive timeout" not in two_groups.log, two_groups.log
+        silent = time.monotonic()
+        assert two_groups.wait_log("keep-alive timeout", kato + ACTIVITY_LAG + 5), \
+            two_groups.log
+        took = time.monotonic() - silent
+        assert kato - 0.1 <= took <= kato + ACTIVITY_LAG + 2, took
+    finally:
+        try:
+            ctrl.close()
+        except Exception:  # noqa: BLE001  (the target ended it: that is the point)
+            pass

@@ -689,12 +689,6 @@ class TargetConfig(Model):
         here = where.at("reactors")
         shown = f"{self.reactors}" + (f" ({self.reactor_count} CPUs)"
                                       if self.reactors == "auto" else "")
-        for x in self.listeners:
-            if x.transport == "rdma" and x.provider != "soft":
-                here.fail(f"1 with a provider: {x.provider} listener ({x.endpoint}): "
-                          "rdma_cm ids cannot move between processes, poll groups serve "
-                          "NVMe/TCP and the soft provider only (set provider: soft, or "
-                          "reactors: 1)", Plain(shown))
         for s in self.subsystems:
             for ns in s.namespaces:
                 if ns.backend == "rbd":

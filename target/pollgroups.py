@@ -105,6 +105,8 @@ class Group:
         self.history: dict[tuple[str, int], IoStats] = {}
         self.history_cpu = 0.0
         self.ready = False
+        #: pyverbs imported and the devices open there (verbs queues go only to such)
+        self.verbs_ready = False
         self.drained = False
         self.alive = False
         self.proc: subprocess.Popen | None = None
@@ -132,7 +134,7 @@ class Group:
         self.chan = chan
         self.pid = self.proc.pid
         self.alive = True
-        self.ready = False
+        self.ready = self.verbs_ready = False
         chan.send(("init", config, memfds, states))
 
     def send(self, msg: tuple, fds: tuple[int, ...] = ()) -> bool:
@@ -220,11 +222,12 @@ class PollGroups:
                    if s.qid and s.controller is not None and s is not placing
                    and not isinstance(s.queue, RemoteQueue))
 
-    def pick(self, placing: Any = None) -> Group | None:
+    def pick(self, placing: Any = None, verbs: bool = False) -> Group | None:
         """The least-loaded group (None: the coordinator's own, group 0); on a tie a
         worker, whose reactor has nothing else to do (the coordinator's also runs every
-        admin queue, keep-alive and the control socket)."""
-        live = [g for g in self.groups if g.alive and g.ready]
+        admin queue, keep-alive and the control socket).  ``verbs``: among the workers
+        that have their RDMA devices open."""
+        live = [g for g in self.groups if g.alive and g.ready and (g.verbs_ready or not verbs)]
         best = min(live, key=lambda g: g.load, default=None)
         if best is None or self._own_load(placing) < best.load:
             return None
@@ -300,7 +303,7 @@ class PollGroups:
         sock = getattr(cmid, "_sock", None) if provider == "soft" else None
         if sock is None and not (provider == "verbs" and hasattr(cmid, "remote_qp_attrs")):
             return False
-        group = self.pick()
+        group = self.pick(verbs=sock is None)
         if group is None:
             return False
         t = self.target
@@ -451,6 +454,8 @@ class PollGroups:
         kind = msg[0]
         if kind == "ready":
             g.ready = True
+        elif kind == "verbs_ready":
+            g.verbs_ready = True
         elif kind == "stats":
             g.stats = msg[1]
         elif kind == "lost":
@@ -494,7 +499,7 @@ class PollGroups:
         place for new queues."""
         if not g.alive:
             return
-        g.alive = g.ready = False
+        g.alive = g.ready = g.verbs_ready = False
         code = g.proc.poll() if g.proc is not None else None
         if g.proc is not None and code is None:
             try:

@@ -243,14 +243,15 @@ class Worker:
             discovery_nqn="", discovery_serial="", firmware_revision="")
         for sub in config.subsystems:
             self.subsystems[sub.nqn] = _WorkerSubsystem(self, sub, memfds)
-        self._open_verbs(config)
 
     def _open_verbs(self, config: cfg.TargetConfig) -> None:
-        """With a verbs (or auto) listener: import pyverbs and open every RDMA device now,
-        before ``ready``, not at the first queue handed over.  Under the lab's emulated CPU
-        the import alone took ~3 s, and a host's controller whose first I/O queue waited
-        that long was torn down by its keep-alive timeout (the Linux host sends keep-alives
-        only once all its queues are connected)."""
+        """With a verbs (or auto) listener: import pyverbs and open every RDMA device once
+        ``ready`` is sent (the coordinator's start does not wait for it), then say
+        ``verbs_ready``: only then does the coordinator hand this group verbs queues.
+        Imported at the first queue instead, it took ~3 s under the lab's emulated CPU,
+        and the Linux host's controller whose first I/O queue waited that long was torn
+        down by its 5 s keep-alive (the host sends keep-alives only once all its queues
+        are connected)."""
         if not any(x.transport == "rdma" and x.provider != "soft" for x in config.listeners):
             return
         try:
@@ -261,6 +262,10 @@ class Worker:
                     provider._device(name))                   # type: ignore[attr-defined]
         except (OSError, BlockfabricError) as exc:
             log.info("group %d: no verbs provider here (%s)", self.index, exc)
+            return
+        log.info("group %d: RDMA devices open (%s): taking verbs queues", self.index,
+                 ", ".join(self.verbs_contexts) or "none")
+        self.send(("verbs_ready",))
 
     # -- what controllers use -----------------------------------------------------------
     def _hoarding(self, queue: Any, held: float, bound: float) -> None:
@@ -597,6 +602,7 @@ class Worker:
         self.chan.serve(self.reactor, self.on_message, self.lost_coordinator)
         self.reactor.call_later(STATS_INTERVAL, self._tick)
         self.send(("ready", os.getpid()))
+        self.reactor.call_soon(lambda: self._open_verbs(self.config))
         try:
             self.reactor.run_forever()
         finally:

@@ -52,7 +52,10 @@ YAML
     "$BIN/blockfabric-target" run -C "$W/target.yaml" -v > "$W/target.log" 2>&1 &
     TGT_PID=$!
     poll grep -q "ready:" "$W/target.log" || { echo "target did not start:"; cat "$W/target.log"; return 1; }
-    grep "ready:\|listening\|poll groups" "$W/target.log"
+    if [ "$REACTORS" -gt 1 ]; then     # the worker takes verbs queues once its devices are open
+        POLL_MAX=900 poll grep -q "RDMA devices open" "$W/target.log" || { echo "worker: no RDMA devices"; return 1; }
+    fi
+    grep "ready:\|listening\|poll groups\|RDMA devices" "$W/target.log"
 }
 
 # where each I/O queue is served: "q1:g1 q2:g0 | g0=1@PID g1=1@PID" (tests/lab/pg_status.py)

@@ -615,9 +615,9 @@ class TargetConfig(Model):
     spin_us: int | None = setting(Int(0, 10_000, unit="microseconds"), None)
     #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
     #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:
-    #: one per CPU the process may run on.  NVMe/TCP and soft-RDMA I/O queues are spread
-    #: over the groups.  Not with verbs listeners, rbd namespaces or a gateway section
-    #: (yet); a reload cannot change it.
+    #: one per CPU the process may run on.  NVMe/TCP and RDMA (soft and verbs) I/O queues
+    #: are spread over the groups.  Not with rbd namespaces or a gateway section (yet); a
+    #: reload cannot change it.
     reactors: int | str = setting(Reactors(), 1)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)

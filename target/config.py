@@ -128,10 +128,9 @@ class TargetConfig(Model):
     spin_us: int | None = setting(Int(0, 10_000, unit="microseconds"), None)
     #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
     #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:
-    #: one per CPU the process may run on.  NVMe/TCP and soft-RDMA I/O queues are spread
-    #: over the groups (a subsystem with an RBD image that has exclusive-lock keeps its
-    #: queues in the main process).  Not with verbs listeners (yet); a reload cannot
-    #: change it.
+    #: one per CPU the process may run on.  NVMe/TCP and RDMA (soft and verbs) I/O queues
+    #: are spread over the groups (a subsystem with an RBD image that has exclusive-lock
+    #: keeps its queues in the main process); a reload cannot change it.
     reactors: int | str = setting(Reactors(), 1)
     #: The file this configuration came from (for messages; not part of the configuration).
     source: str = dataclasses.field(default="<dict>", compare=False)
@@ -187,28 +186,12 @@ class TargetConfig(Model):
                 numa.resolve(self.numa_node, self.cpus)
             except numa.PlacementError as exc:
                 where.at(exc.key).fail(exc.expected, Plain(str(exc.got)))
-        self._check_reactors(where)
         return dataclasses.replace(self, source=where.file)
 
     @property
     def reactor_count(self) -> int:
         """How many poll groups ``reactors`` means on this machine."""
         return usable_cpus() if self.reactors == "auto" else int(self.reactors)
-
-    def _check_reactors(self, where: Where) -> None:
-        """What poll groups cannot serve yet is refused at start, naming the key, rather
-        than served wrong (docs/scaling.md says what each would take)."""
-        if self.reactor_count == 1:
-            return
-        here = where.at("reactors")
-        shown = f"{self.reactors}" + (f" ({self.reactor_count} CPUs)"
-                                      if self.reactors == "auto" else "")
-        for x in self.listeners:
-            if x.transport == "rdma" and x.provider != "soft":
-                here.fail(f"1 with a provider: {x.provider} listener ({x.endpoint}): "
-                          "rdma_cm ids cannot move between processes, poll groups serve "
-                          "NVMe/TCP and the soft provider only (set provider: soft, or "
-                          "reactors: 1)", Plain(shown))
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "<dict>") -> TargetConfig:

@@ -10,8 +10,9 @@ the coordinator has done the ICReq/ICResp and read the Connect, checked it again
 controller registry (the controller exists, is this host's, is enabled; the host needs no
 DH-HMAC-CHAP on its queues: those stay here), then passes the socket (SCM_RIGHTS) with the
 connection's state and the bytes read past the Connect; the worker answers the Connect and
-serves the queue.  A soft-RDMA I/O queue goes earlier, at its CM request (whose private
-data names the qid): the worker accepts it, and sends its Connect back here to be checked.
+serves the queue.  An RDMA I/O queue goes earlier, at its CM request (whose private data
+names the qid): the worker accepts it (soft: with the socket; verbs: its own QP, while the
+rdma_cm id stays here), and sends its Connect back here to be checked.
 Here the queue is a :class:`RemoteQueue`: the controller's registry entry (limits, status,
 teardown), never on the I/O path.
 
@@ -31,9 +32,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from blockfabric.errors import RdmaError
 from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.tcp_target import PeerInfo, TcpTargetQueue
 from blockfabric.target import groupstate
+from blockfabric.rdma.base import CMEventType
 from blockfabric.target import reservations
 from blockfabric.target import resvctl
 from blockfabric.target.backends import RamdiskBackend
@@ -99,12 +102,17 @@ class Group:
         self.queues: dict[tuple[int, int], RemoteQueue] = {}
         #: soft-RDMA queues handed over before their Connect: hand-over id -> session
         self.pending: dict[int, Any] = {}
+        #: verbs queues served here: hand-over id -> the rdma_cm id (it stays in the
+        #: coordinator; the worker has the QP)
+        self.cmids: dict[int, Any] = {}
         self.stats: dict[str, Any] = {}
         #: the counters of this group's earlier processes (a worker that died and came
         #: back), per namespace, and their CPU time
         self.history: dict[tuple[str, int], IoStats] = {}
         self.history_cpu = 0.0
         self.ready = False
+        #: pyverbs imported and the devices open there (verbs queues go only to such)
+        self.verbs_ready = False
         self.drained = False
         self.alive = False
         self.proc: subprocess.Popen | None = None
@@ -132,7 +140,7 @@ class Group:
         self.chan = chan
         self.pid = self.proc.pid
         self.alive = True
-        self.ready = False
+        self.ready = self.verbs_ready = False
         chan.send(("init", config, memfds, states, extra or {}))
 
     def send(self, msg: tuple, fds: tuple[int, ...] = ()) -> bool:
@@ -217,6 +225,8 @@ class PollGroups:
                     g.proc.wait()
             if g.chan is not None:
                 g.chan.close(self.target.reactor if self.started else None)
+            for hid in list(g.cmids):
+                self._verbs_close(g, hid)
 
     # -- where a queue goes ---------------------------------------------------------------
     def _own_load(self, placing: Any = None) -> int:
@@ -225,11 +235,12 @@ class PollGroups:
                    if s.qid and s.controller is not None and s is not placing
                    and not isinstance(s.queue, RemoteQueue))
 
-    def pick(self, placing: Any = None) -> Group | None:
+    def pick(self, placing: Any = None, verbs: bool = False) -> Group | None:
         """The least-loaded group (None: the coordinator's own, group 0); on a tie a
         worker, whose reactor has nothing else to do (the coordinator's also runs every
-        admin queue, keep-alive and the control socket)."""
-        live = [g for g in self.groups if g.alive and g.ready]
+        admin queue, keep-alive and the control socket).  ``verbs``: among the workers
+        that have their RDMA devices open."""
+        live = [g for g in self.groups if g.alive and g.ready and (g.verbs_ready or not verbs)]
         best = min(live, key=lambda g: g.load, default=None)
         if best is None or self._own_load(placing) < best.load:
             return None
@@ -296,18 +307,23 @@ class PollGroups:
         log.debug("%s qid=%d: to poll group %d", ctrl.name, session.qid, group.index)
 
     def handoff_rdma(self, lconf: Any, provider: str, cmid: Any, req: Any) -> bool:
-        """A soft-RDMA connection request for an I/O queue (its private data names the
-        qid; the limits were checked): to the least-loaded group before the CM accept, the
-        connection's socket and the request's private data; the worker accepts it and the
+        """An RDMA connection request for an I/O queue (its private data names the qid;
+        the limits were checked): to the least-loaded group before the CM accept.  Soft
+        provider: the connection's socket and the request's private data.  Verbs: the
+        rdma_cm id stays here (it cannot move), the worker gets the QP attributes of INIT,
+        RTR and RTS (rdma_init_qp_attr) and creates the QP, and this process accepts with
+        its qp_num (:meth:`_verbs`, blockfabric.rdma.verbs.remote).  Either way the
         Connect that follows comes back here to be checked (:meth:`_connect`).  False: it
-        stays here (verbs, the admin queue, group 0)."""
-        sock = getattr(cmid, "_sock", None)
-        if provider != "soft" or not req.qid or sock is None or self.target.draining \
-                or _authenticates(self.target.config, lconf) \
+        stays here (the admin queue, group 0, a listener whose hosts authenticate, a
+        subsystem kept local)."""
+        if not req.qid or self.target.draining or _authenticates(self.target.config, lconf) \
                 or any(s.nqn in self.local for s in self.target.config.subsystems
                        if lconf in self.target.config.listeners_for(s)):
             return False
-        group = self.pick()
+        sock = getattr(cmid, "_sock", None) if provider == "soft" else None
+        if sock is None and not (provider == "verbs" and hasattr(cmid, "remote_qp_attrs")):
+            return False
+        group = self.pick(verbs=sock is None)
         if group is None:
             return False
         t = self.target
@@ -320,11 +336,19 @@ class PollGroups:
                 "inline_size": limits.inline_data_size,
                 "max_unsent": limits.unsent_limit(depth, limits.inline_data_size),
                 "private_data": bytes(cmid.private_data), "peer": f"{peer[0]}:{peer[1]}"}
-        if not group.send(("rdma_queue", meta), (sock.fileno(),)):
-            return False
-        cmid._sock = None
-        sock.close()                # this process's copy: the connection lives on there
-        cmid.close()
+        if sock is None:
+            meta.update(attrs=cmid.remote_qp_attrs(), device=cmid.context.name,
+                        peer_addr=tuple(peer), local_addr=tuple(cmid.local_address))
+            if not group.send(("verbs_queue", meta)):
+                return False
+            group.cmids[hid] = cmid
+            t.reactor.add_reader(cmid.fileno(), lambda: self._verbs_events(group, hid))
+        else:
+            if not group.send(("rdma_queue", meta), (sock.fileno(),)):
+                return False
+            cmid._sock = None
+            sock.close()                # this process's copy: the connection lives on there
+            cmid.close()
         session = t._new_session(lconf, provider, req)
         session.queue = RemoteQueue(  # type: ignore[assignment]  # (as in handoff)
             group, 0, req.qid, depth, peer,
@@ -358,6 +382,7 @@ class PollGroups:
             return
         del g.pending[hid]
         session.controller = ctrl
+        ctrl.last_activity = time.monotonic()      # a command of the host, as any
         if session.connect_timer is not None:
             session.connect_timer.cancel()
             session.connect_timer = None
@@ -378,6 +403,58 @@ class PollGroups:
         if session is not None:
             session.queue.closed = True
             self.target.registry.queue_broken(session, session.queue, reason)
+        self._verbs_close(g, hid)
+
+    # -- verbs queues: the rdma_cm id here, the QP in the worker ----------------------------
+    def _verbs_events(self, g: Group, hid: int) -> None:
+        """Events of a handed-over verbs queue's rdma_cm id (a disconnect, an error): to
+        its worker, which moves its QP to ERR and ends the queue as on one process."""
+        cmid = g.cmids.get(hid)
+        while cmid is not None:
+            event = cmid.get_event(0)
+            if event is None:
+                return
+            if not g.send(("verbs_event", hid, int(event.type), event.status)):
+                self._verbs_close(g, hid)
+                return
+
+    def _verbs(self, g: Group, hid: int, op: str, *args: Any) -> None:
+        """A worker's CM operation on the rdma_cm id of its verbs queue ``hid``."""
+        cmid = g.cmids.get(hid)
+        if cmid is None:
+            return
+        try:
+            if op == "accept":
+                qp_num, private_data = args
+                cmid.accept_remote(int(qp_num), bytes(private_data))
+                cmid.remote_accepted = True
+            elif op == "reject":
+                cmid.reject(bytes(args[0]))
+            elif op == "disconnect":
+                cmid.disconnect()
+            elif op == "close":
+                self._verbs_close(g, hid)
+        except RdmaError as exc:
+            log.info("poll group %d: %s of %s failed: %s", g.index, op,
+                     "%s:%s" % tuple(cmid.peer_address[:2]), exc)
+            g.send(("verbs_event", hid, int(CMEventType.DISCONNECTED), 0))  # the worker ends it
+
+    def _verbs_close(self, g: Group, hid: int) -> None:
+        """Destroy the rdma_cm id of verbs queue ``hid`` (its worker closed the QP, or the
+        worker is gone: then the peer is disconnected, or refused if not accepted yet)."""
+        cmid = g.cmids.pop(hid, None)
+        if cmid is None:
+            return
+        self.target.reactor.remove_reader(cmid.fileno())
+        from blockfabric.protocol.cm import CMReject, CMRejectStatus  # noqa: PLC0415
+        try:
+            if getattr(cmid, "remote_accepted", False):
+                cmid.disconnect()
+            else:
+                cmid.reject(CMReject(sts=CMRejectStatus.NO_RESOURCES).pack())
+        except Exception as exc:  # noqa: BLE001  (gone already: closing is what is left)
+            log.debug("poll group %d: verbs queue %d: %s", g.index, hid, exc)
+        cmid.close()
 
     def _auth_failed(self, g: Group, cntlid: int, qid: int, reason: str,
                      explanation: int) -> None:
@@ -400,6 +477,8 @@ class PollGroups:
         kind = msg[0]
         if kind == "ready":
             g.ready = True
+        elif kind == "verbs_ready":
+            g.verbs_ready = True
         elif kind == "stats":
             g.stats = msg[1]
             groupstate.take_activity(self, msg[1])
@@ -409,6 +488,8 @@ class PollGroups:
             self._connect(g, *msg[1:])
         elif kind == "lost_pending":
             self._pending_lost(g, msg[1], msg[2])
+        elif kind == "verbs":
+            self._verbs(g, *msg[1:])
         elif kind == "auth_failed":
             self._auth_failed(g, *msg[1:])
         elif kind == "destroy":
@@ -444,7 +525,7 @@ class PollGroups:
         place for new queues."""
         if not g.alive:
             return
-        g.alive = g.ready = False
+        g.alive = g.ready = g.verbs_ready = False
         code = g.proc.poll() if g.proc is not None else None
         if g.proc is not None and code is None:
             try:
@@ -464,6 +545,8 @@ class PollGroups:
             self._queue_lost(g, cntlid, qid, f"poll group {g.index} exited")
         for hid in list(g.pending):
             self._pending_lost(g, hid, f"poll group {g.index} exited")
+        for hid in list(g.cmids):
+            self._verbs_close(g, hid)
         for req in list(self._acks):
             self._acked(req, g)
         try:

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable
 
 from blockfabric import numa
+from blockfabric.errors import BlockfabricError
 from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.target_side import TargetQueue
@@ -153,14 +154,14 @@ class _Session:
 
 
 class _RdmaSession(QueueSession):
-    """A soft-RDMA I/O queue handed over at its CM request: its Fabrics Connect arrives
+    """An RDMA I/O queue handed over at its CM request: its Fabrics Connect arrives
     here, is decoded and bounded as in the coordinator, and is checked by the coordinator
     (the registry is there) before it is answered."""
 
-    def __init__(self, worker: Worker, hid: int, qid: int) -> None:
+    def __init__(self, worker: Worker, hid: int, qid: int, provider: str = "soft") -> None:
         # the worker is what QueueSession asks of its daemon before the Connect:
         # control_buffer (the Connect's check is the coordinator's, see _connect)
-        super().__init__(worker, None, "soft", None)   # type: ignore[arg-type]
+        super().__init__(worker, None, provider, None)   # type: ignore[arg-type]
         self.worker = worker
         self.hid = hid
         self.qid = qid
@@ -231,6 +232,8 @@ class Worker:
         #: have not sent one yet): hand-over id -> session (and the Connect, once sent)
         self.pending: dict[int, Any] = {}
         self.rdma_sessions: dict[int, _RdmaSession] = {}
+        #: verbs: this process's context of each device its queues are on (shared by them)
+        self.verbs_contexts: dict[str, Any] = {}
         self._answer_lock = threading.Lock()
         self._next_req = 1
         self.resources = Resources(
@@ -248,6 +251,29 @@ class Worker:
             # a subsystem whose queues stay in the coordinator: not opened here
             self.subsystems[sub.nqn] = _WorkerSubsystem(self, sub, memfds,
                                                         sub.nqn not in local)
+
+    def _open_verbs(self, config: cfg.TargetConfig) -> None:
+        """With a verbs (or auto) listener: import pyverbs and open every RDMA device once
+        ``ready`` is sent (the coordinator's start does not wait for it), then say
+        ``verbs_ready``: only then does the coordinator hand this group verbs queues.
+        Imported at the first queue instead, it took ~3 s under the lab's emulated CPU,
+        and the Linux host's controller whose first I/O queue waited that long was torn
+        down by its 5 s keep-alive (the host sends keep-alives only once all its queues
+        are connected)."""
+        if not any(x.transport == "rdma" and x.provider != "soft" for x in config.listeners):
+            return
+        try:
+            from blockfabric.rdma.verbs.resources import VerbsContext  # noqa: PLC0415
+            provider = get_provider("verbs")
+            for name in provider._names:                      # type: ignore[attr-defined]
+                self.verbs_contexts[name] = VerbsContext(
+                    provider._device(name))                   # type: ignore[attr-defined]
+        except (OSError, BlockfabricError) as exc:
+            log.info("group %d: no verbs provider here (%s)", self.index, exc)
+            return
+        log.info("group %d: RDMA devices open (%s): taking verbs queues", self.index,
+                 ", ".join(self.verbs_contexts) or "none")
+        self.send(("verbs_ready",))
 
     # -- what controllers use -----------------------------------------------------------
     def _hoarding(self, queue: Any, held: float, bound: float) -> None:
@@ -303,6 +329,16 @@ class Worker:
 
     def on_message(self, msg: tuple, fds: list[int]) -> None:
         kind = msg[0]
+        if kind == "verbs_queue":
+            self.take_verbs_queue(msg[1])
+        elif kind == "verbs_event":
+            session = self.rdma_sessions.get(msg[1])
+            if session is not None and session.queue is not None:
+                session.queue.cmid.deliver(msg[2], msg[3])
+        if kind in ("verbs_queue", "verbs_event"):
+            for fd in fds:
+                os.close(fd)
+            return
         if kind in ("queue", "rdma_queue"):
             (self.take_queue if kind == "queue" else self.take_rdma_queue)(msg[1], fds[0])
             for fd in fds[1:]:
@@ -401,18 +437,48 @@ class Worker:
         coordinator): accept it here; its Connect comes next (see _RdmaSession)."""
         sock = socket.socket(fileno=fd)
         sock.setblocking(True)
-        hid, qid, depth = meta["hid"], meta["qid"], meta["depth"]
-        session = _RdmaSession(self, hid, qid)
         try:
             from blockfabric.rdma.soft.cm import SoftCMId  # noqa: PLC0415
             cmid = SoftCMId(get_provider("soft"),  # type: ignore[arg-type]  # (a SoftProvider)
                             sock, meta["private_data"])
+        except OSError as exc:
+            sock.close()
+            self.send(("lost_pending", meta["hid"], f"hand-over failed: {exc}"))
+            return
+        self._accept_rdma(meta, cmid, _RdmaSession(self, meta["hid"], meta["qid"]))
+
+    def take_verbs_queue(self, meta: dict) -> None:
+        """A verbs connection request for an I/O queue: its rdma_cm id stays in the
+        coordinator; the QP is made here, on this process's context of the same device,
+        moved INIT/RTR/RTS with the attributes the coordinator read from the id, and the
+        coordinator accepts with its qp_num (blockfabric.rdma.verbs.remote)."""
+        hid = meta["hid"]
+        try:
+            from blockfabric.rdma.verbs.remote import RemoteCMId  # noqa: PLC0415
+            context = self.verbs_contexts.get(meta["device"])
+            if context is None:
+                from blockfabric.rdma.verbs.resources import VerbsContext  # noqa: PLC0415
+                provider = get_provider("verbs")
+                context = VerbsContext(provider._device(meta["device"]))  # type: ignore[attr-defined]
+                self.verbs_contexts[meta["device"]] = context
+            cmid = RemoteCMId(context, meta["attrs"], meta["private_data"],
+                              tuple(meta["peer_addr"]), tuple(meta["local_addr"]),
+                              lambda m: self.send(("verbs", hid, *m)))
+        except (OSError, BlockfabricError) as exc:
+            self.send(("lost_pending", hid, f"hand-over failed: {exc}"))
+            return
+        self._accept_rdma(meta, cmid, _RdmaSession(self, hid, meta["qid"], "verbs"))
+
+    def _accept_rdma(self, meta: dict, cmid: Any, session: _RdmaSession) -> None:
+        """The queue of a handed-over RDMA connection request, accepted here."""
+        hid, qid, depth = meta["hid"], meta["qid"], meta["depth"]
+        try:
             pd = self.broker.pd_for(cmid)
             queue = TargetQueue(cmid, pd, qid=qid, depth=depth,
                                 inline_size=meta["inline_size"], handler=session,
                                 name=f"{meta['peer']} q{qid} g{self.index}", recv_now=1)
-        except OSError as exc:
-            sock.close()
+        except (OSError, BlockfabricError) as exc:
+            cmid.close()
             self.send(("lost_pending", hid, f"hand-over failed: {exc}"))
             return
         session.queue = queue
@@ -544,6 +610,7 @@ class Worker:
         self.chan.serve(self.reactor, self.on_message, self.lost_coordinator)
         self.reactor.call_later(STATS_INTERVAL, self._tick)
         self.send(("ready", os.getpid()))
+        self.reactor.call_soon(lambda: self._open_verbs(self.config))
         try:
             self.reactor.run_forever()
         finally:
@@ -560,6 +627,8 @@ class Worker:
             for ns in sub.namespaces.values():
                 ns.close()
         self.broker.close()
+        for context in self.verbs_contexts.values():
+            context.close()
         self.chan.close()
 
 

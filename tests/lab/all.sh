@@ -7,6 +7,8 @@
 #                              listener, our host and mount against the kernel's nvmet-tcp
 #   4. tests/lab/gateways.sh   the kernel host (native multipath) against two gateways of ours
 #                              on one RBD image (Ceph in the guest): ANA paths, failover, failback
+#   5. tests/lab/pollgroups.sh poll groups (reactors: 2) on verbs: queues in the worker, the
+#                              kernel host and ours, worker kill, stop, provider: auto
 # Exit status 0 only when all passed; each part's own summary says what failed.
 set -u
 [ -f tests/lab/interop.sh ] || { echo "all.sh: run from the project root" >&2; exit 2; }
@@ -22,5 +24,8 @@ bash tests/lab/tcp.sh || rc=1
 t3=$EPOCHREALTIME
 echo "##### tcp.sh done in $(awk -v a="$t2" -v b="$t3" 'BEGIN{printf "%.0f", b-a}') s; rc=$rc"
 bash tests/lab/gateways.sh || rc=1
-echo "##### gateways.sh done in $(awk -v a="$t3" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
+t4=$EPOCHREALTIME
+echo "##### gateways.sh done in $(awk -v a="$t3" -v b="$t4" 'BEGIN{printf "%.0f", b-a}') s; rc=$rc"
+bash tests/lab/pollgroups.sh || rc=1
+echo "##### pollgroups.sh done in $(awk -v a="$t4" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
 exit $rc

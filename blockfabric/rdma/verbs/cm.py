@@ -31,7 +31,7 @@ from blockfabric.rdma import base
 from blockfabric.rdma.base import CMEvent, CMEventType, QPCap
 from blockfabric.rdma.verbs import _native
 from blockfabric.rdma.verbs._native import RawEvent, rdma_error
-from blockfabric.rdma.verbs.resources import VerbsContext, VerbsCQ, VerbsPD, VerbsQP
+from blockfabric.rdma.verbs.resources import VerbsContext, VerbsQP, external_qp
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,8 @@ class VerbsCMId(_Endpoint, base.CMId):
                             errno=abs(raw.status) or None)
         return raw
 
-    def _qp_to(self, state: int, what: str) -> None:
+    def _qp_attr(self, state: int, what: str):
+        """(QPAttr, mask) of the transition to ``state``, from rdma_init_qp_attr."""
         e = self._pv.e
         try:
             attr, mask = self._cm.init_qp_attr(state)
@@ -289,14 +290,18 @@ class VerbsCMId(_Endpoint, base.CMId):
             # provider, so they are set here
             attr.retry_cnt, attr.rnr_retry = self._retry
             mask |= e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY
-        self.qp.modify(attr, mask, what)  # type: ignore[union-attr]  # (after _need_qp)
+        return attr, mask
+
+    def _qp_to(self, state: int, what: str, qp: VerbsQP | None = None) -> None:
+        attr, mask = self._qp_attr(state, what)
+        (qp or self.qp).modify(attr, mask, what)
 
     def _conn_param(self, private_data: bytes, resources: int, depth: int, retry: int = 7,
-                    rnr_retry: int = 7):
+                    rnr_retry: int = 7, qp_num: int | None = None):
         # pyverbs sends private data only from a buffer sized by data_len at construction
         param = self._pv.cmid.ConnParam(resources=resources, depth=depth, retry=retry,
                                         rnr_retry=rnr_retry,
-                                        qp_num=self.qp.qp_num,  # type: ignore[union-attr]
+                                        qp_num=self.qp.qp_num if qp_num is None else qp_num,
                                         data_len=len(private_data))
         if private_data:
             param.set_private_data(bytes(private_data))
@@ -331,20 +336,9 @@ class VerbsCMId(_Endpoint, base.CMId):
                   cap: QPCap | None = None, sq_sig_all: bool = False) -> VerbsQP:
         if self.context is None:
             raise RdmaError("create_qp: resolve() first (no device yet)", errno=22)
-        if not (isinstance(pd, VerbsPD) and isinstance(send_cq, VerbsCQ)
-                and isinstance(recv_cq, VerbsCQ)):
-            raise RdmaError("create_qp: PD and CQs must come from the verbs provider", errno=22)
-        if self.qp is not None:
-            raise RdmaError("create_qp: this CM id already has a QP", errno=17)
-        qp = VerbsQP(pd, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
-        self.qp = qp
-        try:
-            self._qp_to(self._pv.e.IBV_QPS_INIT, "INIT")   # receives may be posted from here
-        except RdmaError:
-            self.qp = None
-            qp.close()
-            raise
-        return qp
+        self.qp = external_qp(self.qp, pd, send_cq, recv_cq, cap, sq_sig_all,
+                              lambda qp: self._qp_to(self._pv.e.IBV_QPS_INIT, "INIT", qp))
+        return self.qp          # in INIT: receives may be posted from here
 
     def connect(self, private_data: bytes = b"", timeout: float = 5.0,
                 retry_count: int = 7, rnr_retry_count: int = 7) -> bytes:
@@ -386,8 +380,8 @@ class VerbsCMId(_Endpoint, base.CMId):
         self.private_data = raw.private_data
         return raw.private_data
 
-    def accept(self, private_data: bytes = b"") -> None:
-        self._need_qp("accept")
+    def _accept_depths(self) -> tuple[int, int]:
+        """(resources, depth) of our answer to the request."""
         req = self._request
         ours = self.context._device.max_rd_atom
         # The request event reports the peer's numbers from *our* side (the IB CM swaps
@@ -398,10 +392,37 @@ class VerbsCMId(_Endpoint, base.CMId):
         # REMOTE_READ, and our RDMA READ of its Connect data was NAKed.
         depth = min(ours, req.initiator_depth) if req else ours
         resources = min(ours, req.responder_resources) if req else ours
+        return resources, depth
+
+    def accept(self, private_data: bytes = b"") -> None:
+        self._need_qp("accept")
+        resources, depth = self._accept_depths()
         self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
         self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
         try:
             self._cm.accept(self._conn_param(private_data, resources, depth))
+        except self._pv.PyverbsError as exc:
+            raise rdma_error("rdma_accept failed", exc) from exc
+
+    # ------------------------------------------------------------ a QP in another process
+    def remote_qp_attrs(self) -> list[dict]:
+        """INIT, RTR and RTS for a QP that another process creates on this id's device
+        (poll groups, :mod:`.remote`): what :meth:`create_qp` and :meth:`accept` apply
+        here, as plain fields, with this side's retry counts as in :meth:`_qp_to`."""
+        from blockfabric.rdma.verbs.remote import dump_attr  # noqa: PLC0415
+        e = self._pv.e
+        return [dump_attr(*self._qp_attr(state, what))
+                for state, what in ((e.IBV_QPS_INIT, "INIT"), (e.IBV_QPS_RTR, "RTR"),
+                                    (e.IBV_QPS_RTS, "RTS"))]
+
+    def accept_remote(self, qp_num: int, private_data: bytes = b"") -> None:
+        """rdma_accept for the QP ``qp_num`` of another process (moved to RTS there with
+        :meth:`remote_qp_attrs`); this id has no QP of its own."""
+        if self.qp is not None:
+            raise RdmaError("accept_remote: this CM id has a QP of its own", errno=22)
+        resources, depth = self._accept_depths()
+        try:
+            self._cm.accept(self._conn_param(private_data, resources, depth, qp_num=qp_num))
         except self._pv.PyverbsError as exc:
             raise rdma_error("rdma_accept failed", exc) from exc
 

@@ -12,7 +12,7 @@ import ctypes
 import select
 import threading
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 from blockfabric.errors import RdmaError
 from blockfabric.rdma import base
@@ -221,6 +221,25 @@ def _to_wc(wc) -> WC:
               invalidated_rkey=wc.imm_data if flags & WcFlags.WITH_INV else 0,
               imm_data=wc.imm_data if flags & WcFlags.WITH_IMM else 0,
               vendor_err=wc.vendor_err)
+
+
+def external_qp(existing: "VerbsQP | None", pd: base.PD, send_cq: base.CQ, recv_cq: base.CQ,
+                cap: QPCap | None, sq_sig_all: bool,
+                to_init: "Callable[[VerbsQP], None]") -> "VerbsQP":
+    """A CM id's create_qp: a QP of our own on ``pd``, moved to INIT by ``to_init`` (from
+    rdma_init_qp_attr, here or in the poll-group coordinator); closed again if that fails."""
+    if not (isinstance(pd, VerbsPD) and isinstance(send_cq, VerbsCQ)
+            and isinstance(recv_cq, VerbsCQ)):
+        raise RdmaError("create_qp: PD and CQs must come from the verbs provider", errno=22)
+    if existing is not None:
+        raise RdmaError("create_qp: this CM id already has a QP", errno=17)
+    qp = VerbsQP(pd, send_cq, recv_cq, cap or QPCap(), sq_sig_all)
+    try:
+        to_init(qp)
+    except Exception:
+        qp.close()
+        raise
+    return qp
 
 
 class VerbsQP(base.QP):

@@ -87,8 +87,11 @@ def _namespaces(ctrl: Controller) -> list[tuple]:
 
 
 def _stats(fs: VolumeFS, ctrl: Controller, qids: list[int]) -> dict[str, Any]:
+    rec = ctrl.recovery_stats()
     return {"pid": os.getpid(), "queues": qids, "counters": fs.counters.values,
-            "queue_stats": ctrl.queue_stats(), "state": ctrl.recovery_stats()["state"]}
+            "queue_stats": ctrl.queue_stats(), "queue_state": rec["state"],
+            "reconnects": rec["reconnects"], "held": rec["held"], "retried": rec["retried"],
+            "failed": rec["failed"]}
 
 
 # --------------------------------------------------------------------------- mount process
@@ -219,6 +222,8 @@ class FuseWorkers:
                 event = self._waiting.get(msg[1])
                 if event is not None:
                     event.set()
+            elif kind == "ctrl?":
+                w.send(("ctrl", self._seq, self.ctrl.cntlid, self.ctrl.state.value))
             elif kind == "status?":
                 threading.Thread(target=self._answer_status, args=(w, msg[1]),
                                  daemon=True).start()
@@ -399,8 +404,9 @@ def status_lines(fs: VolumeFS) -> tuple[list[str], list[dict[str, Any]]]:
         text = (f"  worker {st['index']}: pid {st['pid']}, {st['state']}, I/O queues "
                 f"{_qids(st['queues'])}")
         if counters:
-            text += (f", reads {counters['reads']}, writes {counters['writes']}, errors "
-                     f"{counters['errors']}")
+            text += (f" ({st['queue_state']}; reconnects {st['reconnects']}, held "
+                     f"{st['held']}, retried {st['retried']}), reads {counters['reads']}, "
+                     f"writes {counters['writes']}, errors {counters['errors']}")
         if st["restarts"]:
             text += f", restarted {st['restarts']} time(s) (last {st['last_exit']})"
         lines.append(text)
@@ -423,6 +429,8 @@ class WorkerController(Controller):
         self.inline_size = cfg["inline_size"]
         self._announced = (cfg["seq"], cfg["cntlid"], "live")
         self._seq_used = cfg["seq"]
+        #: asks the mount process where its controller stands (the answer: announce)
+        self.ask_ctrl: Callable[[], None] | None = None
         self.set_namespaces(cfg["namespaces"])
 
     def set_namespaces(self, described: list[tuple]) -> set[int]:
@@ -474,40 +482,56 @@ class WorkerController(Controller):
         pass                        # the mount process shuts the controller down
 
     def announce(self, seq: int, cntlid: int, state: str) -> None:
-        """The mount's controller reconnected (as ``cntlid``) or gave up (``state``)."""
+        """Where the mount's controller stands: ``seq`` counts its reconnects (and giving
+        up), ``cntlid`` is its id now, ``state`` its state (live, reconnecting, failed)."""
         self._announced = (seq, cntlid, state)
         self._wake.set()
-        if state == "live" and seq != self._seq_used and self.state.value == "live":
+        if state == "live" and seq != self._seq_used and self.state == CtrlState.LIVE:
             # our queues belong to the controller that was lost, even if nothing noticed
             self._lost(f"the mount's controller reconnected as {cntlid}")
 
+    def _ask(self) -> tuple[int, int, str]:
+        """Where the mount's controller stands now (the last word heard, if no answer)."""
+        if self.ask_ctrl is not None:
+            self._wake.clear()
+            self.ask_ctrl()
+            self._wake.wait(STATS_TIMEOUT)
+        return self._announced
+
     def _recover(self) -> None:
-        """Wait for the mount process to reconnect, then connect to the controller it names
-        (or try the same one again every reconnect_delay: only our queues may have gone)."""
+        """Connect our queues again once the mount's controller is live: at once if it
+        is (only our queues were lost), else once the mount process has reconnected and
+        names the controller; every reconnect_delay while that fails; give up with it."""
         self._teardown_queues(self.recovery.last_reason)
         while not self._closed:
-            if self._announced[0] == self._seq_used:
-                self._wake.wait(self.opts.reconnect_delay)
-                self._wake.clear()
+            seq, cntlid, state = self._ask()
             if self._closed:
                 break
-            seq, cntlid, state = self._announced
-            if state != "live":
+            if state in (CtrlState.FAILED.value, CtrlState.CLOSED.value):
                 self.recovery.last_reason = f"the mount's controller is {state}"
                 self._give_up(self.recovery.last_reason)
                 return
             if self._loss_deadline is not None and time.monotonic() >= self._loss_deadline:
                 break
-            self.recovery.attempts += 1
-            self.cntlid, self._seq_used = cntlid, seq
-            try:
-                self._establish()
-            except Exception as exc:  # noqa: BLE001  (retry at the next announcement)
-                log.info("queues %s to controller %d: %s", _qids(self.qids), cntlid, exc)
-                self._teardown_queues(f"reconnect failed: {exc}")
-                continue
-            self._resume(self.path_index)
-            return
+            if state == CtrlState.LIVE.value:
+                self.recovery.attempts += 1
+                self.cntlid, self._seq_used = cntlid, seq
+                try:
+                    self._establish()
+                except Exception as exc:  # noqa: BLE001  (retry)
+                    log.info("queues %s to controller %d: %s", _qids(self.qids), cntlid, exc)
+                    self._teardown_queues(f"reconnect failed: {exc}")
+                else:
+                    self._resume(self.path_index)
+                    return
+            # until the mount process reconnects (a new seq), or reconnect_delay
+            deadline = time.monotonic() + self.opts.reconnect_delay
+            while not self._closed and self._announced[0] == seq:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(left)
+                self._wake.clear()
         self._give_up(f"ctrl_loss_tmo ({self.opts.ctrl_loss_tmo:g} s) expired")
 
 
@@ -581,6 +605,7 @@ def worker_main(sock_fd: int, master_fd: int) -> int:
         link.send(("error", str(exc)))
         return 1
     try:
+        ctrl.ask_ctrl = lambda: link.send(("ctrl?",))
         fs = WorkerFS(ctrl, cfg["options"], link)
         server = KernelFuse(fs, cfg["mountpoint"], cfg["fsname"])
         server.adopt(fd)

@@ -412,6 +412,13 @@ def status_report(fs: VolumeFS) -> str:
     admin_dead = ctrl.admin is None or ctrl.admin.dead_reason
     state = "live" if not dead and not admin_dead else "degraded" if not admin_dead else "dead"
     rec = ctrl.recovery_stats()
+    worker_lines: list[str] = []
+    stats: list[dict[str, Any]] = []
+    if fs.workers is not None:
+        from blockfabric.initiator.fuse_workers import status_lines
+        worker_lines, stats = status_lines(fs)
+        for key in ("held", "retried", "failed"):   # commands of every process
+            rec[key] = int(rec[key]) + sum(st.get(key, 0) for st in stats)
     if rec["state"] != "live":
         state = str(rec["state"])
     paths = ", ".join(ctrl.path_names() if hasattr(ctrl, "path_names")
@@ -452,8 +459,7 @@ def status_report(fs: VolumeFS) -> str:
     queue_stats = ctrl.queue_stats()
     counters = fs.counters.values
     if fs.workers is not None:
-        from blockfabric.initiator.fuse_workers import counters_sum, status_lines
-        worker_lines, stats = status_lines(fs)
+        from blockfabric.initiator.fuse_workers import counters_sum
         lines.extend(worker_lines)
         for st in stats:
             queue_stats.update({int(q): v for q, v in st.get("queue_stats", {}).items()})

@@ -108,8 +108,12 @@ def fio_verify(mount: Mount, cwd) -> subprocess.Popen:
         stderr=subprocess.PIPE, text=True)
 
 
-def test_fio_verify_through_a_target_restart(target, tmp_path):
-    mount = FaultMount(target, tmp_path, loss_tmo=20).start()
+@pytest.mark.parametrize("fuse_workers", [1, 2])
+def test_fio_verify_through_a_target_restart(target, tmp_path, fuse_workers):
+    """With --fuse-workers 2 the worker's queues follow the controller: held, then
+    connected to the controller the mount process reconnected, and re-issued."""
+    mount = FaultMount(target, tmp_path, loss_tmo=20,
+                       extra=("--fuse-workers", str(fuse_workers))).start()
     try:
         fio = fio_verify(mount, tmp_path)
         time.sleep(1.0)
@@ -122,12 +126,19 @@ def test_fio_verify_through_a_target_restart(target, tmp_path):
         assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
         assert rec["failed"] == 0, rec
         assert mount.counter("errors") == 0
+        if fuse_workers > 1:
+            status = mount.status()
+            worker = re.search(r"worker 1: pid \d+, running, I/O queues 2 \(live; "
+                               r"reconnects (\d+)", status)
+            assert worker and int(worker.group(1)) >= 1, status + mount.logs(target)
     finally:
         mount.cleanup()
 
 
-def test_eio_only_after_ctrl_loss_tmo(target, tmp_path):
-    mount = FaultMount(target, tmp_path, loss_tmo=2).start()
+@pytest.mark.parametrize("fuse_workers", [1, 2])
+def test_eio_only_after_ctrl_loss_tmo(target, tmp_path, fuse_workers):
+    mount = FaultMount(target, tmp_path, loss_tmo=2,
+                       extra=("--fuse-workers", str(fuse_workers))).start()
     try:
         fd = os.open(mount.file("n1"), os.O_RDWR)
         try:

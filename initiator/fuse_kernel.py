@@ -472,7 +472,9 @@ class KernelFuse:
             return False
         self.kernel_minor = minor
         want = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | FUSE_MAX_PAGES
-        background = self.nbuf
+        # requests the kernel lets be in flight at once (asynchronous direct I/O): what
+        # every serving process can hold (each has its buffers; fuse_workers.py)
+        background = min(0xFFFF, self.nbuf * self.fs.options.fuse_workers)
         self._reply(unique, INIT_OUT.pack(
             KERNEL_MAJOR, min(minor, OUR_MINOR), readahead, flags & want, background,
             background * 3 // 4, MAX_REQUEST, 1, MAX_REQUEST // mmap.PAGESIZE, 0, 0))

@@ -270,16 +270,17 @@ class FuseWorkers:
         self._restart(w)
 
     def _restart(self, w: _Worker) -> None:
-        if self.stopping or w.state != "restarting":
-            return
-        if self.ctrl.state.value != "live":
-            return              # _ctrl_changed starts it once the controller is back
-        try:
-            self._spawn(w)
-        except OSError as exc:
-            log.error("FUSE worker %d: cannot start: %s", w.index, exc)
-            w.state = "failed"
-            return
+        with self._lock:            # stop() sets stopping under it: no start after that
+            if self.stopping or w.state != "restarting":
+                return
+            if self.ctrl.state.value != "live":
+                return              # _ctrl_changed starts it once the controller is back
+            try:
+                self._spawn(w)
+            except OSError as exc:
+                log.error("FUSE worker %d: cannot start: %s", w.index, exc)
+                w.state = "failed"
+                return
         why = self._wait_ready(w)
         if why:
             log.error("FUSE worker %d: %s", w.index, why)
@@ -338,7 +339,8 @@ class FuseWorkers:
     # -- stopping -------------------------------------------------------------------------
     def stop(self) -> None:
         """Tell every worker to stop, wait for them, kill what is left."""
-        self.stopping = True
+        with self._lock:
+            self.stopping = True
         for w in self.workers:
             w.send(("stop",))
         deadline = time.monotonic() + STOP_TIMEOUT
@@ -354,6 +356,7 @@ class FuseWorkers:
         for w in self.workers:
             if w.reader is not None:
                 w.reader.join(5)
+            self._kill(w)           # one started while we stopped (its reader was late)
             if w.conn is not None:
                 w.conn.close()
                 w.conn = None

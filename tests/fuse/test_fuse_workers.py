@@ -201,3 +201,14 @@ def test_fuse_workers_from_the_initiator_yaml(target, tmp_path):
         assert "fuse_workers=2" in m.status()
     finally:
         m.cleanup()
+
+
+def test_status_reads_the_same_from_every_process(make_mount):
+    """.status and its size, asked many times: the kernel hands the requests to any of the
+    four processes, and a worker answers with the text the mount process makes."""
+    m = make_mount(name="status", flags=("--fuse-workers", "4"))
+    for _ in range(30):
+        assert os.stat(m.file(".status")).st_size > 0
+        text = m.status()
+        assert "workers     4 processes serve FUSE requests" in text, text
+        assert text.count(", running, I/O queues") == 4, text

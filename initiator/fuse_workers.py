@@ -201,6 +201,8 @@ class FuseWorkers:
             why = f"exited while starting ({exc or 'no message'})"
         if why:
             self._kill(w)
+            conn.close()
+            w.conn = None
             return why
         w.state = "running"
         w.reader = threading.Thread(target=self._read, args=(w, conn), daemon=True,
@@ -253,39 +255,48 @@ class FuseWorkers:
         if self.stopping:
             w.state = "stopped"
             return
-        now = time.monotonic()
-        w.deaths = [t for t in w.deaths if now - t < DEATH_WINDOW] + [now]
-        w.last_exit = _exit_text(code)
-        w.stats = {}
-        if len(w.deaths) >= MAX_DEATHS:
-            w.state = "failed"
-            log.error("FUSE worker %d (pid %d) %s, %d times in %g s: not starting it again; "
-                      "the mount serves on without it", w.index, w.pid, w.last_exit,
-                      len(w.deaths), DEATH_WINDOW)
-            self._changed()
-            return
-        w.state = "restarting"
-        log.error("FUSE worker %d (pid %d) %s: starting it again", w.index, w.pid, w.last_exit)
-        time.sleep(RESTART_DELAY)
-        self._restart(w)
+        self._relaunch(w, _exit_text(code))
 
-    def _restart(self, w: _Worker) -> None:
+    def _relaunch(self, w: _Worker, why: str) -> None:
+        """Worker ``w`` died (or did not start again) for ``why``: start it again after
+        RESTART_DELAY, unless that makes MAX_DEATHS within DEATH_WINDOW."""
+        while why:
+            now = time.monotonic()
+            w.deaths = [t for t in w.deaths if now - t < DEATH_WINDOW] + [now]
+            w.last_exit = why
+            w.stats = {}
+            if len(w.deaths) >= MAX_DEATHS:
+                w.state = "failed"
+                log.error("FUSE worker %d (pid %d) %s, %d times in %g s: not starting it "
+                          "again; the mount serves on without it", w.index, w.pid, why,
+                          len(w.deaths), DEATH_WINDOW)
+                self._changed()
+                return
+            w.state = "restarting"
+            log.error("FUSE worker %d (pid %d) %s: starting it again", w.index, w.pid, why)
+            time.sleep(RESTART_DELAY)
+            why = self._restart(w)
+
+    def _restart(self, w: _Worker) -> str:
+        """Start worker ``w`` again: '' once it serves (or when it is not for now: the
+        mount is stopping, or its controller is not live), else why it did not start."""
         with self._lock:            # stop() sets stopping under it: no start after that
             if self.stopping or w.state != "restarting":
-                return
+                return ""
             if self.ctrl.state.value != "live":
-                return              # _ctrl_changed starts it once the controller is back
+                return ""           # _ctrl_changed starts it once the controller is back
             try:
                 self._spawn(w)
             except OSError as exc:
-                log.error("FUSE worker %d: cannot start: %s", w.index, exc)
-                w.state = "failed"
-                return
+                return f"could not be started ({exc})"
         why = self._wait_ready(w)
         if why:
-            log.error("FUSE worker %d: %s", w.index, why)
-            w.state = "failed"
+            return f"did not start: {why}"
         self._changed()
+        return ""
+
+    def _restart_later(self, w: _Worker) -> None:
+        self._relaunch(w, self._restart(w))
 
     def _changed(self) -> None:
         if self.on_change is not None and not self.stopping:
@@ -304,7 +315,7 @@ class FuseWorkers:
             if w.state == "running":
                 w.send(msg)
             elif w.state == "restarting" and ctrl.state.value == "live":
-                threading.Thread(target=self._restart, args=(w,), daemon=True).start()
+                threading.Thread(target=self._restart_later, args=(w,), daemon=True).start()
 
     def _ns_changed(self, ctrl: Controller, _nsids: set[int]) -> None:
         msg = ("namespaces", _namespaces(ctrl))

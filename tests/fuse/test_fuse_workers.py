@@ -212,3 +212,32 @@ def test_status_reads_the_same_from_every_process(make_mount):
         text = m.status()
         assert "workers     4 processes serve FUSE requests" in text, text
         assert text.count(", running, I/O queues") == 4, text
+
+
+def test_a_worker_that_cannot_connect_fails_the_mount_whole(tmp_path):
+    """The listener takes 2 connections (max_connections): the mount process's admin and
+    I/O queue.  The worker's queue is refused (Controller Busy) until it gives up; the mount
+    then fails with the worker's reason, and leaves no mount, record or process behind."""
+    from e2e.conftest import TargetProc, free_port
+
+    from .conftest import NQN
+    port = free_port()
+    target = TargetProc({"listeners": [{"provider": "soft", "address": "127.0.0.1",
+                                        "port": port, "max_connections": 2}],
+                         "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
+                             {"nsid": 1, "backend": "ramdisk", "size": "4MiB"}]}]},
+                        tmp_path).start()
+    target.port = port
+    try:
+        m = Mount(target, tmp_path, name="busy", flags=("--fuse-workers", "2"))
+        done = run_cli(*m.argv(), env=m.env, check=False, timeout=60)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "could not start the FUSE workers: FUSE worker 1:" in done.stderr, done.stderr
+        assert "busy" in done.stderr.lower(), done.stderr      # the target's reason
+        assert not mounted_at(m.path)
+        out = subprocess.run(["pgrep", "-f", m.path], capture_output=True, text=True).stdout
+        assert out.split() == []
+        assert not os.path.exists(m.env["BLOCKFABRIC_RUNTIME_DIR"]) or \
+            os.listdir(m.env["BLOCKFABRIC_RUNTIME_DIR"]) == []
+    finally:
+        target.stop()

@@ -342,7 +342,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     header = ("Mountpoint", "Subsystem NQN", "Address", "Cntlid", "Namespaces", "PID")
     rows = [(r.mountpoint, r.subnqn, f"tcp {r.traddr}:{r.trsvcid}" if r.provider == "tcp"
              else f"rdma {r.traddr}:{r.trsvcid} ({r.provider})",
-             str(r.cntlid), " ".join(n["file"] for n in r.namespaces), str(r.pid))
+             str(r.cntlid), " ".join(n["file"] for n in r.namespaces),
+             str(r.pid) + (f" (+{len(r.fuse_workers) - 1} FUSE workers)"
+                           if len(r.fuse_workers) > 1 else ""))
             for r in records]
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths)] + rows:

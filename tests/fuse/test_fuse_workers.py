@@ -20,6 +20,7 @@ import time
 import pytest
 
 from blockfabric.errors import ConfigError
+from blockfabric.initiator.connection import share_qids
 from blockfabric.initiator.initiator_config import loads
 
 from .conftest import Mount, mounted_at, run_cli, wait_gone
@@ -80,9 +81,22 @@ def test_fio_verify_numjobs4_through_four_workers(make_mount, transport):
         assert int(re.search(r"completed (\d+)", line).group(1)) > 0, status
 
 
+@pytest.mark.parametrize("count,shares,runs", [
+    (2, 1, [[1, 2]]), (2, 2, [[1], [2]]), (7, 3, [[1, 2, 3], [4, 5], [6, 7]]),
+    (8, 4, [[1, 2], [3, 4], [5, 6], [7, 8]]), (5, 4, [[1, 2], [3], [4], [5]])])
+def test_share_qids_splits_in_contiguous_runs(count, shares, runs):
+    assert [share_qids(count, i, shares) for i in range(shares)] == runs
+
+
+def test_share_qids_wants_one_queue_per_process():
+    with pytest.raises(ValueError, match="granted 3 I/O queue"):
+        share_qids(3, 0, 4)
+
+
 def test_nr_io_queues_is_the_total_split_between_the_processes(make_mount):
     m = make_mount(name="split", flags=("--fuse-workers", "3", "-i", "7"))
     assert [p["queues"] for p in workers(m)] == [[1, 2, 3], [4, 5], [6, 7]]
+    assert "(+2 FUSE workers)" in run_cli("list", env=m.env).stdout
     status = m.status()
     assert "worker 1: pid" in status and "I/O queues 4-5" in status, status
     assert all(f"queue {q} (io)" in status for q in range(1, 8)), status

@@ -13,10 +13,11 @@ holds the admin queue (keep-alive, asynchronous events, reconnecting) and the mo
 * Queues: the controller is asked for max(-i, N) I/O queues; the granted ones are split in
   N contiguous runs as even as can be (:func:`~.connection.share_qids`), the mount process
   taking the first.
-* A worker that dies is started again (its requests in progress fail with ECONNABORTED: the
-  kernel ends them when their descriptor closes); one that dies :data:`MAX_DEATHS` times in
-  :data:`DEATH_WINDOW` seconds is left dead, and the others (the mount process always)
-  serve on.
+* A worker that dies (crash, kill) is started again (its requests in progress fail with
+  ECONNABORTED: the kernel ends them when their descriptor closes); one that dies
+  :data:`MAX_DEATHS` times in :data:`DEATH_WINDOW` seconds is left dead, and the others
+  (the mount process always) serve on.  One that ends on purpose (SIGTERM: exit status 0)
+  is not started again.
 * Reconnecting: a lost controller takes the workers' queues with it.  They hold their
   commands (as the mount process does) until the mount process reconnects and tells them
   the new CNTLID, then connect their queues to it and re-issue what they held; when the
@@ -254,6 +255,13 @@ class FuseWorkers:
             w.conn = None
         if self.stopping:
             w.state = "stopped"
+            return
+        if code == 0:
+            # it ended on purpose: told to (SIGTERM), or its session ended (the unmount,
+            # which ends this process's serving too); only a crash or a kill is restarted
+            w.state = "stopped"
+            log.info("FUSE worker %d (pid %d) stopped", w.index, w.pid)
+            self._changed()
             return
         self._relaunch(w, _exit_text(code))
 

@@ -148,7 +148,7 @@ def make_record(ctrl: Controller, mountpoint: str, options: MountOptions,
                      "block_size": ns.block_size, "read_only": ns.read_only}
                     for ns in ctrl.namespaces.values()],
         fuse_workers=fs.workers.record() if fs is not None and fs.workers is not None else [],
-        started=time.time())
+        started=fs.started if fs is not None else time.time())
 
 
 def daemonize(run: Callable[[Callable[[], None]], None]) -> int:

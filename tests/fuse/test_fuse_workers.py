@@ -255,3 +255,23 @@ def test_a_worker_that_cannot_connect_fails_the_mount_whole(tmp_path):
             os.listdir(m.env["BLOCKFABRIC_RUNTIME_DIR"]) == []
     finally:
         target.stop()
+
+
+def test_a_worker_told_to_stop_is_not_started_again(make_mount):
+    m = make_mount(name="term", flags=("--fuse-workers", "3"))
+    victim = workers(m)[2]["pid"]
+    os.kill(victim, signal.SIGTERM)
+    assert wait_gone(victim)
+    deadline = time.monotonic() + 10
+    while workers(m)[2]["state"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)                 # past the restart delay: still nobody in its place
+    assert [w["state"] for w in workers(m)] == ["running", "running", "stopped"]
+    assert workers(m)[2]["pid"] == victim
+    with open(m.file("n1"), "r+b", buffering=0) as f:
+        for i in range(20):
+            f.seek(i * 4096)
+            f.write(b"%04d" % i * 1024)
+        for i in range(20):
+            f.seek(i * 4096)
+            assert f.read(4096) == b"%04d" % i * 1024

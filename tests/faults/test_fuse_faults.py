@@ -115,6 +115,16 @@ def test_fio_verify_through_a_target_restart(target, tmp_path, fuse_workers):
     mount = FaultMount(target, tmp_path, loss_tmo=20,
                        extra=("--fuse-workers", str(fuse_workers))).start()
     try:
+        # the mount is ready (its record written) once its workers serve; a fault before
+        # that is a worker's first connect, not the reconnect this test is about
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                mount.pid
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, mount.logs(target)
+                time.sleep(0.1)
         fio = fio_verify(mount, tmp_path)
         time.sleep(1.0)
         target.kill()

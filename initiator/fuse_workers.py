@@ -191,13 +191,19 @@ class FuseWorkers:
         conn = w.conn
         assert conn is not None
         why = ""
+        deadline = time.monotonic() + SETUP_TIMEOUT
         try:
-            if not conn.poll(SETUP_TIMEOUT):
-                why = f"not ready within {SETUP_TIMEOUT:g} s"
-            else:
+            while True:
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    why = f"not ready within {SETUP_TIMEOUT:g} s"
+                    break
                 msg = conn.recv()
+                if msg[0] == "ctrl?":       # connecting, it asks where the controller is
+                    w.send(self._ctrl_word())
+                    continue
                 if msg[0] != "ready":
                     why = str(msg[1]) if msg[0] == "error" else f"unexpected {msg[0]!r}"
+                break
         except (EOFError, OSError) as exc:
             why = f"exited while starting ({exc or 'no message'})"
         if why:
@@ -226,12 +232,16 @@ class FuseWorkers:
                 if event is not None:
                     event.set()
             elif kind == "ctrl?":
-                w.send(("ctrl", self._seq, self.ctrl.cntlid, self.ctrl.state.value))
+                w.send(self._ctrl_word())
             elif kind == "status?":
                 threading.Thread(target=self._answer_status, args=(w, msg[1]),
                                  daemon=True).start()
         if conn is w.conn:
             self._died(w)
+
+    def _ctrl_word(self) -> tuple:
+        """Where the controller stands, as a worker's ``announce`` takes it."""
+        return ("ctrl", self._seq, self.ctrl.cntlid, self.ctrl.state.value)
 
     def _answer_status(self, w: _Worker, req: int) -> None:
         try:
@@ -481,16 +491,32 @@ class WorkerController(Controller):
         while (a restarted worker's queues may still be connected on the target: the old
         process's are dropped once the target notices they are gone)."""
         tries = CONNECT_TRIES if self.state == CtrlState.CONNECTING else 1
-        for attempt in range(tries):
+        # waiting for the mount process to reconnect is no try (up to the setup timeout)
+        deadline = time.monotonic() + SETUP_TIMEOUT - 5
+        attempt = 0
+        while True:
+            if attempt:
+                # the controller may have been lost meanwhile: connect only to a live one,
+                # and to the one it is now (never to one the mount process is setting up)
+                time.sleep(CONNECT_PAUSE)
+                seq, cntlid, state = self._ask()
+                if state != CtrlState.LIVE.value:
+                    log.info("connecting queues %s: the mount's controller is %s; waiting",
+                             _qids(self.qids), state)
+                    if state in (CtrlState.FAILED.value, CtrlState.CLOSED.value) or \
+                            time.monotonic() > deadline:
+                        raise ConnectionError(f"the mount's controller is {state}")
+                    continue
+                self.cntlid, self._seq_used = cntlid, seq
+            attempt += 1
             try:
                 self._connect_queues()
                 return
             except Exception as exc:  # noqa: BLE001  (the last one is raised)
-                if attempt == tries - 1:
+                if attempt >= tries:
                     raise
                 self._teardown_queues(f"connect failed: {exc}")
                 log.info("connecting queues %s: %s; again", _qids(self.qids), exc)
-                time.sleep(CONNECT_PAUSE)
 
     def _connect_queues(self) -> None:
         with self._state_lock:
@@ -622,37 +648,50 @@ def worker_main(sock_fd: int, master_fd: int) -> int:
         fd = clone_fd(master_fd)
         os.close(master_fd)
         ctrl = WorkerController(cfg["opts"], cfg)
-        ctrl.connect()
     except Exception as exc:  # noqa: BLE001  (the mount process must hear why)
         link.send(("error", str(exc)))
         return 1
+    ctrl.ask_ctrl = lambda: link.send(("ctrl?",))
+    serving: dict[str, Any] = {}        # fs and server, once connected
+    stopped = threading.Event()
+
+    def control() -> None:
+        """The mount process's requests, from before the connect (the answers to its
+        questions) to the end."""
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break           # the mount process is gone
+            kind = msg[0]
+            if kind == "stats?" and "fs" in serving:
+                link.send(("stats", msg[1], _stats(serving["fs"], ctrl, cfg["qids"])))
+            elif kind == "status":
+                link.answered(msg[1], msg[2])
+            elif kind == "ctrl":
+                ctrl.announce(*msg[1:])
+            elif kind == "namespaces":
+                if ctrl.set_namespaces(msg[1]):
+                    for listener in list(ctrl.namespace_listeners):
+                        listener(ctrl, set())
+            elif kind == "stop":
+                break
+        stopped.set()
+        if "server" in serving:
+            serving["server"].stop()
+    threading.Thread(target=control, daemon=True, name="fuse-worker-control").start()
     try:
-        ctrl.ask_ctrl = lambda: link.send(("ctrl?",))
-        fs = WorkerFS(ctrl, cfg["options"], link)
+        try:
+            ctrl.connect()
+        except Exception as exc:  # noqa: BLE001  (the mount process must hear why)
+            link.send(("error", str(exc)))
+            return 1
+        fs = serving["fs"] = WorkerFS(ctrl, cfg["options"], link)
         server = KernelFuse(fs, cfg["mountpoint"], cfg["fsname"])
         server.adopt(fd)
-
-        def control() -> None:
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    break           # the mount process is gone
-                kind = msg[0]
-                if kind == "stats?":
-                    link.send(("stats", msg[1], _stats(fs, ctrl, cfg["qids"])))
-                elif kind == "status":
-                    link.answered(msg[1], msg[2])
-                elif kind == "ctrl":
-                    ctrl.announce(*msg[1:])
-                elif kind == "namespaces":
-                    if ctrl.set_namespaces(msg[1]):
-                        for listener in list(ctrl.namespace_listeners):
-                            listener(ctrl, set())
-                elif kind == "stop":
-                    break
+        serving["server"] = server
+        if stopped.is_set():
             server.stop()
-        threading.Thread(target=control, daemon=True, name="fuse-worker-control").start()
         link.send(("ready", os.getpid()))
         server.serve()
     finally:

@@ -145,6 +145,35 @@ def test_fio_verify_through_a_target_restart(target, tmp_path, fuse_workers):
         mount.cleanup()
 
 
+def test_workers_start_through_a_target_restart(target, tmp_path):
+    """The target dies while the mount's 3 workers connect their queues (they start once
+    the kernel's INIT is answered, ~1 s after the mount appears): each asks the mount
+    process where the controller stands and connects once it is live again, to the
+    controller it names; the mount comes up whole and fio verifies through it."""
+    mount = FaultMount(target, tmp_path, loss_tmo=20, extra=("--fuse-workers", "3")).start()
+    try:
+        target.kill()
+        time.sleep(1.0)
+        target.start()
+        deadline = time.monotonic() + 40
+        while True:
+            try:
+                mount.pid           # the record: written once every worker serves
+                break
+            except AssertionError:
+                assert mount.proc.poll() is None, mount.logs(target)
+                assert time.monotonic() < deadline, mount.logs(target)
+                time.sleep(0.2)
+        fio = fio_verify(mount, tmp_path)
+        out, err = fio.communicate(timeout=60)
+        assert fio.returncode == 0, out + err + mount.logs(target)
+        status = mount.status()
+        assert status.count(", running, I/O queues") == 3, status + mount.logs(target)
+        assert mount.counter("errors") == 0
+    finally:
+        mount.cleanup()
+
+
 @pytest.mark.parametrize("fuse_workers", [1, 2])
 def test_eio_only_after_ctrl_loss_tmo(target, tmp_path, fuse_workers):
     mount = FaultMount(target, tmp_path, loss_tmo=2,

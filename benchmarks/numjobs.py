@@ -46,8 +46,10 @@ class TreeSampler:
     """CPU seconds of a process and its children (the last value seen of each, so that a
     child that has exited still counts), sampled with wall-clock stamps."""
 
-    def __init__(self, pids: dict[str, int], interval: float = 0.025) -> None:
+    def __init__(self, pids: dict[str, int], interval: float = 0.025,
+                 trees: tuple[str, ...] = ("bench",)) -> None:
         self.pids = pids
+        self.trees = trees          # the keys whose children count too
         self.last: dict[str, dict[int, float]] = {k: {} for k in pids}
         self.samples: list[tuple[float, dict[str, float]]] = []
         self.stop = threading.Event()
@@ -55,7 +57,7 @@ class TreeSampler:
 
     def _sample(self) -> None:
         for key, pid in self.pids.items():
-            tree = [pid] + (children(pid) if key == "bench" else [])
+            tree = [pid] + (children(pid) if key in self.trees else [])
             for p in tree:
                 v = cpu_seconds(p)
                 if v:                   # gone (0.0): its last value stands
@@ -93,12 +95,22 @@ def free_port() -> int:
 
 
 def start_target(tmp: pathlib.Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
+    proc, ports = start_target_on(tmp, NQN, ("rdma",))
+    return proc, ports["rdma"]
+
+
+def start_target_on(tmp: pathlib.Path, nqn: str, transports: tuple[str, ...]
+                    ) -> tuple[subprocess.Popen, dict[str, int]]:
+    """A 256 MiB ramdisk target listening on each of ``transports`` (rdma: the soft
+    provider, tcp), on free ports: (process, transport -> port)."""
+    ports = {t: free_port() for t in transports}
     conf = tmp / "target.yaml"
     conf.write_text(json.dumps({
-        "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
+        "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}
+                      if t == "rdma" else {"transport": t, "address": "127.0.0.1",
+                                           "port": port} for t, port in ports.items()],
         "control_socket": str(tmp / "target.sock"),
-        "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
+        "subsystems": [{"nqn": nqn, "allow_any_host": True, "namespaces": [
             {"nsid": 1, "backend": "ramdisk", "size": "256MiB"}]}]}))
     proc = subprocess.Popen([str(BIN / "blockfabric-target"), "run", "-C", str(conf)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -109,7 +121,7 @@ def start_target(tmp: pathlib.Path) -> tuple[subprocess.Popen, int]:
     else:
         raise SystemExit("the target did not start")
     threading.Thread(target=proc.stderr.read, daemon=True).start()
-    return proc, port
+    return proc, ports
 
 
 def one(port: int, target_pid: int, mode: str, args: argparse.Namespace) -> dict:

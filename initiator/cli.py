@@ -158,6 +158,13 @@ def _spin_us(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _fuse_workers(text: str) -> int:
+    from blockfabric.initiator.fuse_workers import MAX_WORKERS
+    if not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_WORKERS}, got {text!r}")
+    return int(text)
+
+
 def add_output_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output-format", choices=("normal", "json"), default="normal",
                    help="output format")
@@ -224,6 +231,12 @@ def build_parser() -> CommandParser:
                    help="mount what an initiator YAML lists (configs/initiator.yaml): the "
                         "entry for MOUNTPOINT, or every entry with --all")
     p.add_argument("--all", action="store_true", help="with --config: every listed mount")
+    p.add_argument("--fuse-workers", type=_fuse_workers, default=None, metavar="N",
+                   help="processes serving the FUSE requests (default 1): the mount process "
+                        "and N-1 worker processes, each on a clone of the FUSE session "
+                        "(FUSE_DEV_IOC_CLONE) with its own share of the controller's I/O "
+                        "queues (-i is the total, raised to N), so that the host side can use "
+                        "N cores; kernel binding only (docs/fuse.md)")
     add_cpus_flag(p, "the mount process")
     p.add_argument("--output-format", choices=("normal", "json"), default="normal",
                    help="output format")

@@ -246,11 +246,25 @@ class QueueSetup(ControllerParts):
         depth = min(opts.queue_size,
                     (self.identify.maxcmd  # type: ignore[union-attr]  # (_establish read it)
                      or opts.queue_size))
-        for qid in range(1, count + 1):
+        self.io_queues_granted, self.io_depth = count, depth
+        for qid in share_qids(count, *self.io_share):
             queue = self.open_queue(qid, depth)
             self.io_queues.append(queue)
             self.fabrics_connect(queue, qid, depth - 1, 0)
         self.rescan()
+
+
+def share_qids(count: int, index: int, shares: int) -> list[int]:
+    """The I/O queue ids ``1..count`` split in ``shares`` contiguous runs as even as can
+    be (the first ones one longer): run ``index``.  One process's share of one controller's
+    queues (the mount's FUSE workers, docs/fuse.md)."""
+    if count < shares:
+        raise ValueError(f"the controller granted {count} I/O queue(s) and {shares} processes "
+                         "need one each: lower --fuse-workers, or raise the target's "
+                         "max_io_queues")
+    size, extra = divmod(count, shares)
+    start = 1 + index * size + min(index, extra)
+    return list(range(start, start + size + (1 if index < extra else 0)))
 
 
 def _secret(text: str | None, name: str) -> Secret | None:

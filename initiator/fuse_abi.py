@@ -9,6 +9,9 @@ from __future__ import annotations
 import struct
 
 MAX_REQUEST = 1 << 20           # max_read / max_write: 1 MiB requests both ways
+#: ioctl(fd, FUSE_DEV_IOC_CLONE, &master_fd): attach the new /dev/fuse descriptor ``fd`` to
+#: the session of ``master_fd``; _IOR(229, 0, uint32_t) in linux/fuse.h
+FUSE_DEV_IOC_CLONE = 0x8004E500
 
 KERNEL_MAJOR, OUR_MINOR = 7, 31
 ROOT_ID, STATUS_ID, NS_BASE_ID = 1, 2, 16

@@ -191,6 +191,9 @@ class KernelFuse:
         self.initialized = threading.Event()
         self.done = threading.Event()
         self._stopping = False
+        #: False in a FUSE worker process (fuse_workers.py): its session is a clone of the
+        #: mount's, which the mount process unmounts; a stop there only stops serving
+        self.unmounts = True
         self.kernel_minor = 0
         self._workers = concurrent.futures.ThreadPoolExecutor(
             fs.options.worker_threads(),
@@ -225,6 +228,15 @@ class KernelFuse:
         os.set_blocking(self.fd, False)
         self.reactor.call_sync(self._start_reading)
 
+    def adopt(self, fd: int) -> None:
+        """Serve ``fd``, a clone of a live session's descriptor (FUSE_DEV_IOC_CLONE): the
+        kernel's INIT went to the mount's own descriptor, and the mount process unmounts."""
+        self.fd = fd
+        self.unmounts = False
+        self.initialized.set()
+        os.set_blocking(fd, False)
+        self.reactor.call_sync(self._start_reading)
+
     def serve(self, on_ready: Callable[[], None] | None = None) -> None:
         """Wait for the kernel's INIT, report ready, then serve until unmounted or a
         termination signal (which unmounts)."""
@@ -249,6 +261,9 @@ class KernelFuse:
         if self._stopping:
             return
         self._stopping = True
+        if not self.unmounts:
+            self._set_done()
+            return
         unmount_path(self.mountpoint)
         # A session the kernel never started (no INIT yet) never reports ENODEV by itself
         if not self.initialized.is_set():
@@ -430,14 +445,25 @@ class KernelFuse:
                 st["st_mode"], st["st_nlink"], st["st_uid"], st["st_gid"], 0,
                 st.get("st_blksize", 4096), 0)
 
-    def _entry(self, unique: int, nodeid: int) -> None:
+    def _entry_out(self, nodeid: int) -> bytes:
         sec, nsec = int(ATTR_TIMEOUT), int(ATTR_TIMEOUT % 1 * 1e9)
-        self._reply(unique, ENTRY_OUT.pack(nodeid, 0, sec, sec, nsec, nsec,
-                                           *self._attr(nodeid)))
+        return ENTRY_OUT.pack(nodeid, 0, sec, sec, nsec, nsec, *self._attr(nodeid))
+
+    def _attr_out(self, nodeid: int) -> bytes:
+        sec, nsec = int(ATTR_TIMEOUT), int(ATTR_TIMEOUT % 1 * 1e9)
+        return ATTR_OUT.pack(sec, nsec, 0, *self._attr(nodeid))
+
+    def _entry(self, unique: int, nodeid: int) -> None:
+        if nodeid == STATUS_ID and self.fs.status_waits:
+            self._blocking(-1, unique, lambda: self._entry_out(nodeid))
+        else:
+            self._reply(unique, self._entry_out(nodeid))
 
     def _attr_reply(self, unique: int, nodeid: int) -> None:
-        sec, nsec = int(ATTR_TIMEOUT), int(ATTR_TIMEOUT % 1 * 1e9)
-        self._reply(unique, ATTR_OUT.pack(sec, nsec, 0, *self._attr(nodeid)))
+        if nodeid == STATUS_ID and self.fs.status_waits:
+            self._blocking(-1, unique, lambda: self._attr_out(nodeid))
+        else:
+            self._reply(unique, self._attr_out(nodeid))
 
     def _init(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
         major, minor, readahead, flags = INIT_IN.unpack_from(view, IN_SIZE)
@@ -448,7 +474,9 @@ class KernelFuse:
             return False
         self.kernel_minor = minor
         want = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_ASYNC_DIO | FUSE_MAX_PAGES
-        background = self.nbuf
+        # requests the kernel lets be in flight at once (asynchronous direct I/O): what
+        # every serving process can hold (each has its buffers; fuse_workers.py)
+        background = min(0xFFFF, self.nbuf * self.fs.options.fuse_workers)
         self._reply(unique, INIT_OUT.pack(
             KERNEL_MAJOR, min(minor, OUR_MINOR), readahead, flags & want, background,
             background * 3 // 4, MAX_REQUEST, 1, MAX_REQUEST // mmap.PAGESIZE, 0, 0))
@@ -554,7 +582,10 @@ class KernelFuse:
     def _read(self, index: int, unique: int, nodeid: int, view: memoryview, n: int) -> bool:
         offset, size = IO_ARGS.unpack_from(view, IN_SIZE)
         if nodeid == STATUS_ID:
-            self._reply(unique, self.fs.status_text()[offset:offset + size])
+            if self.fs.status_waits:            # a worker process asks the mount process
+                self._blocking(-1, unique, lambda: self.fs.status_text()[offset:offset + size])
+            else:
+                self._reply(unique, self.fs.status_text()[offset:offset + size])
             return False
         ns = self._node_ns.get(nodeid) if self.fs.files is self._files_seen else None
         if ns is None:
@@ -689,6 +720,7 @@ def serve(fs: VolumeFS, mountpoint: str, *, fsname: str,
     """Mount ``fs`` at ``mountpoint`` and serve until unmounted or SIGTERM/SIGINT/SIGHUP
     (which unmount).  ``on_ready`` runs once the kernel has sent INIT (the mount is live)."""
     server = KernelFuse(fs, mountpoint, fsname)
+    fs.session = server             # the mount's FUSE workers clone its descriptor
     try:
         server.mount()
     except BaseException:

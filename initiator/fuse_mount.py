@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import shutil
 import socket
 import stat
+import struct
 import subprocess
 
-from blockfabric.initiator.fuse_abi import MAX_REQUEST
+from blockfabric.initiator.fuse_abi import FUSE_DEV_IOC_CLONE, MAX_REQUEST
 from blockfabric.initiator.fusefs import SUBTYPE
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MNT_DETACH = 1, 2, 4, 2
@@ -70,6 +72,20 @@ def _fusermount(mountpoint: str, fsname: str, read_only: bool, words: list[str])
         raise FuseMountError("fusermount3 mounted but passed no descriptor back")
     os.set_inheritable(fds[0], False)
     return fds[0]
+
+
+def clone_fd(master: int) -> int:
+    """A new /dev/fuse descriptor on the session of ``master`` (FUSE_DEV_IOC_CLONE): the
+    kernel hands each request of the session to whichever of its descriptors reads it
+    first, and takes the reply on the descriptor that read the request."""
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("I", master))
+    except OSError as exc:
+        os.close(fd)
+        raise FuseMountError(f"cloning the FUSE session (FUSE_DEV_IOC_CLONE): "
+                             f"{os.strerror(exc.errno or errno.EIO)}") from exc
+    return fd
 
 
 def unmount_path(mountpoint: str) -> None:

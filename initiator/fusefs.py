@@ -62,6 +62,9 @@ class MountOptions:
     allow_other: bool = False
     direct_io: bool = True
     threads: int | None = None         # worker threads (None: the binding's default)
+    #: processes serving the FUSE session (the mount process and fuse_workers - 1 more,
+    #: each on a clone of its /dev/fuse descriptor with its own I/O queues; fuse_workers.py)
+    fuse_workers: int = 1
     binding: str = DEFAULT_BINDING     # "kernel" (our own /dev/fuse server) or "libfuse"
     extra: list[str] = field(default_factory=list)
 
@@ -83,6 +86,8 @@ class MountOptions:
                 opts.direct_io = False
             elif word.startswith("threads="):
                 opts.threads = _positive(word)
+            elif word.startswith("fuse_workers="):
+                opts.fuse_workers = _positive(word)
             elif word == "single_thread":
                 opts.threads = 1
             elif word.startswith("binding="):
@@ -98,6 +103,7 @@ class MountOptions:
         return (["ro" if self.read_only else "rw"] + (["allow_other"] if self.allow_other else [])
                 + ["direct_io" if self.direct_io else "cache", f"binding={self.binding}"]
                 + ([f"threads={self.threads}"] if self.threads is not None else [])
+                + ([f"fuse_workers={self.fuse_workers}"] if self.fuse_workers != 1 else [])
                 + self.extra)
 
     def worker_threads(self) -> int:
@@ -175,6 +181,14 @@ def _fail(code: int, what: str = "") -> OSError:
 
 class VolumeFS:
     """A flat directory: one regular file per namespace, plus ``.status``."""
+
+    #: True where :meth:`status_text` waits (a FUSE worker process asks the mount process
+    #: for it): the kernel binding then answers .status on its worker threads
+    status_waits = False
+    #: the mount's FUSE worker processes (fuse_workers.FuseWorkers), in the mount process
+    workers: Any = None
+    #: the kernel binding's session (fuse_kernel.KernelFuse) serving this filesystem
+    session: Any = None
 
     def __init__(self, ctrl: Controller, options: MountOptions) -> None:
         self.ctrl = ctrl
@@ -398,6 +412,13 @@ def status_report(fs: VolumeFS) -> str:
     admin_dead = ctrl.admin is None or ctrl.admin.dead_reason
     state = "live" if not dead and not admin_dead else "degraded" if not admin_dead else "dead"
     rec = ctrl.recovery_stats()
+    worker_lines: list[str] = []
+    stats: list[dict[str, Any]] = []
+    if fs.workers is not None:
+        from blockfabric.initiator.fuse_workers import status_lines
+        worker_lines, stats = status_lines(fs)
+        for key in ("held", "retried", "failed"):   # commands of every process
+            rec[key] = int(rec[key]) + sum(st.get(key, 0) for st in stats)
     if rec["state"] != "live":
         state = str(rec["state"])
     paths = ", ".join(ctrl.path_names() if hasattr(ctrl, "path_names")
@@ -435,13 +456,23 @@ def status_report(fs: VolumeFS) -> str:
         ro = "read-only" if not fs.writable(ns) else "read-write"
         lines.append(f"  {name}: {ns.size} bytes, {ns.nblocks} blocks of {ns.block_size} "
                      f"bytes, {ro}")
+    queue_stats = ctrl.queue_stats()
+    counters = fs.counters.values
+    if fs.workers is not None:
+        from blockfabric.initiator.fuse_workers import counters_sum
+        lines.extend(worker_lines)
+        for st in stats:
+            queue_stats.update({int(q): v for q, v in st.get("queue_stats", {}).items()})
+        counters = counters_sum([counters] + [st["counters"] for st in stats
+                                              if st.get("counters")])
+        queue_stats = dict(sorted(queue_stats.items()))
     lines.append("queues")
-    for qid, st in ctrl.queue_stats().items():
+    for qid, st in queue_stats.items():
         kind = "admin" if qid % 1000 == 0 else "io"    # path N's queues: N * 1000 + qid
         lines.append(f"  queue {qid} ({kind}): submitted {st['submitted']}, completed "
                      f"{st['completed']}, in flight {st['inflight']}, max in flight "
                      f"{st['max_inflight']}, errors {st['errors']}")
-    lines.append("counters")
-    for key, value in fs.counters.values.items():
+    lines.append("counters" + (" (every worker's)" if fs.workers is not None else ""))
+    for key, value in counters.items():
         lines.append(f"  {key.replace('_', ' ')}: {value}")
     return "\n".join(lines) + "\n"

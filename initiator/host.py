@@ -169,6 +169,11 @@ class Controller(QueueSetup, Events, IoPath, Recovery):
         self._closed = False
         self.max_transfer = 128 << 10
         self.inline_size = 0
+        #: (index, shares): connect only share ``index`` of the I/O queues granted, the rest
+        #: being other processes' (a mount's FUSE workers); (0, 1): all of them
+        self.io_share = (0, 1)
+        self.io_queues_granted = 0
+        self.io_depth = 0
         #: Called as ``fn(controller, changed_nsids)`` after namespaces were added, removed
         #: or changed (resized, read-only flipped); on the event worker thread.
         self.namespace_listeners: list[Callable[[Controller, set[int]], None]] = []

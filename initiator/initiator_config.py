@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from blockfabric.initiator.fuse_workers import check_count
 from blockfabric.initiator.fusefs import MountOptions
 from blockfabric.initiator.host import ConnectOptions
 from blockfabric.initiator.multipath import (FORMS, TRANSPORTS, parse_path, parse_path_spec,
@@ -147,6 +148,9 @@ class MountSpec(Model):
     data_digest: bool = _connect("data_digest", Bool())
     hostnqn: str | None = _connect("hostnqn", NQN)
     options: tuple[str, ...] = setting(_Options(), ())
+    #: Processes serving the mount's FUSE requests (as --fuse-workers): the mount process
+    #: and fuse_workers - 1 workers, each with its share of the I/O queues (docs/fuse.md)
+    fuse_workers: int = setting(Int(1, 64, digits=True), 1)
     nr_io_queues: int = _connect("nr_io_queues", Int(1, 1024, digits=True))
     queue_size: int = _connect("queue_size", Int(16, 1024, digits=True))
     keep_alive_tmo: float = _connect("keep_alive_tmo", Int(0, 3600, unit="seconds",
@@ -171,7 +175,13 @@ class MountSpec(Model):
             where.at("paths").fail(f"paths that differ from each other and from "
                                    f"traddr/trsvcid ({exc})", list(self.paths))
         name = self.name or os.path.basename(self.mountpoint.rstrip("/")) or "root"
-        return dataclasses.replace(self, name=name, paths=paths)
+        spec = dataclasses.replace(self, name=name, paths=paths)
+        try:
+            check_count(spec.fuse_workers, spec.mount_options(), spec.connect_options())
+        except ValueError as exc:
+            where.at("fuse_workers").fail(f"a count this mount can run ({exc})",
+                                          spec.fuse_workers)
+        return spec
 
     def connect_options(self) -> ConnectOptions:
         return ConnectOptions(traddr=self.traddr, subnqn=self.nqn, trsvcid=self.trsvcid,
@@ -185,7 +195,10 @@ class MountSpec(Model):
                               dhchap_ctrl_secret=_text(self.dhchap_ctrl_secret))
 
     def mount_options(self) -> MountOptions:
-        return MountOptions.parse(",".join(self.options))
+        opts = MountOptions.parse(",".join(self.options))
+        if self.fuse_workers != 1:
+            opts.fuse_workers = self.fuse_workers
+        return opts
 
 
 def _text(secret: Secret | None) -> str | None:

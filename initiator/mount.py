@@ -9,6 +9,7 @@ with the child's reason: a caller (a script, a systemd unit) can trust the exit 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -65,20 +66,32 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
         from blockfabric.initiator import fuse_binding as binding
     else:   # the same interface (serve, mount), in another module
         from blockfabric.initiator import fuse_kernel as binding  # type: ignore[no-redef]
+    nworkers = options.fuse_workers
+    check_workers(nworkers, options, conn)
+    if nworkers > 1:    # -i is the controller's total: at least one queue per process
+        conn = dataclasses.replace(conn, nr_io_queues=max(conn.nr_io_queues, nworkers))
     # --cpus, or the route's NIC's node; before the threads and buffers exist (best effort)
     numa.place_host(conn.traddr, cpus, rdma=conn.transport == "rdma")
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _TERM_SIGNALS)
     try:
-        ctrl = Controller(conn).connect()
+        ctrl = Controller(conn)
+        ctrl.io_share = (0, nworkers)       # the first share; the workers connect the rest
+        ctrl.connect()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     live = False
+    fs = None
     try:
         fs = VolumeFS(ctrl, options)
 
+        def record() -> None:
+            runtime.write_record(make_record(ctrl, mountpoint, options, fs))
+
         def ready() -> None:
             nonlocal live
-            runtime.write_record(make_record(ctrl, mountpoint, options))
+            if nworkers > 1:
+                start_workers(fs, nworkers, mountpoint, conn.subnqn, record)
+            record()
             live = True
             log.info("mounted %s at %s", conn.subnqn, mountpoint)
             if on_ready is not None:
@@ -92,13 +105,40 @@ def serve_mount(conn: ConnectOptions, mountpoint: str, options: MountOptions,
             if not live:
                 raise MountError(f"could not mount at {mountpoint} ({exc})") from exc
     finally:
+        if fs is not None and fs.workers is not None:
+            fs.workers.stop()
         if live:
             runtime.remove_record(mountpoint, os.getpid())
         ctrl.close()
         log.info("unmounted %s and disconnected", mountpoint)
 
 
-def make_record(ctrl: Controller, mountpoint: str, options: MountOptions) -> runtime.MountRecord:
+def check_workers(count: int, options: MountOptions, conn: ConnectOptions) -> None:
+    from blockfabric.initiator.fuse_workers import check_count
+    try:
+        check_count(count, options, conn)
+    except ValueError as exc:
+        raise MountError(str(exc)) from None
+
+
+def start_workers(fs: VolumeFS, count: int, mountpoint: str, fsname: str,
+                  on_change: Callable[[], None]) -> None:
+    """Start the mount's FUSE worker processes on clones of its session; if they cannot
+    all start, unmount and raise MountError."""
+    from blockfabric.initiator.fuse_workers import FuseWorkers
+    session = fs.session
+    pool = FuseWorkers(fs, session.fd, count, mountpoint, fsname, on_change)
+    try:
+        pool.start()
+    except OSError as exc:
+        pool.stop()
+        session.stop()
+        raise MountError(f"could not start the FUSE workers: {exc}") from exc
+    fs.workers = pool
+
+
+def make_record(ctrl: Controller, mountpoint: str, options: MountOptions,
+                fs: VolumeFS | None = None) -> runtime.MountRecord:
     opts = ctrl.opts
     return runtime.MountRecord(
         mountpoint=mountpoint, pid=os.getpid(), subnqn=opts.subnqn, traddr=opts.traddr,
@@ -107,7 +147,8 @@ def make_record(ctrl: Controller, mountpoint: str, options: MountOptions) -> run
         namespaces=[{"nsid": ns.nsid, "file": f"n{ns.nsid}", "size": ns.size,
                      "block_size": ns.block_size, "read_only": ns.read_only}
                     for ns in ctrl.namespaces.values()],
-        started=time.time())
+        fuse_workers=fs.workers.record() if fs is not None and fs.workers is not None else [],
+        started=fs.started if fs is not None else time.time())
 
 
 def daemonize(run: Callable[[Callable[[], None]], None]) -> int:
@@ -188,8 +229,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
             print(f"blockfabric mount: {config.path}: no mount named or mounted at "
                   f"{args.mountpoint}", file=sys.stderr)
             return 2
-        return mount_one(spec.connect_options(), spec.mountpoint, spec.mount_options(),
-                         args.foreground, args.cpus)
+        mopts = spec.mount_options()
+        if args.fuse_workers is not None:
+            mopts.fuse_workers = args.fuse_workers
+        return mount_one(spec.connect_options(), spec.mountpoint, mopts, args.foreground,
+                         args.cpus)
     if not args.mountpoint:
         print("blockfabric mount: missing MOUNTPOINT", file=sys.stderr)
         return 2
@@ -199,6 +243,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"blockfabric mount: {exc}", file=sys.stderr)
         return 2
+    if args.fuse_workers is not None:
+        mopts.fuse_workers = args.fuse_workers
     return mount_one(connect_options(args, args.nqn), args.mountpoint, mopts, args.foreground,
                      args.cpus)
 
@@ -296,7 +342,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     header = ("Mountpoint", "Subsystem NQN", "Address", "Cntlid", "Namespaces", "PID")
     rows = [(r.mountpoint, r.subnqn, f"tcp {r.traddr}:{r.trsvcid}" if r.provider == "tcp"
              else f"rdma {r.traddr}:{r.trsvcid} ({r.provider})",
-             str(r.cntlid), " ".join(n["file"] for n in r.namespaces), str(r.pid))
+             str(r.cntlid), " ".join(n["file"] for n in r.namespaces),
+             str(r.pid) + (f" (+{len(r.fuse_workers) - 1} FUSE workers)"
+                           if len(r.fuse_workers) > 1 else ""))
             for r in records]
     widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths)] + rows:

@@ -50,6 +50,8 @@ class MountRecord:
     options: list[str] = field(default_factory=list)
     namespaces: list[dict[str, Any]] = field(default_factory=list)
     started: float = 0.0
+    #: with --fuse-workers N > 1: each serving process's index, pid, I/O queues and state
+    fuse_workers: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MountRecord:

@@ -108,9 +108,23 @@ def fio_verify(mount: Mount, cwd) -> subprocess.Popen:
         stderr=subprocess.PIPE, text=True)
 
 
-def test_fio_verify_through_a_target_restart(target, tmp_path):
-    mount = FaultMount(target, tmp_path, loss_tmo=20).start()
+@pytest.mark.parametrize("fuse_workers", [1, 2])
+def test_fio_verify_through_a_target_restart(target, tmp_path, fuse_workers):
+    """With --fuse-workers 2 the worker's queues follow the controller: held, then
+    connected to the controller the mount process reconnected, and re-issued."""
+    mount = FaultMount(target, tmp_path, loss_tmo=20,
+                       extra=("--fuse-workers", str(fuse_workers))).start()
     try:
+        # the mount is ready (its record written) once its workers serve; a fault before
+        # that is a worker's first connect, not the reconnect this test is about
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                mount.pid
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline, mount.logs(target)
+                time.sleep(0.1)
         fio = fio_verify(mount, tmp_path)
         time.sleep(1.0)
         target.kill()
@@ -122,12 +136,48 @@ def test_fio_verify_through_a_target_restart(target, tmp_path):
         assert rec["reconnects"] >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
         assert rec["failed"] == 0, rec
         assert mount.counter("errors") == 0
+        if fuse_workers > 1:
+            status = mount.status()
+            worker = re.search(r"worker 1: pid \d+, running, I/O queues 2 \(live; "
+                               r"reconnects (\d+)", status)
+            assert worker and int(worker.group(1)) >= 1, status + mount.logs(target)
     finally:
         mount.cleanup()
 
 
-def test_eio_only_after_ctrl_loss_tmo(target, tmp_path):
-    mount = FaultMount(target, tmp_path, loss_tmo=2).start()
+def test_workers_start_through_a_target_restart(target, tmp_path):
+    """The target dies while the mount's 3 workers connect their queues (they start once
+    the kernel's INIT is answered, ~1 s after the mount appears): each asks the mount
+    process where the controller stands and connects once it is live again, to the
+    controller it names; the mount comes up whole and fio verifies through it."""
+    mount = FaultMount(target, tmp_path, loss_tmo=20, extra=("--fuse-workers", "3")).start()
+    try:
+        target.kill()
+        time.sleep(1.0)
+        target.start()
+        deadline = time.monotonic() + 40
+        while True:
+            try:
+                mount.pid           # the record: written once every worker serves
+                break
+            except AssertionError:
+                assert mount.proc.poll() is None, mount.logs(target)
+                assert time.monotonic() < deadline, mount.logs(target)
+                time.sleep(0.2)
+        fio = fio_verify(mount, tmp_path)
+        out, err = fio.communicate(timeout=60)
+        assert fio.returncode == 0, out + err + mount.logs(target)
+        status = mount.status()
+        assert status.count(", running, I/O queues") == 3, status + mount.logs(target)
+        assert mount.counter("errors") == 0
+    finally:
+        mount.cleanup()
+
+
+@pytest.mark.parametrize("fuse_workers", [1, 2])
+def test_eio_only_after_ctrl_loss_tmo(target, tmp_path, fuse_workers):
+    mount = FaultMount(target, tmp_path, loss_tmo=2,
+                       extra=("--fuse-workers", str(fuse_workers))).start()
     try:
         fd = os.open(mount.file("n1"), os.O_RDWR)
         try:

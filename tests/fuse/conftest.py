@@ -50,8 +50,10 @@ class Mount:
     """One ``blockfabric mount`` (daemonised) of the module's target."""
 
     def __init__(self, target: TargetProc, base: pathlib.Path, options: str = "",
-                 name: str = "mnt", transport: str = "rdma") -> None:
+                 name: str = "mnt", transport: str = "rdma",
+                 flags: tuple[str, ...] = ()) -> None:
         self.target = target
+        self.flags = list(flags)
         self.transport = transport
         self.path = str(base / name)
         os.makedirs(self.path, exist_ok=True)
@@ -65,7 +67,7 @@ class Mount:
                 *(["-t", "tcp"] if tcp else ["--provider", "soft"]), "-q", FUSE_HOSTNQN]
         if self.options:
             argv += ["-o", self.options]
-        return argv + [self.path]
+        return argv + self.flags + [self.path]
 
     def start(self) -> Mount:
         run_cli(*self.argv(), env=self.env)
@@ -148,8 +150,9 @@ def make_mount(target, tmp_path):
     """make_mount(options="", name="mnt") -> a started Mount, always taken down."""
     mounts: list[Mount] = []
 
-    def make(options: str = "", name: str = "mnt", transport: str = "rdma") -> Mount:
-        m = Mount(target, tmp_path, options, name, transport)
+    def make(options: str = "", name: str = "mnt", transport: str = "rdma",
+             flags: tuple[str, ...] = ()) -> Mount:
+        m = Mount(target, tmp_path, options, name, transport, flags)
         mounts.append(m)
         return m.start()
 

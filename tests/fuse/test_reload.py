@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 import yaml
 
 from e2e.conftest import TargetProc, free_port
@@ -25,14 +26,17 @@ def wait_for(check, timeout: float = 15.0) -> bool:
     return False
 
 
-def test_resize_and_added_namespace_show_up_in_the_mount(tmp_path):
+@pytest.mark.parametrize("fuse_workers", [1, 3])
+def test_resize_and_added_namespace_show_up_in_the_mount(tmp_path, fuse_workers):
+    """With --fuse-workers 3 the mount process tells its workers: every process serves
+    the new size and the new file (many requests, so that each process gets some)."""
     port = free_port()
     config = {"listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
               "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
                   {"nsid": 1, "backend": "ramdisk", "size": "8MiB"}]}]}
     target = TargetProc(config, tmp_path).start()
     target.port = port
-    mount = Mount(target, tmp_path)
+    mount = Mount(target, tmp_path, flags=("--fuse-workers", str(fuse_workers)))
     try:
         mount.start()
         n1 = mount.file("n1")
@@ -55,6 +59,20 @@ def test_resize_and_added_namespace_show_up_in_the_mount(tmp_path):
             f.write(b"beyond the old end")
             f.seek(12 * MiB)
             assert f.read(18) == b"beyond the old end"
+        fd = os.open(n1, os.O_RDWR)
+        try:
+            for i in range(60):         # unbuffered, each one a FUSE request
+                data = os.urandom(4096)
+                assert os.pwrite(fd, data, 12 * MiB + i * 4096) == 4096
+                assert os.pread(fd, 4096, 12 * MiB + i * 4096) == data
+        finally:
+            os.close(fd)
+        for _ in range(20):
+            with open(mount.file("n2"), "rb") as f:
+                assert len(f.read()) == 4 * MiB
+        if fuse_workers > 1:
+            served = mount.status()
+            assert served.count(", running, I/O queues") == fuse_workers, served
     finally:
         mount.cleanup()
         target.stop()

@@ -47,6 +47,9 @@ class _State:
     reactor: Reactor
     admin: HostQueue | None
     io_queues: list[HostQueue]
+    io_share: tuple[int, int]
+    io_queues_granted: int
+    io_depth: int
     namespaces: dict[int, HostNamespace]
     cntlid: int
     identify: IdentifyController | None

@@ -332,9 +332,9 @@ class Worker:
         if kind == "verbs_queue":
             self.take_verbs_queue(msg[1])
         elif kind == "verbs_event":
-            session = self.rdma_sessions.get(msg[1])
-            if session is not None and session.queue is not None:
-                session.queue.cmid.deliver(msg[2], msg[3])
+            rdma = self.rdma_sessions.get(msg[1])
+            if rdma is not None and rdma.queue is not None:
+                rdma.queue.cmid.deliver(msg[2], msg[3])  # type: ignore[union-attr]  # (remote)
         if kind in ("verbs_queue", "verbs_event"):
             for fd in fds:
                 os.close(fd)

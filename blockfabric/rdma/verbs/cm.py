@@ -294,14 +294,15 @@ class VerbsCMId(_Endpoint, base.CMId):
 
     def _qp_to(self, state: int, what: str, qp: VerbsQP | None = None) -> None:
         attr, mask = self._qp_attr(state, what)
-        (qp or self.qp).modify(attr, mask, what)
+        (qp or self.qp).modify(attr, mask, what)  # type: ignore[union-attr]  # (after _need_qp)
 
     def _conn_param(self, private_data: bytes, resources: int, depth: int, retry: int = 7,
                     rnr_retry: int = 7, qp_num: int | None = None):
         # pyverbs sends private data only from a buffer sized by data_len at construction
         param = self._pv.cmid.ConnParam(resources=resources, depth=depth, retry=retry,
                                         rnr_retry=rnr_retry,
-                                        qp_num=self.qp.qp_num if qp_num is None else qp_num,
+                                        qp_num=self.qp.qp_num if qp_num is None  # type: ignore[union-attr]
+                                        else qp_num,
                                         data_len=len(private_data))
         if private_data:
             param.set_private_data(bytes(private_data))

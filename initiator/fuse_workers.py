@@ -27,6 +27,10 @@ holds the admin queue (keep-alive, asynchronous events, reconnecting) and the mo
 * Unmount or SIGTERM: the kernel ends every clone of the session (ENODEV), the mount process
   tells its workers to stop and waits for them (SIGKILL after :data:`STOP_TIMEOUT`); a worker
   whose mount process is gone (its control socket closes) stops by itself.
+
+Longer than ~500 lines because both ends of the mount-process/worker channel live here (the
+supervisor: start, restart, stop, status; the worker: clone, connect, serve, follow
+reconnects), so a message and its answer are read side by side.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ rdma_cm id stays here), and sends its Connect back here to be checked.
 Here the queue is a :class:`RemoteQueue`: the controller's registry entry (limits, status,
 teardown), never on the I/O path.
 
-Over 500 lines (the hand-over of both transports and the channel's messages): not split
-while the verbs hand-over (branch verbspg) changes the same functions; what the groups
-share besides queues and reservations is in target.groupstate, a few lines here
-each.
+Longer than ~500 lines because it is one protocol, both ends of which must change together:
+the hand-over of three kinds of queue (an NVMe/TCP socket, a soft-RDMA socket, a verbs QP
+whose rdma_cm id stays in the coordinator) and every message of the channel; what the
+groups share besides queues and reservations is in target.groupstate.
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ needs).  What it does not: admin commands, keep-alive, AENs, authentication, rel
 listeners; the coordinator owns those and the reservation state, which it pushes here (and
 waits for the acknowledgement) before it answers the command that changed it.
 
-Over 500 lines (the hand-over of both transports and the channel's messages): not split
-while the verbs hand-over (branch verbspg) changes the same functions; what the groups
-share besides queues and reservations is in target.groupstate, a few lines here
-each.
+Longer than ~500 lines because it is one protocol, both ends of which must change together:
+the hand-over of three kinds of queue (an NVMe/TCP socket, a soft-RDMA socket, a verbs QP
+whose rdma_cm id stays in the coordinator) and every message of the channel; what the
+groups share besides queues and reservations is in target.groupstate.
 """
 
 from __future__ import annotations

@@ -96,7 +96,9 @@ case_ours() {
         --verify crc32c > "$W/bench.txt" 2>&1 &
     pid=$!
     where=$(placement queues 2 60) || ok=FAIL
-    if [ "$REACTORS" -gt 1 ] && ! placement worker 1 > /dev/null; then echo "no I/O queue in the worker"; ok=FAIL; fi
+    # judged on that same status answer: a second query with a 1 s limit failed once under
+    # TCG although the answer above showed q1 in the worker (make lab, 2026-12-04)
+    if [ "$REACTORS" -gt 1 ] && [[ "$where" != *":g1"* ]]; then echo "no I/O queue in the worker"; ok=FAIL; fi
     wait "$pid" || ok=FAIL
     grep -E "read:|write:|error|verify" "$W/bench.txt" | head -n 6
     [ "$ok" = OK ] || cat "$W/bench.txt"

@@ -21,12 +21,12 @@ from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.fabric.tcp_target import TcpTargetQueue
 from blockfabric.protocol.cm import CMAccept, CMConnectRequest, CMReject, CMRejectStatus
 from blockfabric.protocol.errors import ProtocolError
-from blockfabric.rdma import CONNECTION_ENDED, CMEventType, CMId, Listener, get_provider
+from blockfabric.rdma import CMId, Listener, get_provider
 from blockfabric.target import config as cfg
 from blockfabric.target import reload
 from blockfabric.target.broker import BufferBroker
 from blockfabric.target.registry import ControllerRegistry
-from blockfabric.target.sessions import ADMIN_MAX_DEPTH, QueueSession, peer_of
+from blockfabric.target.sessions import ADMIN_MAX_DEPTH, QueueSession, connection_end, peer_of
 
 log = logging.getLogger(__name__)
 
@@ -258,16 +258,9 @@ class Listeners:
         log.debug("accepted %s qid %d depth %d", cmid.peer_address, req.qid, depth)
 
     def _on_cm_event(self, session: QueueSession) -> None:
-        queue = session.queue
-        while queue is not None and not queue.closed:
-            event = queue.cmid.get_event(0)  # type: ignore[union-attr]  # (RDMA: a CM id)
-            if event is None:
-                return
-            if event.type in CONNECTION_ENDED:
-                self.registry.queue_broken(session, queue, "peer disconnected"
-                                           if event.type == CMEventType.DISCONNECTED
-                                           else f"connection ended ({event.type.name})")
-                return
+        reason = connection_end(session.queue)
+        if reason is not None:
+            self.registry.queue_broken(session, session.queue, reason)
 
     # -- NVMe/TCP ----------------------------------------------------------------------------
     def _on_tcp(self, lconf: cfg.Listener, listener: TcpListener) -> None:

@@ -22,6 +22,7 @@ from blockfabric.protocol.auth import CONNECT_AUTHREQ_ATR, AuthPolicy, TargetAut
 from blockfabric.protocol.cm import CMConnectRequest
 from blockfabric.protocol.controller import ControllerState, QueueState, admit
 from blockfabric.protocol.errors import ProtocolError
+from blockfabric.rdma import CONNECTION_ENDED, CMEventType
 from blockfabric.protocol.fabrics import (CONNECT_DATA_SIZE, DISCOVERY_NQN, IATTR,
                                           IPO_DATA_CNTLID, IPO_DATA_HOSTNQN, IPO_DATA_SUBNQN,
                                           IPO_SQE_QID, IPO_SQE_SQSIZE, ConnectCommand,
@@ -147,6 +148,20 @@ def peer_of(queue: AnyTargetQueue | None) -> str:
         return "%s:%s" % tuple(queue.cmid.peer_address[:2])  # type: ignore[union-attr]  # (None: ?)
     except Exception:
         return "?"
+
+
+def connection_end(queue: AnyTargetQueue | None) -> str | None:
+    """An RDMA queue's CM events, read without blocking until none is left: why the
+    connection ended if one of them ended it (then no more are read), else None.  The
+    listener's and a poll-group worker's queues both watch their CM id with it."""
+    while queue is not None and not queue.closed:
+        event = queue.cmid.get_event(0)  # type: ignore[union-attr]  # (RDMA: a CM id)
+        if event is None:
+            return None
+        if event.type in CONNECTION_ENDED:
+            return ("peer disconnected" if event.type == CMEventType.DISCONNECTED
+                    else f"connection ended ({event.type.name})")
+    return None
 
 
 def _peer_ip(queue: AnyTargetQueue | None) -> str:

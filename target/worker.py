@@ -37,7 +37,7 @@ from blockfabric.fabric.reactor import Reactor
 from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.fabric.tcp_target import TcpTargetQueue
 from blockfabric.protocol.cm import CMAccept
-from blockfabric.rdma import CONNECTION_ENDED, get_provider
+from blockfabric.rdma import get_provider
 from blockfabric.protocol.controller import Phase, QueueState, admit
 from blockfabric.target import config as cfg
 from blockfabric.target import groupstate
@@ -51,7 +51,7 @@ from blockfabric.target.pollgroups import PLACEMENT_ENV
 from blockfabric.target.broker import BufferBroker
 from blockfabric.target.drain import flush_subsystem
 from blockfabric.target.registry import close_queue
-from blockfabric.target.sessions import QueueSession
+from blockfabric.target.sessions import QueueSession, connection_end
 from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger("blockfabric.target.worker")
@@ -495,14 +495,8 @@ class Worker:
         self.rdma_sessions[hid] = session
 
     def _on_cm_event(self, session: _RdmaSession) -> None:
-        queue = session.queue
-        while queue is not None and not queue.closed:
-            event = queue.cmid.get_event(0)  # type: ignore[union-attr]  # (RDMA: a CM id)
-            if event is None:
-                return
-            if event.type in CONNECTION_ENDED:
-                self.rdma_lost(session, "peer disconnected")
-                return
+        if connection_end(session.queue) is not None:
+            self.rdma_lost(session, "peer disconnected")
 
     def connected(self, hid: int, ok: bool, info: Any) -> None:
         """The coordinator's verdict on a handed-over RDMA queue's Connect."""

@@ -114,11 +114,22 @@ class Mount:
                 pass
 
 
+def gone(pid: int) -> bool:
+    """True once `pid` has exited (reaped, or a zombie its parent has not yet reaped).
+    The process may be reaped between any two reads, so a missing /proc entry at any
+    point means gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rpartition(") ")[2].startswith(("Z", "X"))
+
+
 def wait_gone(pid: int, timeout: float = 15) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not os.path.exists(f"/proc/{pid}") or \
-                open(f"/proc/{pid}/stat").read().split(") ")[1].startswith("Z"):
+        if gone(pid):
             return True
         time.sleep(0.02)
     return False

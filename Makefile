@@ -40,7 +40,7 @@ all: help
 help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
 	@echo "make test   set up and run the full test suite (make lint first)"
-	@echo "make lint   pyflakes checks through ruff, and make typecheck (rules in pyproject.toml)"
+	@echo "make lint   pyflakes and pycodestyle (format) checks through ruff, and make typecheck (rules in pyproject.toml)"
 	@echo "make typecheck   mypy: strict on blockfabric/protocol and blockfabric/fabric, default elsewhere"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
@@ -85,8 +85,9 @@ venv: deps $(STAMP)
 # timeouts rather than compute, so 3 workers on 2 cores took 312 s where one took 450-480 s.
 # TEST_JOBS=0 runs in one process, as plain pytest does.
 TEST_JOBS ?= 3
-# lint: pyflakes' checks through ruff (unused and undefined names and imports, syntax; the
-# rules are in pyproject.toml), a second or so; make test runs it first.
+# lint: ruff's pyflakes checks (unused and undefined names and imports, syntax) and its
+# pycodestyle format check (whitespace, indentation, blank lines, line length; the rules and why
+# not `ruff format` are in pyproject.toml), a second or so; make test runs it first.
 lint: venv typecheck
 	$(PY) -m ruff check .
 

@@ -10,8 +10,8 @@ one monitor, one memstore OSD) and takes it down after.  "client CPU" is, for py
 this process (all its threads: librbd's too); for the mount, the target daemon + the FUSE
 daemon + fio (utime + stime from /proc/<pid>/stat, all threads); "cluster CPU" is the OSD
 and monitor, the same for both.  Memstore keeps the data in RAM, so the cluster is as fast
-as it gets here and the numbers show what each client path costs.  (Not named rbd.py: run as a script, that
-would shadow python3-rbd's module.)
+as it gets here and the numbers show what each client path costs.  (Not named rbd.py: run as a
+script, that would shadow python3-rbd's module.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ and where the time goes: py-spy flame graphs of the target and the host at QD16 
 
     python benchmarks/scaling.py [--runtime 6] [--progress thread] [--out benchmarks/results]
 
-Queues: one ``blockfabric bench`` with ``-i N --numjobs N --thread`` (QD16 each, one shared controller).
+Queues: one ``blockfabric bench`` with ``-i N --numjobs N --thread`` (QD16 each, one shared
+controller).
 Hosts: N ``blockfabric bench`` processes at once, each its own host NQN, one queue, QD16.
 Profiles: the target and ``blockfabric bench`` (the host library), then the target and the
 FUSE mount daemon under fio, 5 s each; SVGs in --out, and the top self-time frames in the

@@ -49,7 +49,6 @@ class PlacementError(BlockfabricError, ValueError):
         self.key, self.expected, self.got = key, expected, got
 
 
-
 # --------------------------------------------------------------------------- placement
 
 @dataclasses.dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""The blockfabric host side: library, FUSE mount and CLI (installed as ``blockfabric.initiator``)."""
+"""The blockfabric host side: library, FUSE mount and CLI (installed as
+``blockfabric.initiator``)."""

@@ -126,4 +126,3 @@ def short_size(n: int) -> str:
         if n and n % (1 << shift) == 0:
             return f"{n >> shift}{suffix}"
     return str(n)
-

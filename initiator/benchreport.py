@@ -98,7 +98,6 @@ class DirStats:
                 "lat_ns": LatStat(map(operator.add, self.slats, self.clats)).as_fio()}
 
 
-
 @dataclass
 class JobResult:
     """What the report needs of a finished job: plain data, so that a job run in another

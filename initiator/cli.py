@@ -183,7 +183,8 @@ def build_parser() -> CommandParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("discover", help="list the subsystems a discovery controller offers this host",
+    p = sub.add_parser("discover",
+                       help="list the subsystems a discovery controller offers this host",
                        formatter_class=HelpFormatter,
                        description="Connect to the discovery controller "
                                    "(nqn.2014-08.org.nvmexpress.discovery), read the discovery "

@@ -283,4 +283,3 @@ def _reject_text(private: bytes, qid: int) -> str:
     except ProtocolError:
         reason = f"unrecognised reject data {private[:8].hex()}"
     return f"target rejected queue {qid}: {reason}"
-

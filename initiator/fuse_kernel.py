@@ -88,7 +88,6 @@ def library_version() -> str:
     return f"kernel FUSE protocol {KERNEL_MAJOR}.{OUR_MINOR}, no library"
 
 
-
 # --------------------------------------------------------------------------- the server
 
 class _IoRequest:
@@ -729,4 +728,3 @@ def serve(fs: VolumeFS, mountpoint: str, *, fsname: str,
     started = time.monotonic()
     server.serve(on_ready)
     log.debug("FUSE session of %s ended after %.1f s", mountpoint, time.monotonic() - started)
-

@@ -26,7 +26,6 @@ class FuseMountError(RuntimeError):
     """The kernel or fusermount3 refused the mount; the message says why."""
 
 
-
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 

@@ -63,7 +63,7 @@ from blockfabric.initiator.namespace import HostNamespace  # noqa: F401
 #: Deprecated name of :class:`HostNamespace` (docs and users' code say ``Namespace``); new
 #: code says HostNamespace, which the target's Namespace (a backing store) cannot be taken for.
 Namespace = HostNamespace
-from blockfabric.initiator.recovery import (CTRL_TRANSITIONS, CtrlEvent,  # noqa: F401
+from blockfabric.initiator.recovery import (CTRL_TRANSITIONS, CtrlEvent,  # noqa: F401,E402
                                             CtrlState, Recovery, RecoveryStats)
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,6 @@ class ConnectOptions:
     #: :mod:`blockfabric.initiator.pathset`); a lost path reconnects in the background.
     #: A third item, "rdma" or "tcp", makes that path go over that transport.
     paths: list[tuple] = field(default_factory=list)
-
-
 
 
 class Controller(QueueSetup, Events, IoPath, Recovery):
@@ -203,12 +201,10 @@ class Controller(QueueSetup, Events, IoPath, Recovery):
         """The (traddr, trsvcid) in use, or last used."""
         return self.paths[self.path_index]
 
-
     # -- information -----------------------------------------------------------------
     def queue_stats(self) -> dict[int, dict[str, int]]:
         queues = ([self.admin] if self.admin else []) + self.io_queues
         return {q.qid: q.stats.as_dict() for q in queues}
-
 
     # -- teardown ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 2.0) -> None:
@@ -273,14 +269,11 @@ class Controller(QueueSetup, Events, IoPath, Recovery):
             self.pd = None
         self.reactor.close()
 
-
     def __enter__(self) -> Controller:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
 
 
 class _Tcp:
@@ -329,4 +322,3 @@ def discover(traddr: str, trsvcid: int = DEFAULT_PORT, **kwargs) -> list[Discove
         size = 1024 * (header.numrec + 1)
         page = ctrl.get_log_page(LogPageId.DISCOVERY, size)
         return list(DiscoveryLogEntry.iter_from(page, header.numrec))
-

@@ -434,4 +434,3 @@ def _queue_error(error: BaseException, what: str) -> BaseException:
     if isinstance(error, QueueDead):
         return error.during(what)
     return QueueDead(f"{what}: {error}")
-

@@ -276,7 +276,6 @@ class Recovery(ControllerParts):
         self._lose(held, ControllerLost(f"controller lost: {reason}"))
         self._tell_state()
 
-
     def recovery_stats(self) -> dict[str, Any]:
         """State, path and reconnect counters (see :class:`RecoveryStats`)."""
         with self._state_lock:
@@ -285,12 +284,10 @@ class Recovery(ControllerParts):
                        held_now=len(self._held))
         return out
 
-
     def _give_up_held(self) -> None:
         with self._state_lock:
             held, self._held = self._held, []
         self._lose(held, ControllerLost("controller closed"))
-
 
     # -- keep-alive ------------------------------------------------------------------
     def _schedule_keep_alive(self, kato_ms: int) -> None:
@@ -330,4 +327,3 @@ class Recovery(ControllerParts):
 
         self.reactor.call_soon_threadsafe(
             lambda: setattr(self, "_ka_timer", self.reactor.call_later(kato_ms / 2000, send)))
-

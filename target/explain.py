@@ -1,8 +1,8 @@
 """``blockfabric-target check --explain HOSTNQN``: why a host can or cannot connect.
 
 It reads only the configuration (the same rules the running target applies in
-``Connector.connect`` in sessions.py and the discovery log), so it answers before anything is started, and
-says what to change.
+``Connector.connect`` in sessions.py and the discovery log), so it answers before anything is
+started, and says what to change.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What a configuration reload changes: a pure diff of the old and the new configuration.
 
-The reloader applies the plan in two phases (see ``Reloader.apply`` in reloader.py): everything that can fail
-(opening new listeners and volumes, refusing what cannot be done) happens before anything
-running is touched, so a reload is taken whole or not at all.
+The reloader applies the plan in two phases (see ``Reloader.apply`` in reloader.py): everything
+that can fail (opening new listeners and volumes, refusing what cannot be done) happens before
+anything running is touched, so a reload is taken whole or not at all.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from blockfabric.target.status import snapshot
 
 log = logging.getLogger(__name__)
 
+
 class Target:
     """The whole daemon; used as ``with Target(config) as t: t.start(); t.serve_forever()``."""
 

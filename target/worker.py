@@ -190,7 +190,8 @@ class ForwardStore:
     def load(self, fresh_start: bool = False) -> reservations.State:
         return self.worker.ask(("resv_get", self.nqn, self.nsid))
 
-    def update(self, change: Callable[[reservations.State], reservations.Outcome]) -> reservations.Outcome:
+    def update(self, change: Callable[[reservations.State], reservations.Outcome]
+               ) -> reservations.Outcome:
         """Run on a backend thread: the change on the coordinator's current state, stored
         there only if nobody changed it meanwhile (else again, on the newer one)."""
         for _ in range(100):

@@ -63,7 +63,8 @@ def test_connection_flags_follow_nvme_cli():
     (["--dhchap-secret", "DHHC-1:01:Zm9v:"], "--dhchap-secret: the key is 0 bytes"),
     (["--dhchap-secret", "secret"], "--dhchap-secret: a secret starts with 'DHHC-1:'"),
     (["--dhchap-ctrl-secret", "DHHC-1:00:" + "A" * 48 + ":"], "--dhchap-ctrl-secret: the CRC"),
-    (["--dhchap-ctrl-secret", "DHHC-1:00:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACtVQoZ:"], "needs --dhchap-secret"),
+    (["--dhchap-ctrl-secret", "DHHC-1:00:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAACtVQoZ:"],
+     "needs --dhchap-secret"),
 ])
 def test_bad_secrets_are_usage_errors(argv, message):
     res = run(str(BIN / "blockfabric"), "connect", "-a", "127.0.0.1", "-n", "nqn.x", *argv)

@@ -350,4 +350,3 @@ def stop(pid: int, proc: subprocess.Popen | None) -> None:
             elif not alive(pid):
                 return
             time.sleep(0.05)
-

@@ -64,7 +64,8 @@ class Endpoint:
         self.recv_count = recv_count
         self.recv_size = recv_size
         self.cq: CQ = cmid.context.create_cq(max_send_wr + recv_count + 16)
-        made: list[CQ | BufferPool] = [self.cq]      # released again should a later step fail (no fd leaks)
+        # released again should a later step fail (no fd leaks)
+        made: list[CQ | BufferPool] = [self.cq]
         try:
             first = BufferPool(pd, recv_count if recv_now is None else recv_now, recv_size,
                                Access.LOCAL_WRITE)
@@ -129,6 +130,7 @@ class Endpoint:
         reactor, self.reactor = self.reactor, None
         if reactor is None:
             return
+
         def unregister() -> None:
             self._attached = False
             reactor.remove_cq(self.cq, self.service)

@@ -117,8 +117,8 @@ class TcpHostQueue(PduConnection, HostQueue):
     copy_unsent = False
     pd: SoftPD[_LocalKeys]          # (local memory only: blockfabric.fabric.tcp.local_pd)
 
-    def __init__(self, sock: socket.socket, pd: SoftPD[_LocalKeys], resp: tcp_pdu.ICResp, *, qid: int, depth: int,
-                 inline_size: int, name: str, hpda: int = 0) -> None:
+    def __init__(self, sock: socket.socket, pd: SoftPD[_LocalKeys], resp: tcp_pdu.ICResp, *,
+                 qid: int, depth: int, inline_size: int, name: str, hpda: int = 0) -> None:
         PduConnection.__init__(self, sock, name)
         self.pd = pd
         self.qid = qid

@@ -104,7 +104,8 @@ class Explanation(enum.IntEnum):
 
 RESCODE_FAILED = 0x01
 
-HASH_NAMES: dict[int, str] = {HashId.SHA256: "sha256", HashId.SHA384: "sha384", HashId.SHA512: "sha512"}
+HASH_NAMES: dict[int, str] = {HashId.SHA256: "sha256", HashId.SHA384: "sha384",
+                              HashId.SHA512: "sha512"}
 HASH_LENGTHS: dict[int, int] = {HashId.SHA256: 32, HashId.SHA384: 48, HashId.SHA512: 64}
 DHGROUP_NAMES: dict[int, str] = {DhGroup.NULL: "null", DhGroup.FFDHE2048: "ffdhe2048",
                                   DhGroup.FFDHE3072: "ffdhe3072", DhGroup.FFDHE4096: "ffdhe4096",

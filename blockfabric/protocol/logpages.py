@@ -198,7 +198,6 @@ class ChangedNamespaceList(Packed):
         return self.nsids[:1] == (CHANGED_NS_OVERFLOW,)
 
 
-
 class AnaState(enum.IntEnum):
     """An ANA group's state on one controller (the ANA log's per-group state byte)."""
 

@@ -33,4 +33,3 @@ def bench_json(target: TargetProc, *flags: str) -> dict[str, Any]:
     done = bench(target, "-o", "json", *flags)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-

@@ -72,7 +72,8 @@ def test_quick_run_reports_every_system_and_job(quick):
         assert label in text
     for job in report.JOBS:
         row = next(line for line in text.splitlines() if line.startswith(f"| {job.title} |"))
-        assert "-" not in [c.strip() for c in row.split("|")[2:-1]], row   # a cell per system, none empty
+        # a cell per system, none empty
+        assert "-" not in [c.strip() for c in row.split("|")[2:-1]], row
     assert re.search(r"load average \(1 min\) during the run: min \d", text)
     assert "nbdfuse -P" in text and "blockfabric mount -a 127.0.0.1" in text
     numbers = json.loads((out / "compare-quick.json").read_text())

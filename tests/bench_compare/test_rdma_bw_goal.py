@@ -1,4 +1,5 @@
-"""benchmarks/rdma_bw.py's Goal section (rdma_bw_report.py): issue 14's two ratios, each PASS or FAIL."""
+"""benchmarks/rdma_bw.py's Goal section (rdma_bw_report.py): issue 14's two ratios, each PASS or
+FAIL."""
 
 from __future__ import annotations
 

@@ -118,4 +118,3 @@ def test_a_coordination_pool_outside_the_caps_is_refused_at_start(ceph_cephx, tm
     last = out.stderr.strip().splitlines()[-1]
     assert "gateway gw-q: Ceph pool gwq" in last and "as client.bfgq" in last and \
         "osd 'profile rbd pool=gwq'" in last, out.stderr
-

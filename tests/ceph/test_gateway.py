@@ -43,7 +43,8 @@ def _image(ceph) -> str:
 
 def gateway_config(ceph, images, port, name, group, cntlids, home, others="non-optimized",
                    reactors=1):
-    return {**({"reactors": reactors} if reactors > 1 else {}), "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
+    return {**({"reactors": reactors} if reactors > 1 else {}),
+            "listeners": [{"provider": "soft", "address": "127.0.0.1", "port": port}],
             "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
                 {"nsid": i + 1, "backend": "rbd", "ana_group": i + 1, "rbd": {
                     "pool": ceph.pool, "image": img, "ceph_conf": ceph.conf,

@@ -3,7 +3,8 @@ subprocess, the host library and the real FUSE mount over real sockets.
 
 Timeouts are short and documented here: rbd.op_timeout 2 s (a stopped OSD fails an I/O
 after 2 s, and the target then ends the controllers and answers Connect with Controller
-Busy while it probes the image every second); the hosts reconnect every 0.5 s (the library) or 1 s (the bench command).
+Busy while it probes the image every second); the hosts reconnect every 0.5 s (the library) or
+1 s (the bench command).
 """
 
 from __future__ import annotations

@@ -274,12 +274,17 @@ def run_fuzzer(request, machine: type[RuleBasedStateMachine], name: str, harness
                     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
     if budget is None:
         config = settings(base, database=None)
-        seeds: Callable[[int], int] = lambda _round: int(first_seed or DEFAULT_SEED)
+
+        def seeds(_round: int) -> int:
+            return int(first_seed or DEFAULT_SEED)
     else:
         db = DirectoryBasedExampleDatabase(os.path.join(".hypothesis", "fuzz", name))
         config = settings(base, database=db)
-        seeds = (lambda r: int(first_seed) if first_seed and r == 0
-                 else random.SystemRandom().getrandbits(32))
+
+        def seeds(r: int) -> int:
+            if first_seed and r == 0:
+                return int(first_seed)
+            return random.SystemRandom().getrandbits(32)
     machine.harness = harness
     started = time.monotonic()
     shrink_limit = engine.MAX_SHRINKING_SECONDS

@@ -40,7 +40,8 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK   # utime, stime (fields 14, 15)
 
 
-def start_target(py_bin: str, addr: str, port: int, work: str, provider: str) -> tuple[subprocess.Popen, str]:
+def start_target(py_bin: str, addr: str, port: int, work: str, provider: str
+                 ) -> tuple[subprocess.Popen, str]:
     cfg = os.path.join(work, "target.yaml")
     with open(cfg, "w") as f:
         f.write(f"""listeners:
@@ -150,7 +151,8 @@ def table(results: list[dict]) -> list[str]:
 def measure(args: argparse.Namespace) -> int:
     py_bin = os.path.dirname(args.py)
     work = tempfile.mkdtemp(prefix="verbs-lat.")
-    info = {"tag": args.tag, "provider": args.provider, "commit": git_rev(), "kernel": os.uname().release,
+    info = {"tag": args.tag, "provider": args.provider, "commit": git_rev(),
+            "kernel": os.uname().release,
             "cpus": os.cpu_count(), "addr": args.addr, "runtime_s": args.runtime,
             "ramp_s": args.ramp, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     try:
@@ -175,7 +177,7 @@ def measure(args: argparse.Namespace) -> int:
             tgt.wait(60)
         except subprocess.TimeoutExpired:
             tgt.kill()
-    errs = [l for l in open(log) if "Traceback" in l or " ERROR " in l]
+    errs = [line for line in open(log) if "Traceback" in line or " ERROR " in line]
     info["target_log_errors"] = errs[:5]
     base = os.path.join(args.out_dir, f"verbs_lat-{time.strftime('%Y-%m-%d', time.gmtime())}"
                         f"-{args.tag}")
@@ -227,7 +229,8 @@ def combine(out: str, files: list[str]) -> int:
     tags = sorted(med, key=lambda t: (not t.startswith("before"), t))   # before, then after
     if len(tags) == 2:
         a, b = tags
-        md += [f"## ratio {b} / {a}", "", "| case | IOPS | p50 | p99 | target CPU/IO | host CPU/IO |",
+        md += [f"## ratio {b} / {a}", "",
+               "| case | IOPS | p50 | p99 | target CPU/IO | host CPU/IO |",
                "|---|---:|---:|---:|---:|---:|"]
         for ra, rb in zip(med[a], med[b]):
             cells = [f"{rb[k] / ra[k]:.2f}" if ra[k] and rb[k] else "-" for k in keys]

@@ -1,4 +1,5 @@
-"""Where a poll-group target serves its I/O queues, from its control socket (tests/lab/pollgroups.sh).
+"""Where a poll-group target serves its I/O queues, from its control socket
+(tests/lab/pollgroups.sh).
 
 pg_status.py SOCKET                 print "q1:g1 q2:g0 | g0=1@PID g1=1@PID" (queue -> group;
                                     each group's I/O queues and pid)
@@ -32,7 +33,8 @@ def main() -> int:
         print(placement(sock)[0])
         return 0
     want = int(sys.argv[3]) if what == "queues" else None
-    limit = float(sys.argv[4 if what == "queues" else 3]) if len(sys.argv) > (4 if what == "queues" else 3) else 30
+    at = 4 if what == "queues" else 3
+    limit = float(sys.argv[at]) if len(sys.argv) > at else 30
     deadline = time.monotonic() + limit
     while True:
         text, st = placement(sock)

@@ -7,7 +7,11 @@ with a ConnParam naming that qp_num.  A client (a thread here) then does an RDMA
 SEND into the child, which answers with a SEND; the client's disconnect reaches the parent's
 event channel and is forwarded to the child.  Usage: verbs_pg_proto.py [IP]; rc 0 = it works.
 """
-import multiprocessing as mp, sys, threading, time, struct
+import multiprocessing as mp
+import sys
+import threading
+import time
+import struct
 from blockfabric.rdma import SGE, Access, RecvWR, SendWR, WrOpcode, CMEventType, get_provider
 
 IP = sys.argv[1] if len(sys.argv) > 1 else "10.99.0.1"

@@ -357,4 +357,3 @@ def serve(core: AgentCore, rfile, wfile) -> None:
             reply = {"exception": f"{type(exc).__name__}: {exc}"}
         wfile.write(json.dumps(reply) + "\n")
         wfile.flush()
-

@@ -18,7 +18,8 @@ from blockfabric.net import enter_netns
 enter_netns(sys.argv[1])
 family = socket.AF_INET6 if ':' in sys.argv[2] else socket.AF_INET
 if sys.argv[3] == 'listen':
-    s = socket.socket(family); s.bind((sys.argv[2], 0)); s.listen(); print(s.getsockname()[1], flush=True)
+    s = socket.socket(family); s.bind((sys.argv[2], 0)); s.listen()
+    print(s.getsockname()[1], flush=True)
     c, _ = s.accept(); c.sendall(c.recv(16).upper())
 else:
     c = socket.create_connection((sys.argv[2], int(sys.argv[4])), timeout=5)

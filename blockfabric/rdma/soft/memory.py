@@ -48,7 +48,8 @@ class SoftMR(MR):
                             errno=_errno.EINVAL) from exc
         if view.readonly:
             raise RdmaError("cannot register read-only memory", errno=_errno.EACCES)
-        if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
+        remote_write = access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
+        if remote_write and not access & Access.LOCAL_WRITE:
             # ibv_reg_mr: remote write/atomic need local write (EINVAL)
             raise RdmaError("REMOTE_WRITE requires LOCAL_WRITE", errno=_errno.EINVAL)
         self.pd = pd

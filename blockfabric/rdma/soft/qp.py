@@ -167,8 +167,8 @@ class SoftQP(QP):
     """``max_unsent`` (see :class:`QP`) counts each queued buffer QUEUED_BUFFER_COST more
     than its bytes; 0 means DEFAULT_MAX_UNSENT."""
 
-    def __init__(self, cmid: "SoftCMId", pd: "SoftPD[SoftContext]", send_cq: "SoftCQ", recv_cq: "SoftCQ",
-                 cap: QPCap | None, sq_sig_all: bool) -> None:
+    def __init__(self, cmid: "SoftCMId", pd: "SoftPD[SoftContext]", send_cq: "SoftCQ",
+                 recv_cq: "SoftCQ", cap: QPCap | None, sq_sig_all: bool) -> None:
         self.ctx = pd.ctx
         self.pd = pd
         self.send_cq = send_cq

@@ -177,6 +177,20 @@ def test_fio_verify_through_the_fuse_mount(ceph, rbd_target, tmp_path):
         mount.cleanup()
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """True when every thread of ``pid`` is in state T (stopped) or t (traced)."""
+    task = f"/proc/{pid}/task"
+    for tid in os.listdir(task):
+        try:
+            with open(f"{task}/{tid}/stat") as f:
+                state = f.read().rpartition(") ")[2][:1]
+        except FileNotFoundError:
+            continue                    # a thread that exited meanwhile
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 @pytest.fixture
 def stopped_osd(ceph):
     """stop() / cont() the OSD with SIGSTOP / SIGCONT; always continued at teardown."""
@@ -184,7 +198,14 @@ def stopped_osd(ceph):
 
     class Osd:
         def stop(self) -> None:
+            """SIGSTOP, then wait until every thread is stopped: the signal is delivered
+            asynchronously, and under load a running OSD thread has answered a write
+            0.8 ms after kill() returned."""
             os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while not all_threads_stopped(pid):
+                assert time.monotonic() < deadline, f"osd.0 ({pid}) did not stop"
+                time.sleep(0.005)
 
         def cont(self) -> None:
             os.kill(pid, signal.SIGCONT)

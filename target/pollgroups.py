@@ -24,6 +24,7 @@ groups share besides queues and reservations is in target.groupstate.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from blockfabric.target import groupstate
 from blockfabric.rdma.base import CMEventType
 from blockfabric.target import reservations
 from blockfabric.target import resvctl
+from blockfabric.target import status
 from blockfabric.target.backends import RamdiskBackend
 from blockfabric.target.metrics import IoStats
 
@@ -673,7 +675,8 @@ class PollGroups:
             own.add(n["io"])
         groups = [{"index": 0, "pid": os.getpid(), "role": "coordinator",
                    "queues": self._own_load(), "cpu_s": round(t.user + t.system, 3),
-                   "io": own.copy()}]
+                   "io": own.copy(),
+                   "resources": copy.deepcopy(target_snapshot["resources"])}]
         for g in self.groups:
             st = g.stats
             io = IoStats()
@@ -697,10 +700,13 @@ class PollGroups:
                     if sub is not None:
                         sub["io"].add(nio)
                         sub["io"].inflight += nio.inflight
+            held = st.get("resources")
+            if held is not None and g.alive:
+                status.add_resources(target_snapshot["resources"], held)
             groups.append({"index": g.index, "pid": g.pid, "role": "worker",
                            "alive": g.alive and g.ready, "queues": g.load,
                            "cpu_s": round(g.history_cpu + st.get("cpu_s", 0.0), 3),
-                           "io": io})
+                           "io": io, "resources": held})
         target_snapshot["groups"] = groups
         where = {key: g.index for g in self.groups for key in g.queues}
         for c in target_snapshot["controllers"]:

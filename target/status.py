@@ -50,8 +50,6 @@ def snapshot(target: Target) -> dict[str, Any]:
             "auth_required": ctrl.auth_policy is not None,
             "authenticated_queues": sorted(q for q, a in ctrl.auth.items()
                                            if a.authenticated)})
-    bounce = target.broker.bounce_pools
-    executor = target.broker.executor
     now = time.time()
     return {
         "version": __version__, "pid": os.getpid(), "config": config.source,
@@ -72,18 +70,43 @@ def snapshot(target: Target) -> dict[str, Any]:
         "placement": {**target.placement.as_dict(), "reactor": numa.thread_report(),
                       "memory": numa.bound_regions()},
         # What hosts hold right now: a host that vanished must leave all of it at rest.
-        "resources": {
-            "connections": len(registry.sessions),
-            "commands_in_flight": target.inflight(),
-            "bounce_buffers_in_use": sum(p.used for p in bounce),
-            "bounce_waiters": sum(p.waiting for p in bounce),
-            # per host (its fair share is what fairshare.py says)
-            "bounce_buffers_by_host": _by_host(bounce),
-            "backend_threads": {"busy": executor.used,
-                                "waiting": executor.waiting,
-                                "by_host": _by_host([executor])},
-        },
+        # (With poll groups, PollGroups.snapshot adds what the workers hold.)
+        "resources": resources(target.broker, len(registry.sessions), target.inflight()),
     }
+
+
+def resources(broker: Any, connections: int, inflight: int) -> dict[str, Any]:
+    """What the hosts hold in one process (the coordinator's or a poll-group worker's)."""
+    bounce = broker.bounce_pools
+    executor = broker.executor
+    return {
+        "connections": connections,
+        "commands_in_flight": inflight,
+        "bounce_buffers_in_use": sum(p.used for p in bounce),
+        "bounce_waiters": sum(p.waiting for p in bounce),
+        # per host (its fair share is what fairshare.py says)
+        "bounce_buffers_by_host": _by_host(bounce),
+        "backend_threads": {"busy": executor.used,
+                            "waiting": executor.waiting,
+                            "by_host": _by_host([executor])},
+    }
+
+
+def add_resources(total: dict[str, Any], part: dict[str, Any]) -> None:
+    """Add one process's :func:`resources` into ``total`` (the target's sums)."""
+    for key in ("connections", "commands_in_flight", "bounce_buffers_in_use",
+                "bounce_waiters"):
+        total[key] += part.get(key, 0)
+    _add_by_host(total["bounce_buffers_by_host"], part.get("bounce_buffers_by_host", {}))
+    threads, theirs = total["backend_threads"], part.get("backend_threads", {})
+    threads["busy"] += theirs.get("busy", 0)
+    threads["waiting"] += theirs.get("waiting", 0)
+    _add_by_host(threads["by_host"], theirs.get("by_host", {}))
+
+
+def _add_by_host(total: dict[str, int], part: dict[str, int]) -> None:
+    for host, n in part.items():
+        total[host] = total.get(host, 0) + n
 
 
 def _by_host(pools: Any) -> dict[str, int]:

@@ -42,6 +42,7 @@ from blockfabric.protocol.controller import Phase, QueueState, admit
 from blockfabric.target import config as cfg
 from blockfabric.target import groupstate
 from blockfabric.target import resvctl
+from blockfabric.target import status
 from blockfabric.target import reservations
 from blockfabric.target.backends import RamdiskBackend, open_backend
 from blockfabric.target.controller import Controller
@@ -236,6 +237,7 @@ class Worker:
         #: verbs: this process's context of each device its queues are on (shared by them)
         self.verbs_contexts: dict[str, Any] = {}
         self._answer_lock = threading.Lock()
+        self._stats_due = False
         self._next_req = 1
         self.resources = Resources(
             reactor=self.reactor, control_buffer=self.broker.control_buffer,
@@ -509,8 +511,8 @@ class Worker:
         if queue is None or queue.closed:
             return
         if not ok:
-            status, dnr, result = info
-            cmd.respond(status, dnr=dnr, result=result)
+            code, dnr, result = info
+            cmd.respond(code, dnr=dnr, result=result)
             return
         ctrl = self.controllers.get(info["cntlid"])
         if ctrl is None or ctrl.hostid != info["hostid"]:
@@ -554,6 +556,18 @@ class Worker:
             ctrl.dead = True
         if tell:
             self.send(("lost", ctrl.cntlid, qid, reason))
+        self._stats_soon()          # status shows what the queue held given back promptly
+
+    def _stats_soon(self) -> None:
+        """Send the counters at the end of this reactor pass (once, however many queues
+        ended in it), not only at the next tick."""
+        if not self._stats_due:
+            self._stats_due = True
+            self.reactor.call_soon(self._send_stats)
+
+    def _send_stats(self) -> None:
+        self._stats_due = False
+        self.send(("stats", self.stats()))
 
     # -- reservations -------------------------------------------------------------------
     def resv_changed(self, nqn: str, nsid: int, state: reservations.State, fenced: list[bytes],
@@ -575,14 +589,17 @@ class Worker:
         for sub in self.subsystems.values():
             for ns in sub.namespaces.values():
                 per_ns[sub.nqn, ns.nsid] = ns.stats.copy()
+        inflight = sum(c.io.inflight for c in self.controllers.values())
         return {"index": self.index, "pid": os.getpid(), "cpu_s": t.user + t.system,
                 "queues": len(self.sessions),
                 "controllers": {c: ctrl.io.copy() for c, ctrl in self.controllers.items()},
                 "namespaces": per_ns, "active": groupstate.activity(self),
-                "inflight": sum(c.io.inflight for c in self.controllers.values())}
+                "inflight": inflight,
+                # what the hosts hold here (status' resources; at rest once a host is gone)
+                "resources": status.resources(self.broker, len(self.sessions), inflight)}
 
     def _tick(self) -> None:
-        self.send(("stats", self.stats()))
+        self._send_stats()
         self.reactor.call_later(STATS_INTERVAL, self._tick)
 
     def drain(self, timeout: float) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from blockfabric.initiator.host import ConnectOptions, Controller
 
-from e2e.conftest import (HOSTNQN, NQN, TargetProc, free_port, ram_config,  # noqa: F401
+from e2e.conftest import (HOSTNQN, NQN, REACTORS, TargetProc, free_port, ram_config,  # noqa: F401
                           reactors, start_target, transport, via)
 from helpers.netns import netns_pair  # noqa: F401
 

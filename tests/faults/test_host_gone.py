@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from .conftest import HOSTNQN, NQN, TargetProc, file_config, free_port
+from .conftest import HOSTNQN, NQN, REACTORS, TargetProc, file_config, free_port
 
 BIN = pathlib.Path(sys.executable).parent
 LOAD = pathlib.Path(__file__).with_name("verifyload.py")
@@ -48,10 +48,12 @@ def wait_at_rest(sock: pathlib.Path, timeout: float) -> dict:
         time.sleep(0.1)
 
 
-@pytest.fixture
-def target(tmp_path):
+@pytest.fixture(params=REACTORS, ids=lambda n: f"{n}r")
+def target(tmp_path, request):
+    """One process, then two poll groups (the I/O queues in the worker: what it holds is
+    in status' resources too)."""
     port = free_port()
-    config = file_config(port, tmp_path / "vol.img")
+    config = file_config(port, tmp_path / "vol.img", reactors=request.param)
     config["control_socket"] = str(tmp_path / "ctl.sock")
     proc = TargetProc(config, tmp_path).start()
     proc.port, proc.sock = port, tmp_path / "ctl.sock"

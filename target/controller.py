@@ -64,6 +64,9 @@ class Controller(AuthGate, IoCommands):
     #: Seconds the keep-alive allows beyond KATO for activity reported late: a queue in a
     #: poll-group worker (target.groupstate.ACTIVITY_LAG); 0 here.
     activity_lag = 0.0
+    #: The keep-alive found it idle and asked the poll groups for their reports: look again
+    #: once they answered, and end it then if still idle.
+    activity_asked = False
 
     def __init__(self, res: Resources, owner: Owner, state: ControllerState,
                  subsystem: Subsystem | None, hostnqn: str, hostid: bytes,
@@ -173,12 +176,24 @@ class Controller(AuthGate, IoCommands):
         # activity_lag: a queue in a poll-group worker reports its commands late
         idle = time.monotonic() - self.last_activity - self.activity_lag
         if idle * 1000 >= self.kato_ms:
+            refresh = self.owner.refresh_activity
+            if self.activity_lag and refresh is not None and not self.activity_asked:
+                # a worker's report may be late behind a busy machine, not the host silent
+                self.activity_asked = True
+                self.kato_timer = None
+                refresh(self, self._activity_refreshed)
+                return
             log.warning("%s: keep-alive timeout kato_ms=%d idle_s=%.1f: tearing it down",
                         self.name, self.kato_ms, idle)
             self.owner.destroy_controller(self, "keep-alive expired")
             return
+        self.activity_asked = False
         self.kato_timer = self.res.reactor.call_later(
             self.kato_ms / 1000 - idle, self._check_keep_alive)
+
+    def _activity_refreshed(self) -> None:
+        if self.kato_timer is None:     # (a Set Features KATO meanwhile started a new check)
+            self._check_keep_alive()
 
     # -- dispatch --------------------------------------------------------------------
     def handle(self, cmd: Command) -> None:

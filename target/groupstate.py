@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from blockfabric.target.backends import Unavailable
 from blockfabric.target.sessions import peer_of
@@ -100,6 +100,32 @@ def served_remotely(ctrl: Controller) -> None:
     ctrl.activity_lag = ACTIVITY_LAG
 
 
+def refresh_activity(groups: PollGroups, ctrl: Controller, then: Callable[[], None]) -> None:
+    """Before ``ctrl``'s keep-alive ends it: each group serving one of its queues sends its
+    stats now (take_activity), then acknowledges; ``then()`` once all did, or after a KATO
+    (a group that cannot answer in that time does not keep the controller alive)."""
+    live = [g for g in groups.groups
+            if g.alive and any(cntlid == ctrl.cntlid for cntlid, _qid in g.queues)]
+    if not live:
+        then()
+        return
+    req = groups._next_req
+    groups._next_req += 1
+    waiting = {g.index for g in live}
+    entry: list[Any] = [waiting, then, None]
+    groups._acks[req] = entry
+    for g in live:
+        if not g.send(("activity?", req)):
+            waiting.discard(g.index)
+
+    def late() -> None:
+        if groups._acks.pop(req, None) is not None:
+            then()
+    entry[2] = groups.target.reactor.call_later(max(ctrl.kato_ms / 1000, 1.0), late)
+    if not waiting:
+        groups._acked(req)
+
+
 def take_activity(groups: PollGroups, stats: dict) -> None:
     """A worker's stats: the last command time of each controller it serves (monotonic,
     the same clock in every process) counts as activity for its keep-alive."""
@@ -145,7 +171,10 @@ def set_ana(worker: Worker, states: dict[tuple[str, int], tuple[int, int]]) -> N
 def worker_message(worker: Worker, msg: tuple) -> None:
     """A coordinator's message of the kinds here."""
     kind = msg[0]
-    if kind == "ana":
+    if kind == "activity?":             # refresh_activity: the stats now, then the answer
+        worker.send_stats()
+        worker.send(("ack", msg[1]))
+    elif kind == "ana":
         set_ana(worker, msg[1])
     elif kind == "resize":
         _, nqn, nsid, size = msg

@@ -587,6 +587,10 @@ class PollGroups:
         if not waiting:
             self._acked(req)
 
+    def refresh_activity(self, ctrl: Any, then: Callable[[], None]) -> None:
+        """The keep-alive's question before it ends ``ctrl`` (groupstate.refresh_activity)."""
+        groupstate.refresh_activity(self, ctrl, then)
+
     def _ack_timeout(self, req: int) -> None:
         entry = self._acks.get(req)
         if entry is None:

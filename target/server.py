@@ -182,6 +182,7 @@ class Target:
             if self.config.reactor_count > 1:
                 self.poll = pollgroups.PollGroups(self, self.config.reactor_count)
                 self.owner.publish_resv = self.poll.publish_resv
+                self.owner.refresh_activity = self.poll.refresh_activity
                 self.listening.poll = self.connector.poll = self.poll
                 self.poll.start()
             for lconf in self.config.listeners:

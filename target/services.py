@@ -79,7 +79,7 @@ class Owner:
 
     __slots__ = ("destroy_controller", "end_queue", "flush_subsystem", "auth_failed",
                  "discovery_log", "draining", "controllers", "ana", "discovery_nqn",
-                 "discovery_serial", "firmware_revision", "publish_resv")
+                 "discovery_serial", "firmware_revision", "publish_resv", "refresh_activity")
 
     def __init__(self, *, destroy_controller: Callable[[Controller, str], None],
                  end_queue: Callable[[AnyTargetQueue, str], None],
@@ -107,3 +107,7 @@ class Owner:
         #: gives every group a namespace's new reservation state, ``then()`` once they
         #: all have it; None: this process is the only one.
         self.publish_resv: Callable[..., None] | None = None
+        #: With poll groups: ``refresh_activity(ctrl, then)`` has the groups serving ``ctrl``
+        #: report its last command now (their periodic report may be late on a busy
+        #: machine), ``then()`` once they did or a KATO passed; None: one process.
+        self.refresh_activity: Callable[[Controller, Callable[[], None]], None] | None = None

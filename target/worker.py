@@ -57,8 +57,10 @@ from blockfabric.target.services import Owner, Resources
 
 log = logging.getLogger("blockfabric.target.worker")
 
-#: Seconds between the counters a worker sends its coordinator (status, metrics).
-STATS_INTERVAL = 0.5
+#: Seconds between the counters a worker sends its coordinator (status, metrics, keep-alive
+#: activity); $BLOCKFABRIC_POLL_STATS_INTERVAL overrides it (a diagnostic: with it long,
+#: status lags and the keep-alive relies on asking the groups, docs/scaling.md).
+STATS_INTERVAL = float(os.environ.get("BLOCKFABRIC_POLL_STATS_INTERVAL") or 0.5)
 #: How long a reservation change forwarded to the coordinator may take.
 RESV_TIMEOUT = 10.0
 
@@ -563,9 +565,9 @@ class Worker:
         ended in it), not only at the next tick."""
         if not self._stats_due:
             self._stats_due = True
-            self.reactor.call_soon(self._send_stats)
+            self.reactor.call_soon(self.send_stats)
 
-    def _send_stats(self) -> None:
+    def send_stats(self) -> None:
         self._stats_due = False
         self.send(("stats", self.stats()))
 
@@ -599,7 +601,7 @@ class Worker:
                 "resources": status.resources(self.broker, len(self.sessions), inflight)}
 
     def _tick(self) -> None:
-        self._send_stats()
+        self.send_stats()
         self.reactor.call_later(STATS_INTERVAL, self._tick)
 
     def drain(self, timeout: float) -> None:

@@ -250,6 +250,38 @@ def test_a_reload_cannot_change_reactors(two_groups, tmp_path):
         verify_workload(ctrl.namespaces[1], seed=9, ops=100, inflight=16)
 
 
+def test_a_late_worker_report_does_not_end_an_active_controller(start_target, tmp_path):
+    """The workers report each controller's last command every 0.5 s; on a busy machine a
+    report can come late.  Before ending a controller served in a worker, the keep-alive
+    asks its groups for their reports now: here the periodic ones come every 30 s, so only
+    that question keeps the host (I/O on the worker's queue, no Keep Alive) alive; once
+    the host falls silent the controller still ends."""
+    port = free_port()
+    config = ram_config(port, transport="tcp", reactors=2)
+    config["control_socket"] = str(tmp_path / "control.sock")
+    target = start_target(config, env={"BLOCKFABRIC_POLL_STATS_INTERVAL": "30"})
+    kato = 1.0
+    ctrl = connect("127.0.0.1", NQN, port, transport="tcp", hostnqn=HOSTNQN,
+                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
+                   ctrl_loss_tmo=0)
+    try:
+        (c,) = _status(config["control_socket"])["controllers"]
+        assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
+        ns = ctrl.namespaces[1]
+        end = time.monotonic() + 4 * kato
+        while time.monotonic() < end:
+            ns.write(0, b"L" * 4096)
+            time.sleep(0.05)
+        assert ns.read(0, 4096) == b"L" * 4096
+        assert "keep-alive timeout" not in target.log, target.log
+        assert target.wait_log("keep-alive timeout", 4 * kato + 5), target.log
+    finally:
+        try:
+            ctrl.close()
+        except Exception:  # noqa: BLE001  (the target ended it: that is the point)
+            pass
+
+
 @pytest.mark.parametrize("transport", ["tcp", "rdma"])
 def test_io_on_a_workers_queue_keeps_a_silent_host_alive(two_groups, transport):
     """A host that sends no Keep Alive (KATO 2 s) but does I/O on a queue in the worker:

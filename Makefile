@@ -32,7 +32,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
-.PHONY: all deps venv lint typecheck test demo lab lab-auth lab-resv lab-systemd install install-venv install-units \
+.PHONY: all deps venv lint typecheck test test-reactors demo lab lab-auth lab-resv lab-systemd install install-venv install-units \
         uninstall bench bench-cost bench-rdma bench-rdma-lab bench-verbs-lab soak fuzz clean help
 
 all: help
@@ -40,6 +40,7 @@ all: help
 help:
 	@echo "make demo   set up, start a ramdisk target on the soft provider, mount it, benchmark, clean up"
 	@echo "make test   set up and run the full test suite (make lint first)"
+	@echo "make test-reactors   the e2e, fault and hostile suites again, every target with 2 poll groups"
 	@echo "make lint   pyflakes and pycodestyle (format) checks through ruff, and make typecheck (rules in pyproject.toml)"
 	@echo "make typecheck   mypy: strict on blockfabric/protocol and blockfabric/fabric, default elsewhere"
 	@echo "make lab    the RDMA contract suite on verbs: Soft-RoCE in a QEMU guest (root)"
@@ -106,6 +107,14 @@ XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 test: lint
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	BLOCKFABRIC_SOFT_PROGRESS=thread $(PY) -m pytest $(XDIST) tests/e2e tests/fuse $(PYTEST_ARGS)
+
+# test-reactors: the end-to-end, fault and hostile suites once more with every target they
+# start at `reactors: 2` (BLOCKFABRIC_TEST_REACTORS; the I/O queues in a worker process), but
+# for the tests already parametrised with 1 and 2 reactors, which make test runs both ways.
+# About 2.5 minutes; .ci/run runs it after make test.
+test-reactors: venv
+	BLOCKFABRIC_TEST_REACTORS=2 $(PY) -m pytest $(XDIST) tests/e2e tests/faults tests/hostile \
+	  -k "not 1r and not 2r" $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) scripts/demo.py

@@ -39,6 +39,11 @@ class Channel:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_MESSAGE)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, MAX_MESSAGE)
         self._lock = threading.Lock()
+        #: every message is received into this one buffer (recvmsg(MAX_MESSAGE) would
+        #: allocate 4 MiB per message, a heap that grows by 4 MiB at the first one on a
+        #: busy target); its pages become resident only as far as messages reach
+        self._buf = bytearray(MAX_MESSAGE)
+        self._recv_lock = threading.Lock()
         self.closed = False
 
     @classmethod
@@ -72,13 +77,15 @@ class Channel:
         ``block``); ChannelClosed at the end."""
         flags = 0 if block else socket.MSG_DONTWAIT
         fds = array.array("i")
-        try:
-            data, anc, msg_flags, _addr = self.sock.recvmsg(
-                MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * fds.itemsize), flags)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except (ConnectionResetError, OSError) as exc:
-            raise ChannelClosed(str(exc)) from exc
+        with self._recv_lock:
+            try:
+                size, anc, msg_flags, _addr = self.sock.recvmsg_into(
+                    [self._buf], socket.CMSG_SPACE(MAX_FDS * fds.itemsize), flags)
+            except (BlockingIOError, InterruptedError):
+                return None
+            except (ConnectionResetError, OSError) as exc:
+                raise ChannelClosed(str(exc)) from exc
+            data = bytes(memoryview(self._buf)[:size])
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])

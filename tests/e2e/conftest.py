@@ -27,11 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: ``BLOCKFABRIC_TEST_REACTORS=N``: every target a test starts without naming ``reactors`` in
+#: its configuration gets N poll groups (``make test-reactors`` runs the end-to-end, fault and
+#: hostile suites so with 2, beside the tests parametrised with 1 and 2 reactors).
+DEFAULT_REACTORS = int(os.environ.get("BLOCKFABRIC_TEST_REACTORS") or 1)
+
+
 class TargetProc:
     """``blockfabric-target run`` in a subprocess, with its stderr collected."""
 
     def __init__(self, config: dict[str, Any], tmp: pathlib.Path, netns: str | None = None,
                  env: dict[str, str] | None = None, command: list[str] | None = None) -> None:
+        if DEFAULT_REACTORS != 1 and "reactors" not in config:
+            config = {**config, "reactors": DEFAULT_REACTORS}
         self.config = config
         #: what runs instead of ``blockfabric-target`` (a wrapper with the same command line)
         self.command = command or [str(BIN / "blockfabric-target")]

@@ -4,6 +4,7 @@ counts add up, and what poll groups cannot serve is refused at load, naming the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -250,6 +251,32 @@ def test_a_reload_cannot_change_reactors(two_groups, tmp_path):
         verify_workload(ctrl.namespaces[1], seed=9, ops=100, inflight=16)
 
 
+@contextlib.contextmanager
+def silent_host_writing(socket_path: str, port: int, transport: str, kato: float,
+                        seconds: float):
+    """A host that sends no Keep Alive (``kato``) but writes on its I/O queue, which is in
+    the worker, every 50 ms for ``seconds``; then silent (the caller waits for the expiry).
+    Closed at the end, whatever the target did to it meanwhile."""
+    ctrl = connect("127.0.0.1", NQN, port, transport=transport, hostnqn=HOSTNQN,
+                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
+                   ctrl_loss_tmo=0)
+    try:
+        (c,) = _status(socket_path)["controllers"]
+        assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
+        ns = ctrl.namespaces[1]
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ns.write(0, b"k" * 4096)
+            time.sleep(0.05)
+        assert ns.read(0, 4096) == b"k" * 4096
+        yield
+    finally:
+        try:
+            ctrl.close()
+        except Exception:  # noqa: BLE001  (the target ended it: that is the point)
+            pass
+
+
 def test_a_late_worker_report_does_not_end_an_active_controller(start_target, tmp_path):
     """The workers report each controller's last command every 0.5 s; on a busy machine a
     report can come late.  Before ending a controller served in a worker, the keep-alive
@@ -261,25 +288,9 @@ def test_a_late_worker_report_does_not_end_an_active_controller(start_target, tm
     config["control_socket"] = str(tmp_path / "control.sock")
     target = start_target(config, env={"BLOCKFABRIC_POLL_STATS_INTERVAL": "30"})
     kato = 1.0
-    ctrl = connect("127.0.0.1", NQN, port, transport="tcp", hostnqn=HOSTNQN,
-                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
-                   ctrl_loss_tmo=0)
-    try:
-        (c,) = _status(config["control_socket"])["controllers"]
-        assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
-        ns = ctrl.namespaces[1]
-        end = time.monotonic() + 4 * kato
-        while time.monotonic() < end:
-            ns.write(0, b"L" * 4096)
-            time.sleep(0.05)
-        assert ns.read(0, 4096) == b"L" * 4096
+    with silent_host_writing(config["control_socket"], port, "tcp", kato, 4 * kato):
         assert "keep-alive timeout" not in target.log, target.log
         assert target.wait_log("keep-alive timeout", 4 * kato + 5), target.log
-    finally:
-        try:
-            ctrl.close()
-        except Exception:  # noqa: BLE001  (the target ended it: that is the point)
-            pass
 
 
 @pytest.mark.parametrize("transport", ["tcp", "rdma"])
@@ -291,26 +302,10 @@ def test_io_on_a_workers_queue_keeps_a_silent_host_alive(two_groups, transport):
     from blockfabric.target.groupstate import ACTIVITY_LAG
     kato = 2.0
     port = two_groups.port if transport == "tcp" else two_groups.rdma_port
-    ctrl = connect("127.0.0.1", NQN, port, transport=transport, hostnqn=HOSTNQN,
-                   nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
-                   ctrl_loss_tmo=0)
-    try:
-        (c,) = _status(two_groups.socket)["controllers"]
-        assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
-        ns = ctrl.namespaces[1]
-        end = time.monotonic() + 3 * kato
-        while time.monotonic() < end:
-            ns.write(0, b"k" * 4096)
-            time.sleep(0.05)
-        assert ns.read(0, 4096) == b"k" * 4096
+    with silent_host_writing(two_groups.socket, port, transport, kato, 3 * kato):
         assert "keep-alive timeout" not in two_groups.log, two_groups.log
         silent = time.monotonic()
         assert two_groups.wait_log("keep-alive timeout", kato + ACTIVITY_LAG + 5), \
             two_groups.log
         took = time.monotonic() - silent
         assert kato - 0.1 <= took <= kato + ACTIVITY_LAG + 2, took
-    finally:
-        try:
-            ctrl.close()
-        except Exception:  # noqa: BLE001  (the target ended it: that is the point)
-            pass

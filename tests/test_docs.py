@@ -169,3 +169,16 @@ def test_the_name_checker_sees_a_wrong_name():
                          "`NoSuchClass.run` `NoSuchClass`") == [
         "HostQueue.submit_nothing", "reloader.Nothing", "_no_such", "NoSuchClass.run",
         "NoSuchClass"]
+
+
+def test_readme_layout_names_every_module():
+    """A newcomer finds every module of the three packages in the README's Layout (a new
+    module without its line there fails here)."""
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[:layout.index("\n## ", 1)]
+    missing = [rel for rel in tree_files()
+               if rel.startswith(("blockfabric/", "target/", "initiator/"))
+               and rel.endswith(".py") and not rel.endswith("__init__.py")
+               and not re.search(rf"(?<![\w.]){re.escape(pathlib.PurePath(rel).name)}", layout)]
+    assert not missing, f"README.md's Layout does not name: {sorted(missing)}"

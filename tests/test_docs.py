@@ -182,3 +182,24 @@ def test_readme_layout_names_every_module():
                and rel.endswith(".py") and not rel.endswith("__init__.py")
                and not re.search(rf"(?<![\w.]){re.escape(pathlib.PurePath(rel).name)}", layout)]
     assert not missing, f"README.md's Layout does not name: {sorted(missing)}"
+
+
+#: a module's first docstring says why it is one module when it runs past this many lines
+LONG = 500
+
+
+def test_every_long_module_says_why_at_its_top():
+    """Issue 15: no module over ~500 lines without a reason written at its top ("Why one
+    module of ~N lines" or "Longer than ~500 lines because")."""
+    silent = []
+    for rel in tree_files():
+        if not rel.endswith(".py") or not rel.startswith(("blockfabric/", "target/",
+                                                          "initiator/", "benchmarks/")):
+            continue
+        text = (ROOT / rel).read_text()
+        if text.count("\n") <= LONG:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if not re.search(r"Why one module|Longer than ~?\d+ lines because", doc):
+            silent.append(f"{rel} ({text.count(chr(10))} lines)")
+    assert not silent, f"long modules that do not say why: {silent}"

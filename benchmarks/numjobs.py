@@ -31,7 +31,7 @@ BIN = pathlib.Path(sys.executable).parent
 NQN = "nqn.2026-12.io.blockfabric:numjobs"
 sys.path.insert(0, str(ROOT / "benchmarks" / "compare"))
 
-from cpu import cpu_seconds  # noqa: E402  (0.0 once a process is gone)
+from cpu import Sampler, cpu_seconds, machine_busy  # noqa: E402  (0.0: gone)
 
 
 def children(pid: int) -> list[int]:
@@ -42,18 +42,16 @@ def children(pid: int) -> list[int]:
         return []
 
 
-class TreeSampler:
-    """CPU seconds of a process and its children (the last value seen of each, so that a
-    child that has exited still counts), sampled with wall-clock stamps."""
+class TreeSampler(Sampler):
+    """:class:`cpu.Sampler` over process trees: the CPU seconds of a process and of its
+    children (the last value seen of each, so that a child that has exited still counts),
+    for the keys named in ``trees``; the same wall-clock samples and interpolation."""
 
     def __init__(self, pids: dict[str, int], interval: float = 0.025,
                  trees: tuple[str, ...] = ("bench",)) -> None:
-        self.pids = pids
+        super().__init__(pids, interval)  # type: ignore[arg-type]
         self.trees = trees          # the keys whose children count too
-        self.last: dict[str, dict[int, float]] = {k: {} for k in pids}
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.last: dict[str, dict[int, float]] = {k: {} for k in self.pids}
 
     def _sample(self) -> None:
         for key, pid in self.pids.items():
@@ -62,30 +60,12 @@ class TreeSampler:
                 v = cpu_seconds(p)
                 if v:                   # gone (0.0): its last value stands
                     self.last[key][p] = v
-        self.samples.append((time.time(), {k: sum(v.values()) for k, v in self.last.items()}))
-
-    def _run(self) -> None:
-        while not self.stop.wait(0.025):
-            self._sample()
-
-    def __enter__(self) -> TreeSampler:
-        self._sample()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        self._sample()
+        self.samples.append((time.time(), {k: sum(v.values()) for k, v in self.last.items()},
+                             machine_busy()))
 
     def between(self, t0: float, t1: float) -> dict[str, float]:
-        def at(key: str, t: float) -> float:
-            pts = [(ts, v[key]) for ts, v in self.samples]
-            for (ta, va), (tb, vb) in zip(pts, pts[1:]):
-                if ta <= t <= tb:
-                    return va + (vb - va) * ((t - ta) / (tb - ta) if tb > ta else 0)
-            return pts[-1][1] if t > pts[-1][0] else pts[0][1]
-        return {k: at(k, t1) - at(k, t0) for k in self.pids}
+        """CPU seconds of each key's tree between wall-clock instants t0 and t1."""
+        return self.span(t0, t1).cpu
 
 
 def free_port() -> int:

@@ -10,7 +10,8 @@ wait and no wake-up:
 * each request is read (``readv``) into a buffer of a region registered with the
   controller's protection domain, so a WRITE's payload is already where the target's RDMA
   READ fetches it, and a READ's data lands by RDMA WRITE where the reply is sent from
-  (``writev`` of the reply header and that memory): no copy of the data in this process;
+  (one ``write`` of the reply header, packed right before the data, and the data): no copy
+  of the data in this process;
 * the reply is written from the completion callback, on the reactor;
 * what must wait (read-modify-write of unaligned edges, fsync, fallocate) runs on a few
   worker threads that reply themselves, and never holds the reactor.

@@ -9,6 +9,10 @@ Everything here runs on the target's reactor thread.  Backend file I/O goes to a
 thread pool (os.preadv/pwritev release the GIL) and comes back with
 ``reactor.call_soon_threadsafe``; memory volumes are moved by RDMA straight into and out of
 their registered memory, with no copy and no thread hop.
+
+Longer than ~500 lines because the controller's state, its dispatch and its admin and
+fabrics commands read the same fields on every command; its I/O commands and its
+authentication, which need none of the admin side, are already apart.
 """
 
 from __future__ import annotations

@@ -249,6 +249,27 @@ unpack_digest = _DIGEST.unpack_from
 _IC = struct.Struct("<BBBBIHBBI")     # common header, pfv, hpda|cpda, digest, maxr2t|maxdata
 
 
+def _pack_ic(ptype: int, pfv: int, pda: int, hdgst: bool, ddgst: bool, last: int) -> bytes:
+    """An ICReq or ICResp: the two share one layout (``pda``: HPDA or CPDA; ``last``:
+    MAXR2T or MAXH2CDATA)."""
+    buf = bytearray(IC_SIZE)
+    _IC.pack_into(buf, 0, ptype, 0, IC_SIZE, 0, IC_SIZE, pfv, pda,
+                  (DIGEST_HDGST if hdgst else 0) | (DIGEST_DDGST if ddgst else 0), last)
+    return bytes(buf)
+
+
+def _unpack_ic(buf: Buffer, what: str, pda_name: str) -> tuple[int, int, int, int]:
+    """(pfv, pda, digest bits, last field) of an ICReq or ICResp, with the checks both
+    get: PFV 1.0, the PDA up to 31."""
+    _t, _f, _h, _p, _l, pfv, pda, dig, last = _IC.unpack_from(buf)
+    if pfv != PFV_1_0:
+        raise PduError(f"{what} PFV {pfv}", Fes.INVALID_HEADER_FIELD, 8)
+    if pda > MAX_PDA:
+        raise PduError(f"{what} {pda_name} {pda}: at most {MAX_PDA}",
+                       Fes.INVALID_HEADER_FIELD, 10)
+    return pfv, pda, dig, last
+
+
 @dataclass(frozen=True, slots=True)
 class ICReq:
     pfv: int = PFV_1_0
@@ -258,22 +279,13 @@ class ICReq:
     maxr2t: int = 0                 # 0's based: outstanding R2Ts per command
 
     def pack(self) -> bytes:
-        buf = bytearray(IC_SIZE)
-        _IC.pack_into(buf, 0, ICREQ, 0, IC_SIZE, 0, IC_SIZE, self.pfv, self.hpda,
-                      (DIGEST_HDGST if self.hdgst else 0) | (DIGEST_DDGST if self.ddgst else 0),
-                      self.maxr2t)
-        return bytes(buf)
+        return _pack_ic(ICREQ, self.pfv, self.hpda, self.hdgst, self.ddgst, self.maxr2t)
 
     @classmethod
     def unpack(cls, buf: Buffer) -> ICReq:
         """Decode (the header already passed :func:`check_header`) and check what a
         controller supports: PFV 1.0, HPDA up to 31, known digest bits."""
-        _t, _f, _h, _p, _l, pfv, hpda, dig, maxr2t = _IC.unpack_from(buf)
-        if pfv != PFV_1_0:
-            raise PduError(f"ICReq PFV {pfv}", Fes.INVALID_HEADER_FIELD, 8)
-        if hpda > MAX_PDA:
-            raise PduError(f"ICReq HPDA {hpda}: at most {MAX_PDA}",
-                           Fes.INVALID_HEADER_FIELD, 10)
+        pfv, hpda, dig, maxr2t = _unpack_ic(buf, "ICReq", "HPDA")
         if dig & ~(DIGEST_HDGST | DIGEST_DDGST):
             raise PduError(f"ICReq digest {dig:#x}", Fes.INVALID_HEADER_FIELD, 11)
         return cls(pfv, hpda, bool(dig & DIGEST_HDGST), bool(dig & DIGEST_DDGST), maxr2t)
@@ -288,23 +300,14 @@ class ICResp:
     maxh2cdata: int = 0
 
     def pack(self) -> bytes:
-        buf = bytearray(IC_SIZE)
-        _IC.pack_into(buf, 0, ICRESP, 0, IC_SIZE, 0, IC_SIZE, self.pfv, self.cpda,
-                      (DIGEST_HDGST if self.hdgst else 0) | (DIGEST_DDGST if self.ddgst else 0),
-                      self.maxh2cdata)
-        return bytes(buf)
+        return _pack_ic(ICRESP, self.pfv, self.cpda, self.hdgst, self.ddgst, self.maxh2cdata)
 
     @classmethod
     def unpack(cls, buf: Buffer, request: ICReq) -> ICResp:
         """Decode and check against the ``request`` sent, as the Linux host does: PFV 1.0,
         the digests exactly as asked, CPDA up to 31, MAXH2CDATA a multiple of 4 of at least
         4096."""
-        _t, _f, _h, _p, _l, pfv, cpda, dig, maxdata = _IC.unpack_from(buf)
-        if pfv != PFV_1_0:
-            raise PduError(f"ICResp PFV {pfv}", Fes.INVALID_HEADER_FIELD, 8)
-        if cpda > MAX_PDA:
-            raise PduError(f"ICResp CPDA {cpda}: at most {MAX_PDA}",
-                           Fes.INVALID_HEADER_FIELD, 10)
+        pfv, cpda, dig, maxdata = _unpack_ic(buf, "ICResp", "CPDA")
         hd, dd = bool(dig & DIGEST_HDGST), bool(dig & DIGEST_DDGST)
         if dig & ~(DIGEST_HDGST | DIGEST_DDGST) or hd != request.hdgst or \
                 dd != request.ddgst:

@@ -5,7 +5,6 @@ counts add up, and what poll groups cannot serve is refused at load, naming the 
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 import signal
@@ -20,28 +19,13 @@ from blockfabric.initiator.host import ConnectOptions, Controller, NvmeError, co
 from blockfabric.target import config as cfg
 from blockfabric.target.backends import RamdiskBackend
 
+from helpers.targetstatus import settled, status
+
 from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config
 from .workload import verify_workload
 
 CONFLICT = 0x083
 THIRD_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:33333333-2222-3333-4444-555555555555"
-
-
-def _status(sock: str) -> dict:
-    out = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket", sock,
-                          "--output-format", "json"], capture_output=True, text=True,
-                         timeout=20, check=True)
-    return json.loads(out.stdout)
-
-
-def _settled(sock: str, check, timeout: float = 15.0) -> dict:
-    """The status once ``check(status)`` holds (workers report every 0.5 s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = _status(sock)
-        if check(st) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -64,7 +48,7 @@ def test_io_queues_of_one_controller_spread_over_groups_and_counts_add_up(two_gr
         stats = ctrl.queue_stats()
         # the workers' counts reach the coordinator a moment later: wait for every kind
         # (the last reads come after the last writes)
-        st = _settled(two_groups.socket, lambda s: all(
+        st = settled(two_groups.socket, lambda s: all(
             sum(g["io"][key] for g in s["groups"]) == s["controllers"][0]["io"][key]
             and all(g["io"][key] for g in s["groups"])
             for key in ("reads", "writes", "read_bytes", "written_bytes")))
@@ -111,7 +95,7 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
     try:
         payload = os.urandom(1 << 20)
         tcp.namespaces[1].write(0, payload)
-        st = _status(two_groups.socket)
+        st = status(two_groups.socket)
         old = st["groups"][1]["pid"]
         before = {c["hostnqn"]: c["cntlid"] for c in st["controllers"]}
         where = {c["hostnqn"]: [q["group"] for q in c["queues"] if q["qid"]]
@@ -123,7 +107,7 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
         assert tcp.namespaces[1].read(0, len(payload)) == payload
         verify_workload(rdma.namespaces[1], seed=5, ops=100, inflight=8)
         verify_workload(tcp.namespaces[1], seed=6, ops=100, inflight=8)
-        st = _settled(two_groups.socket, lambda s: s["groups"][1]["alive"])
+        st = settled(two_groups.socket, lambda s: s["groups"][1]["alive"])
         after = {c["hostnqn"]: c["cntlid"] for c in st["controllers"]}
         assert after[OTHER_HOSTNQN] == before[OTHER_HOSTNQN]
         assert after[HOSTNQN] != before[HOSTNQN]          # a new controller: reconnected
@@ -135,7 +119,7 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
             with connect("127.0.0.1", NQN, port, **via, hostnqn=THIRD_HOSTNQN,
                          nr_io_queues=2) as third:
                 verify_workload(third.namespaces[1], seed=7, ops=50, inflight=8)
-                st = _status(two_groups.socket)
+                st = status(two_groups.socket)
             (c,) = [c for c in st["controllers"] if c["hostnqn"] == THIRD_HOSTNQN]
             assert 1 in [q["group"] for q in c["queues"]], (via, c)
         assert "exited" in two_groups.log
@@ -153,7 +137,7 @@ def test_reservations_hold_in_every_group(two_groups):
     a = Controller(ConnectOptions(hostnqn=HOSTNQN, hostid=b"A" * 16, **opts)).connect()
     b = Controller(ConnectOptions(hostnqn=OTHER_HOSTNQN, hostid=b"B" * 16, **opts)).connect()
     try:
-        st = _status(two_groups.socket)
+        st = status(two_groups.socket)
         for c in st["controllers"]:
             assert sorted(q["group"] for q in c["queues"] if q["qid"]) == [0, 1], c
         na, nb = a.namespaces[1], b.namespaces[1]
@@ -176,7 +160,7 @@ def test_reservations_hold_in_every_group(two_groups):
         assert na.read(4096, 4 * 4096) == b"b" * 4 * 4096
         # four conflicts each, two per queue, so two in each group; counted in the one
         # controller whichever group answered them
-        st = _settled(two_groups.socket, lambda s: sorted(
+        st = settled(two_groups.socket, lambda s: sorted(
             c["io"]["errors"] for c in s["controllers"]) == [4, 4])
         assert sorted(c["io"]["errors"] for c in st["controllers"]) == [4, 4], st
     finally:
@@ -238,13 +222,13 @@ def test_a_reload_cannot_change_reactors(two_groups, tmp_path):
     config = yaml.safe_load(two_groups.path.read_text())
     two_groups.path.write_text(yaml.safe_dump({**config, "reactors": 1}))
     two_groups.proc.send_signal(signal.SIGHUP)
-    st = _settled(two_groups.socket, lambda s: s["last_reload_error"])
+    st = settled(two_groups.socket, lambda s: s["last_reload_error"])
     assert "reactors: 2 -> 1: cannot change on reload" in st["last_reload_error"]
     assert len(st["groups"]) == 2
     # limits may change: the workers get them too, and serve on
     two_groups.path.write_text(yaml.safe_dump({**config, "limits": {"mdts": "256KiB"}}))
     two_groups.proc.send_signal(signal.SIGHUP)
-    st = _settled(two_groups.socket, lambda s: s["reloads"] == 1)
+    st = settled(two_groups.socket, lambda s: s["reloads"] == 1)
     assert st["reloads"] == 1 and st["last_reload_error"] is None
     with connect("127.0.0.1", NQN, two_groups.port, transport="tcp", hostnqn=HOSTNQN,
                  nr_io_queues=2) as ctrl:
@@ -261,7 +245,7 @@ def silent_host_writing(socket_path: str, port: int, transport: str, kato: float
                    nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
                    ctrl_loss_tmo=0)
     try:
-        (c,) = _status(socket_path)["controllers"]
+        (c,) = status(socket_path)["controllers"]
         assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
         ns = ctrl.namespaces[1]
         end = time.monotonic() + seconds

@@ -14,17 +14,12 @@ import time
 
 import pytest
 
+from helpers.targetstatus import settled, status
+
 from .conftest import HOSTNQN, NQN, REACTORS, TargetProc, file_config, free_port
 
 BIN = pathlib.Path(sys.executable).parent
 LOAD = pathlib.Path(__file__).with_name("verifyload.py")
-
-
-def status(sock: pathlib.Path) -> dict:
-    out = subprocess.run([str(BIN / "blockfabric-target"), "status", "--socket", str(sock),
-                          "--output-format", "json"], capture_output=True, text=True,
-                         timeout=10, check=True)
-    return json.loads(out.stdout)
 
 
 def at_rest(st: dict) -> bool:
@@ -40,12 +35,7 @@ def problems(log: str) -> list[str]:
 
 
 def wait_at_rest(sock: pathlib.Path, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = status(sock)
-        if at_rest(st) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.1)
+    return settled(sock, at_rest, timeout)
 
 
 @pytest.fixture(params=REACTORS, ids=lambda n: f"{n}r")

@@ -37,26 +37,60 @@ FORBIDDEN = {
 
 
 def target_imports(module: str) -> set[str]:
-    """The ``blockfabric.target`` modules that ``target/<module>.py`` imports."""
+    """The ``blockfabric.target`` modules that ``target/<module>.py`` imports (relative
+    imports included: ``from . import x``, ``from .x import y``)."""
     tree = ast.parse((TARGET / f"{module}.py").read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "blockfabric.target":
+        if isinstance(node, ast.ImportFrom):
+            name = node.module or ""
+            if node.level == 1:         # relative, in target/
+                name = "blockfabric.target" + ("." + name if name else "")
+            if name == "blockfabric.target":
                 found.update(alias.name for alias in node.names)
-            elif node.module.startswith("blockfabric.target."):
-                found.add(node.module.split(".")[2])
+            elif name.startswith("blockfabric.target."):
+                found.add(name.split(".")[2])
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("blockfabric.target."):
                     found.add(alias.name.split(".")[2])
-    return found
+    return {m for m in found if (TARGET / f"{m}.py").exists()}
+
+
+def reached(module: str) -> set[str]:
+    """Every target module ``module`` imports, directly or through the modules it imports."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for m in target_imports(todo.pop()) - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+#: the daemon: what the controller logic may not reach even through another module
+DAEMON = {"server", "listeners", "sessions", "registry", "broker", "reloader", "reload",
+          "pollgroups", "worker", "drain", "control", "status", "groupstate", "gateway",
+          "nschanges", "cli"}
 
 
 @pytest.mark.parametrize("module", sorted(FORBIDDEN))
 def test_module_imports_no_part_it_must_not_know(module):
     wrong = target_imports(module) & FORBIDDEN[module]
     assert not wrong, f"target/{module}.py imports {sorted(wrong)}"
+
+
+@pytest.mark.parametrize("module", ["controller", "ctrl_auth", "ctrl_io", "services"])
+def test_the_controller_reaches_nothing_of_the_daemon(module):
+    """Not even through a module it imports (resvctl, namespace, backends, ...)."""
+    wrong = reached(module) & DAEMON
+    assert not wrong, f"target/{module}.py reaches {sorted(wrong)}"
+
+
+def test_the_checker_follows_imports():
+    """The closure is really followed: server reaches the controller through its parts."""
+    assert {"controller", "ctrl_io", "ctrl_auth", "resvctl"} <= reached("server")
+    assert "sessions" not in target_imports("controller") and "controller" in reached("sessions")
 
 
 def test_the_checker_sees_imports_under_type_checking():

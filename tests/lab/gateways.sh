@@ -16,31 +16,13 @@
 # so) where Ceph's daemons are not installed (make test installs them).
 set -u
 [ -f tests/lab/gateways.sh ] || { echo "gateways.sh: run from the project root" >&2; exit 2; }
-. tests/lab/nvme-lib.sh     # say, since
-PY=${PY:-$PWD/.venv/bin/python}
-BIN=$(dirname "$PY")
-IP=${LAB_IP:-10.99.0.1}
-export PYTHONDONTWRITEBYTECODE=1   # the root fs is read-only under a tmpfs overlay
-W=$(mktemp -d /tmp/gateways.XXXXXX)
+. tests/lab/nvme-lib.sh     # PY, BIN, IP, W, say, since, wait_for, result, summary
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-0000000a7e00
 NQN=nqn.2026-12.io.blockfabric:lab-gateways
 # a TCG guest on a loaded machine takes seconds per RADOS call: a longer lease than the
 # defaults (6 s, 2 s), so that a slow renewal is not taken for a dead gateway
 LEASE=${GW_LEASE:-20} RENEW=${GW_RENEW:-4}
 declare -A PID
-fail=0
-results=()
-
-result() {
-    local line; line=$(printf 'RESULT %-28s %-4s %s' "$1" "$2" "$3")
-    echo "$line"; results+=("$line"); [ "$2" = OK ] || [ "$2" = SKIP ] || fail=1
-}
-# wait_for SECONDS CMD...: until CMD succeeds, 0.1 s apart, at most SECONDS (a deadline, not
-# a count: each try costs far more than 0.1 s in a TCG guest on a loaded machine)
-wait_for() {
-    local end; end=$(awk -v t="$EPOCHREALTIME" -v s="$1" 'BEGIN{printf "%.0f", t + s}'); shift
-    until "$@"; do [ "${EPOCHREALTIME%.*}" -lt "$end" ] || return 1; sleep 0.1; done
-}
 
 cleanup() {
     nvme disconnect -n "$NQN" > /dev/null 2>&1
@@ -181,6 +163,5 @@ grep -i "traceback" "$W"/gw-*.log && ok=FAIL
 dmesg | grep -i "nvme" | tail -n 12
 result G/failover "$ok" "fio verify err=0 ($written), kill->gw-b optimized ${took_over} s, restart->failback ${failback} s"
 
-say "gateways.sh summary"
-printf '%s\n' "${results[@]}"
+summary "gateways.sh summary"
 exit $fail

@@ -18,12 +18,7 @@
 set -u
 [ -f tests/lab/interop.sh ] || { echo "interop.sh: run from the project root" >&2; exit 2; }
 . tests/lab/nvme-lib.sh
-PY=${PY:-$PWD/.venv/bin/python}
-BIN=$(dirname "$PY")
-IP=${LAB_IP:-10.99.0.1}
 PORT=4420
-export PYTHONDONTWRITEBYTECODE=1   # the root fs is read-only under a tmpfs overlay
-W=$(mktemp -d /tmp/interop.XXXXXX)
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-00000000a11b
 NQN_OURS=nqn.2026-12.io.blockfabric:interop
 NQN_KERNEL=nqn.2026-12.io.rdma-lab:kernel-ram0
@@ -33,13 +28,6 @@ NQN_KAUTH=nqn.2026-12.io.rdma-lab:kernel-auth-ram1
 HOST_AUTH=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-0000000a0001   # NULL group
 HOST_BIDI=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-0000000a0002   # ffdhe2048
 TGT_PID=
-fail=0
-results=()
-
-result() {  # result CASE OK|FAIL|SKIP TEXT  (SKIP: cannot run on this kernel; not a failure)
-    local line; line=$(printf 'RESULT %-28s %-4s %s' "$1" "$2" "$3")
-    echo "$line"; results+=("$line"); [ "$2" = OK ] || [ "$2" = SKIP ] || fail=1
-}
 
 cleanup() {
     nvme disconnect-all > /dev/null 2>&1
@@ -65,26 +53,10 @@ trace_dump() {  # the kernel host's view of what it sent and what came back
 # A. kernel host -> blockfabric-target
 # ---------------------------------------------------------------------------------------
 start_target() {
-    mkdir -p "$W/vols"
-    cat > "$W/target.yaml" <<YAML
-listeners:
-  - {transport: rdma, provider: verbs, address: $IP, port: $PORT}
-subsystems:
-  - nqn: $NQN_OURS
-    allow_any_host: true
-    namespaces:
-      - {nsid: 1, backend: file, path: $W/vols/file1.img, size: 64MiB, block_size: 512}
-      - {nsid: 2, backend: ramdisk, size: 32MiB, block_size: 4096}
-$(auth_subsystem_yaml)
-control_socket: $W/target.sock
-YAML
+    target_yaml "$NQN_OURS" "{transport: rdma, provider: verbs, address: $IP, port: $PORT}" \
+        "$(auth_subsystem_yaml)" > "$W/target.yaml"
     # the target with a probe that logs each command whose data came in-capsule
-    "$PY" tests/lab/interop_target.py run -C "$W/target.yaml" -v > "$W/target.log" 2>&1 &
-    TGT_PID=$!
-    if ! poll grep -q "ready:" "$W/target.log"; then
-        echo "target did not become ready:"; cat "$W/target.log"; return 1
-    fi
-    grep "ready:\|listening" "$W/target.log"
+    launch_target "$W/target.yaml" "$PY" tests/lab/interop_target.py
 }
 
 kernel_host_case() {  # kernel_host_case NAME NR_IO_QUEUES
@@ -109,13 +81,9 @@ kernel_host_case() {  # kernel_host_case NAME NR_IO_QUEUES
     if dd_verify "$dev1"; then bytes=$((bytes + (8 << 20))); else ok=FAIL; fi
 
     # fio verify through nsid 2 (ramdisk): several jobs on distinct regions, crc32c
-    if fio --name=verify --filename="$dev2" --direct=1 --ioengine=libaio --rw=randwrite \
-           --bs=4k --bsrange=4k-128k --size=8M --numjobs=2 --offset_increment=12M \
-           --iodepth=8 --verify=crc32c --verify_fatal=1 --do_verify=1 --randseed=9 \
-           --output="$W/fio.txt" --group_reporting; then
-        bytes=$((bytes + (16 << 20))); grep -E "WRITE:|READ:|err=" "$W/fio.txt"
-        echo "fio: 16 MiB written with crc32c headers and verified"
-    else cat "$W/fio.txt"; ok=FAIL; fi
+    if fio_verify "$dev2" 2 9; then
+        bytes=$((bytes + (16 << 20))); echo "fio: 16 MiB written with crc32c headers and verified"
+    else ok=FAIL; fi
 
     # blkdiscard (Dataset Management, deallocate) on the first MiB of each namespace:
     # reads zeroes afterwards, on the host and (nsid 1) on our backing file
@@ -242,12 +210,7 @@ kernel_auth_case() {  # NAME HOSTNQN WANT TEXT [nvme connect args]; WANT: auth, 
              | grep -c "authenticated the controller too")" = $((nq + 1)) ] \
             || { echo "not every queue authenticated the controller"; ok=FAIL; }
     fi
-    if fio --name=auth-verify --filename="$dev" --direct=1 --ioengine=libaio --rw=randwrite \
-           --bs=4k --bsrange=4k-128k --size=8M --numjobs=2 --offset_increment=12M --iodepth=8 \
-           --verify=crc32c --verify_fatal=1 --do_verify=1 --randseed=13 \
-           --output="$W/fio-auth.txt" --group_reporting; then
-        bytes=$((16 << 20)); grep -E "WRITE:|READ:|err=" "$W/fio-auth.txt"
-    else cat "$W/fio-auth.txt"; ok=FAIL; fi
+    if fio_verify "$dev" 2 13; then bytes=$((16 << 20)); else ok=FAIL; fi
     nvme disconnect -n "$NQN_AUTH" || ok=FAIL
     poll eval '! ctrl_dev "$NQN_AUTH" > /dev/null' || { echo "controller still present"; ok=FAIL; }
     result "A/$name" "$ok" \
@@ -268,26 +231,8 @@ kernel_auth_cases() {
 # ---------------------------------------------------------------------------------------
 # B. blockfabric host -> kernel nvmet-rdma
 # ---------------------------------------------------------------------------------------
-CFS=/sys/kernel/config/nvmet
-kernel_target_up() {
-    modprobe -a nvmet nvmet-rdma brd || return 1
-    rmmod brd 2>/dev/null; modprobe brd rd_nr=2 rd_size=$((64 * 1024)) || return 1  # ram1: B/auth
-    mkdir "$CFS/subsystems/$NQN_KERNEL"
-    echo 1 > "$CFS/subsystems/$NQN_KERNEL/attr_allow_any_host"
-    mkdir "$CFS/subsystems/$NQN_KERNEL/namespaces/1"
-    echo -n /dev/ram0 > "$CFS/subsystems/$NQN_KERNEL/namespaces/1/device_path"
-    echo 1 > "$CFS/subsystems/$NQN_KERNEL/namespaces/1/enable"
-    mkdir "$CFS/ports/1"
-    echo rdma > "$CFS/ports/1/addr_trtype"; echo ipv4 > "$CFS/ports/1/addr_adrfam"
-    echo "$IP" > "$CFS/ports/1/addr_traddr"; echo "$PORT" > "$CFS/ports/1/addr_trsvcid"
-    ln -s "$CFS/subsystems/$NQN_KERNEL" "$CFS/ports/1/subsystems/$NQN_KERNEL"
-}
-kernel_target_down() {
-    [ -d "$CFS/ports/1" ] || return 0
-    rm -f "$CFS/ports/1/subsystems/$NQN_KERNEL"; rmdir "$CFS/ports/1"
-    echo 0 > "$CFS/subsystems/$NQN_KERNEL/namespaces/1/enable"
-    rmdir "$CFS/subsystems/$NQN_KERNEL/namespaces/1" "$CFS/subsystems/$NQN_KERNEL"
-}
+kernel_target_up() { nvmet_up 1 rdma "$PORT" "$NQN_KERNEL" 2; }    # /dev/ram1: B/auth
+kernel_target_down() { nvmet_down 1 "$NQN_KERNEL"; }
 
 our_host_case() {
     local t0 ok=OK bytes=0 out
@@ -308,26 +253,11 @@ our_host_case() {
 }
 
 our_mount_case() {  # fio verify through the FUSE file of a blockfabric mount
-    local t0 ok=OK mnt=$W/mnt
-    t0=$(now); mkdir -p "$mnt"
-    say "B/mount: blockfabric mount (verbs) of the kernel target, fio verify through $mnt/n1"
-    if ! "$BIN/blockfabric" mount -a "$IP" -s "$PORT" -q "$HOSTNQN" --provider verbs \
-            -n "$NQN_KERNEL" "$mnt"; then
-        result "B/mount" FAIL "blockfabric mount failed"; return
-    fi
-    ls -l "$mnt"; head -n 20 "$mnt/.status"
-    if fio --name=fuse-verify --filename="$mnt/n1" --ioengine=psync --rw=randwrite --bs=64k \
-           --size=16M --verify=crc32c --verify_fatal=1 --do_verify=1 --randseed=11 \
-           --verify_state_save=0 --output="$W/fio-fuse.txt"; then
-        grep -E "WRITE:|READ:|err=" "$W/fio-fuse.txt"
-    else cat "$W/fio-fuse.txt"; ok=FAIL; fi
-    # what fio wrote is on the kernel target's ramdisk, byte for byte
-    # (O_DIRECT: the page cache of /dev/ram0 does not see what nvmet wrote)
-    if cmp <(dd if="$mnt/n1" bs=1M count=16 status=none) \
-           <(dd if=/dev/ram0 bs=1M count=16 iflag=direct status=none); then
-        echo "the 16 MiB fio wrote through the mount are on the kernel target's /dev/ram0"
-    else echo "mount and /dev/ram0 differ"; ok=FAIL; fi
-    "$BIN/blockfabric" umount "$mnt" || ok=FAIL
+    local t0 ok=OK
+    t0=$(now)
+    say "B/mount: blockfabric mount (verbs) of the kernel target, fio verify through $W/mnt/n1"
+    mount_fio_verify "$W/mnt" -a "$IP" -s "$PORT" -q "$HOSTNQN" --provider verbs \
+        -n "$NQN_KERNEL" || ok=FAIL
     result "B/mount" "$ok" "our host, FUSE + fio verify: $([ $ok = OK ] && echo $((16 << 20)) || echo 0) bytes verified, $(since "$t0") s"
 }
 
@@ -430,6 +360,5 @@ else
 fi
 our_host_case
 our_auth_cases
-echo; echo "##### interop summary"
-printf '%s\n' "${results[@]}"
+summary "interop summary"
 exit $fail

@@ -1,11 +1,12 @@
 """Where a poll-group target serves its I/O queues, from its control socket
 (tests/lab/pollgroups.sh).
 
-pg_status.py SOCKET                 print "q1:g1 q2:g0 | g0=1@PID g1=1@PID" (queue -> group;
-                                    each group's I/O queues and pid)
+pg_status.py SOCKET                 print "c1.q1:g1 c1.q2:g0 | g0=1@PID g1=1@PID" (controller
+                                    1's queue 1 -> group 1...; each group's I/O queues and pid)
 pg_status.py SOCKET worker [SEC]    wait until the worker (group 1) serves an I/O queue
 pg_status.py SOCKET empty [SEC]     wait until no controller is left and the worker has no queue
-pg_status.py SOCKET queues N [SEC]  wait until N I/O queues are connected
+pg_status.py SOCKET queues N [SEC]  wait until N I/O queues are connected (all controllers':
+                                    bench --numjobs J -i Q connects J controllers, J*Q queues)
 Waits exit 1 (printing the last placement) when the time runs out.
 """
 import sys
@@ -19,10 +20,10 @@ def placement(sock: str) -> tuple[str, dict]:
         s = request(sock, "status")
     except ControlError as exc:
         return f"(no status: {exc})", {}
-    queues = [(q["qid"], q.get("group", 0)) for c in s["controllers"] for q in c["queues"]
-              if q["qid"]]
+    queues = [(c["cntlid"], q["qid"], q.get("group", 0)) for c in s["controllers"]
+              for q in c["queues"] if q["qid"]]
     groups = {g["index"]: g for g in s.get("groups", [])}
-    text = " ".join(f"q{qid}:g{g}" for qid, g in queues) + " | " + " ".join(
+    text = " ".join(f"c{c}.q{qid}:g{g}" for c, qid, g in queues) + " | " + " ".join(
         f"g{i}={g['queues']}@{g['pid']}" for i, g in sorted(groups.items()))
     return text, {"queues": queues, "groups": groups, "controllers": len(s["controllers"])}
 
@@ -40,7 +41,7 @@ def main() -> int:
         text, st = placement(sock)
         if st:
             g1 = st["groups"].get(1, {}).get("queues", 0)
-            if (what == "worker" and any(g == 1 for _q, g in st["queues"])) \
+            if (what == "worker" and any(g == 1 for _c, _q, g in st["queues"])) \
                     or (what == "empty" and not st["controllers"] and not g1) \
                     or (what == "queues" and len(st["queues"]) == want):
                 print(text)

@@ -45,12 +45,7 @@
 set -u
 [ -f tests/lab/resv.sh ] || { echo "resv.sh: run from the project root" >&2; exit 2; }
 . tests/lab/nvme-lib.sh
-PY=${PY:-$PWD/.venv/bin/python}
-BIN=$(dirname "$PY")
-IP=${LAB_IP:-10.99.0.1}
 T=${RESV_TRANSPORT:-rdma}           # rdma (verbs on rxe0) or tcp (the kernel's nvme-tcp)
-export PYTHONDONTWRITEBYTECODE=1
-W=$(mktemp -d /tmp/resv.XXXXXX)
 NQN=nqn.2026-12.io.blockfabric:resv
 HOSTS=(1 2 3)
 HNQN=() HID=() PORT=() DEV=()
@@ -61,13 +56,7 @@ for h in "${HOSTS[@]}"; do
 done
 KEY=([1]=0xa [2]=0xb)
 TGT_PID=
-fail=0
-results=()
-
-result() {
-    local line; line=$(printf 'RESULT %-14s %-4s %s' "$1" "$2" "$3")
-    echo "$line"; results+=("$line"); [ "$2" = OK ] || fail=1
-}
+RESULT_WIDTH=14
 # check WHAT CMD...: run CMD; on failure say what was expected and mark the case failed
 check() { local what=$1; shift; "$@" && return 0; echo "FAILED: $what"; ok=FAIL; return 1; }
 
@@ -78,8 +67,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-start_target() {
-    mkdir -p "$W/vols"
+start_target() {  # each start adds to $W/target.log (resv/ptpl restarts it)
     local h
     {
         echo "listeners:"
@@ -95,9 +83,7 @@ subsystems:
       - {nsid: 1, backend: file, path: $W/vols/shared.img, size: 64MiB, block_size: 4096}
 YAML
     } > "$W/target.yaml"
-    "$BIN/blockfabric-target" run -C "$W/target.yaml" -v >> "$W/target.log" 2>&1 &
-    TGT_PID=$!
-    poll grep -q "ready:" "$W/target.log" || { echo "target not ready:"; cat "$W/target.log"; return 1; }
+    launch_target "$W/target.yaml"
 }
 disk_of() {  # disk_of N -> /dev/nvmeXnY of namespace 1 whose controller is host N's
     local b
@@ -310,6 +296,6 @@ echo; echo "---- the kernel's log of it (nvme lines of dmesg) ----"
 dmesg | grep -E "new ctrl|shared namespace|error recovery|reconnected"
 echo "$(dmesg | grep -c "reservation conflict error") \"reservation conflict error\" lines of the block layer, the first:"
 dmesg | grep -m 2 -B 1 "reservation conflict error"
-echo; echo "##### resv summary ($(uname -r), $T)"; printf '%s\n' "${results[@]}"
+summary "resv summary ($(uname -r), $T)"
 grep -i "traceback" "$W/target.log" && fail=1
 exit $fail

@@ -20,11 +20,9 @@
 # Prints one RESULT line per case with what it saw; exit status 0 when all passed.
 set -u
 [ -f tests/lab/systemd.sh ] || { echo "systemd.sh: run from the project root" >&2; exit 2; }
-IP=${LAB_IP:-10.99.0.1}
-PY=/opt/blockfabric/bin/python
+PY=/opt/blockfabric/bin/python    # what make install put there (tests/lab/nvme-lib.sh keeps it)
 U=blockfabric-target.service
 M=blockfabric-mount@vol0.service
-W=$(mktemp -d /tmp/sdlab.XXXXXX)
 VOLS=/srv/bf-vols                 # an operator-chosen directory, outside /var/lib/blockfabric
 DROPIN=/etc/systemd/system/$U.d
 NQN_FILE=nqn.2026-12.io.blockfabric:lab-file
@@ -33,25 +31,8 @@ NQN_KERN=nqn.2026-12.io.blockfabric:lab-kernel
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-0000005d0001
 DENIED=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-0000005d0bad
 HOST_PID=
-fail=0
-results=()
-export PYTHONDONTWRITEBYTECODE=1
-
-say() { echo; echo "===== $*"; }
-result() {  # result CASE OK|FAIL TEXT... (the words of TEXT joined by spaces)
-    local name=$1 status=$2 line; shift 2
-    line=$(printf 'RESULT %-10s %-4s %s' "$name" "$status" "$*")
-    echo "$line"; results+=("$line"); [ "$status" = OK ] || fail=1
-}
-since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.1f", b-a}'; }
-# wait_for SECONDS CMD...: poll every 0.2 s (never a fixed sleep)
-wait_for() {
-    local end; end=$(awk -v t="$1" -v n="$EPOCHREALTIME" 'BEGIN{printf "%.3f", n+t}'); shift
-    until "$@"; do
-        awk -v e="$end" -v n="$EPOCHREALTIME" 'BEGIN{exit !(n>e)}' && return 1
-        sleep 0.2
-    done
-}
+. tests/lab/nvme-lib.sh     # IP, W, say, since, wait_for, result (RESULT lines), summary
+RESULT_WIDTH=10
 show() { systemctl show -p ActiveState,SubState,NRestarts,MainPID,Result "$@" | paste -sd' '; }
 prop() { systemctl show -P "$2" "$1"; }
 jlines() { journalctl -q -u "$1" -o cat --no-pager; }          # this boot's lines of a unit
@@ -403,7 +384,6 @@ ls /etc/blockfabric $VOLS
 result uninstall $ok "programs, links, units and the enabled mount removed;" \
     "/etc/blockfabric and the volumes kept"
 
-echo; echo "===== summary"
-printf '%s\n' "${results[@]}"
+summary "systemd summary"
 rm -rf "$W"
 exit $fail

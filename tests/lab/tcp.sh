@@ -16,24 +16,14 @@ set -u
 TCP_PARTS=${1:-${TCP_PARTS:-AB}}
 [ -f tests/lab/tcp.sh ] || { echo "tcp.sh: run from the project root" >&2; exit 2; }
 . tests/lab/nvme-lib.sh
-PY=${PY:-$PWD/.venv/bin/python}
-BIN=$(dirname "$PY")
-IP=${LAB_IP:-10.99.0.1}
 PORT=4420
-export PYTHONDONTWRITEBYTECODE=1   # the root fs is read-only under a tmpfs overlay
-W=$(mktemp -d /tmp/tcp.XXXXXX)
 HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:5e1f0000-0000-4000-8000-0000000007cb
 NQN_OURS=nqn.2026-12.io.blockfabric:tcp
 NQN_KERNEL=nqn.2026-12.io.rdma-lab:kernel-tcp-ram0
-CFS=/sys/kernel/config/nvmet
 TGT_PID=
-fail=0
-results=()
 
-result() {  # result CASE OK|FAIL TEXT
-    local line; line=$(printf 'RESULT %-28s %-4s %s' "$1" "$2" "$3")
-    echo "$line"; results+=("$line"); [ "$2" = OK ] || fail=1
-    case "$1:$2" in B/*:FAIL) echo "---- dmesg | grep -i nvme ----"; dmesg | grep -i nvme | tail -n 25 ;; esac
+result_failed() {  # after a FAIL line (tests/lab/nvme-lib.sh's result)
+    case $1 in B/*) echo "---- dmesg | grep -i nvme ----"; dmesg | grep -i nvme | tail -n 25 ;; esac
 }
 
 cleanup() {
@@ -49,22 +39,8 @@ trap cleanup EXIT
 # A. kernel nvme-tcp host -> blockfabric-target
 # ---------------------------------------------------------------------------------------
 start_target() {
-    mkdir -p "$W/vols"
-    cat > "$W/target.yaml" <<YAML
-listeners:
-  - {transport: tcp, address: $IP, port: $PORT}
-subsystems:
-  - nqn: $NQN_OURS
-    allow_any_host: true
-    namespaces:
-      - {nsid: 1, backend: file, path: $W/vols/file1.img, size: 64MiB, block_size: 512}
-      - {nsid: 2, backend: ramdisk, size: 32MiB, block_size: 4096}
-control_socket: $W/target.sock
-YAML
-    "$BIN/blockfabric-target" run -C "$W/target.yaml" -v > "$W/target.log" 2>&1 &
-    TGT_PID=$!
-    poll grep -q "ready:" "$W/target.log" || { cat "$W/target.log"; return 1; }
-    grep "ready:\|listening" "$W/target.log"
+    target_yaml "$NQN_OURS" "{transport: tcp, address: $IP, port: $PORT}" > "$W/target.yaml"
+    launch_target "$W/target.yaml"
 }
 
 kernel_host_case() {  # kernel_host_case NAME [nvme connect digest flags]
@@ -86,13 +62,10 @@ kernel_host_case() {  # kernel_host_case NAME [nvme connect digest flags]
          "address=$(cat /sys/class/nvme/${ctrl#/dev/}/address)" \
          "queues=$(io_queues "$ctrl")"
     if dd_verify "$dev1"; then bytes=$((bytes + (8 << 20))); else ok=FAIL; fi
-    if fio --name=verify --filename="$dev2" --direct=1 --ioengine=libaio --rw=randwrite \
-           --bs=4k --bsrange=4k-256k --size=8M --numjobs=3 --offset_increment=9M \
-           --iodepth=16 --verify=crc32c --verify_fatal=1 --do_verify=1 --randseed=18 \
-           --output="$W/fio.txt" --group_reporting; then
-        bytes=$((bytes + (24 << 20))); grep -E "WRITE:|READ:|err=" "$W/fio.txt"
+    if fio_verify "$dev2" 3 18 --bsrange=4k-256k --offset_increment=9M --iodepth=16; then
+        bytes=$((bytes + (24 << 20)))
         echo "fio: 24 MiB written by 3 jobs with crc32c headers and verified"
-    else cat "$W/fio.txt"; ok=FAIL; fi
+    else ok=FAIL; fi
     nvme disconnect -n "$NQN_OURS" || ok=FAIL
     poll eval '! ctrl_dev "$NQN_OURS" > /dev/null' || { echo "controller still present"; ok=FAIL; }
     grep -i "warning\|error\|traceback" "$W/target.log" | tail -n 5
@@ -104,26 +77,8 @@ kernel_host_case() {  # kernel_host_case NAME [nvme connect digest flags]
 # B. blockfabric host (-t tcp) -> kernel nvmet-tcp
 # ---------------------------------------------------------------------------------------
 KPORT=4421
-kernel_target_up() {
-    modprobe -a nvmet nvmet-tcp brd || return 1
-    rmmod brd 2>/dev/null; modprobe brd rd_nr=1 rd_size=$((64 * 1024)) || return 1
-    mountpoint -q /sys/kernel/config || mount -t configfs none /sys/kernel/config
-    mkdir "$CFS/subsystems/$NQN_KERNEL"
-    echo 1 > "$CFS/subsystems/$NQN_KERNEL/attr_allow_any_host"
-    mkdir "$CFS/subsystems/$NQN_KERNEL/namespaces/1"
-    echo -n /dev/ram0 > "$CFS/subsystems/$NQN_KERNEL/namespaces/1/device_path"
-    echo 1 > "$CFS/subsystems/$NQN_KERNEL/namespaces/1/enable"
-    mkdir "$CFS/ports/2"
-    echo tcp > "$CFS/ports/2/addr_trtype"; echo ipv4 > "$CFS/ports/2/addr_adrfam"
-    echo "$IP" > "$CFS/ports/2/addr_traddr"; echo "$KPORT" > "$CFS/ports/2/addr_trsvcid"
-    ln -s "$CFS/subsystems/$NQN_KERNEL" "$CFS/ports/2/subsystems/$NQN_KERNEL"
-}
-kernel_target_down() {
-    [ -d "$CFS/ports/2" ] || return 0
-    rm -f "$CFS/ports/2/subsystems/$NQN_KERNEL"; rmdir "$CFS/ports/2"
-    echo 0 > "$CFS/subsystems/$NQN_KERNEL/namespaces/1/enable"
-    rmdir "$CFS/subsystems/$NQN_KERNEL/namespaces/1" "$CFS/subsystems/$NQN_KERNEL"
-}
+kernel_target_up() { nvmet_up 2 tcp "$KPORT" "$NQN_KERNEL" 1; }
+kernel_target_down() { nvmet_down 2 "$NQN_KERNEL"; }
 
 our_host_case() {  # our_host_case NAME [--digests]
     local name=$1 t0 ok=OK out bytes digest=()
@@ -144,24 +99,10 @@ our_host_case() {  # our_host_case NAME [--digests]
 }
 
 our_mount_case() {
-    local t0 ok=OK mnt=$W/mnt
-    t0=$(now); mkdir -p "$mnt"
-    say "B/mount: blockfabric mount -t tcp of the kernel target, fio verify through $mnt/n1"
-    if ! "$BIN/blockfabric" mount -t tcp -a "$IP" -s "$KPORT" -q "$HOSTNQN" \
-            -n "$NQN_KERNEL" "$mnt"; then
-        result "B/mount" FAIL "blockfabric mount -t tcp failed"; return
-    fi
-    head -n 4 "$mnt/.status"
-    if fio --name=fuse-verify --filename="$mnt/n1" --ioengine=psync --rw=randwrite --bs=64k \
-           --size=16M --verify=crc32c --verify_fatal=1 --do_verify=1 --randseed=11 \
-           --verify_state_save=0 --output="$W/fio-fuse.txt"; then
-        grep -E "WRITE:|READ:|err=" "$W/fio-fuse.txt"
-    else cat "$W/fio-fuse.txt"; ok=FAIL; fi
-    if cmp <(dd if="$mnt/n1" bs=1M count=16 status=none) \
-           <(dd if=/dev/ram0 bs=1M count=16 iflag=direct status=none); then
-        echo "the 16 MiB fio wrote through the mount are on the kernel target's /dev/ram0"
-    else echo "mount and /dev/ram0 differ"; ok=FAIL; fi
-    "$BIN/blockfabric" umount "$mnt" || ok=FAIL
+    local t0 ok=OK
+    t0=$(now)
+    say "B/mount: blockfabric mount -t tcp of the kernel target, fio verify through $W/mnt/n1"
+    mount_fio_verify "$W/mnt" -t tcp -a "$IP" -s "$KPORT" -q "$HOSTNQN" -n "$NQN_KERNEL" || ok=FAIL
     result "B/mount" "$ok" "our host, FUSE + fio verify over NVMe/TCP, $(since "$t0") s"
 }
 
@@ -181,6 +122,5 @@ else
     result B/kernel-target FAIL "nvmet-tcp configfs set-up failed"
 fi
 
-echo; echo "===== summary"
-printf '%s\n' "${results[@]}"
+summary "tcp summary"
 exit $fail

@@ -153,7 +153,9 @@ class Recovery(ControllerParts):
                 self.recovery.retried += 1
             self._dispatch(req)
             return
-        self._lose([req], ControllerLost(f"controller {state.value}: {reason}"))
+        lost = ControllerLost(f"controller {state.value}: {reason}")
+        lost.__cause__ = error          # the queue's own error (an RdmaError's WC status)
+        self._lose([req], lost)
 
     def _lost(self, reason: str) -> None:
         """Any sign the target is gone (keep-alive, a queue error): start reconnecting."""

@@ -166,6 +166,11 @@ class Limits(Model):
     #: Seconds a queue that must authenticate (DH-HMAC-CHAP) may take from its Connect to a
     #: finished exchange, and a failed exchange to be answered, before its controller ends.
     auth_timeout: int = setting(Int(1, 600, unit="seconds"), 10)
+    #: Seconds a poll-group worker (``reactors`` > 1) has to start (Python's imports, its
+    #: volumes opened) before the target gives up on starting: a slow machine (an emulated
+    #: CPU, a loaded host, RBD images far away) may need more.  Below the unit's
+    #: TimeoutStartSec (90).
+    worker_start_timeout: int = setting(Int(1, 3600, unit="seconds"), 60)
     #: Failed authentications from one peer address within auth_failure_window seconds
     #: that make the target refuse that address's authenticating Connects (Controller
     #: Busy) for auth_backoff seconds.

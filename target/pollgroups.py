@@ -53,8 +53,6 @@ if TYPE_CHECKING:
 PLACEMENT_ENV = "BLOCKFABRIC_WORKER_PLACEMENT"
 log = logging.getLogger(__name__)
 
-#: How long a worker has to start (import, open its volumes) before the target gives up.
-START_TIMEOUT = 30.0
 #: How long a reservation change waits for the groups' acknowledgements.
 ACK_TIMEOUT = 10.0
 
@@ -186,17 +184,26 @@ class PollGroups:
     def start(self) -> None:
         """Start every worker and wait until each has opened its volumes."""
         groupstate.install(self)
+        timeout = self.target.config.limits.worker_start_timeout
         for g in self.groups:
-            self._spawn(g)
-        deadline = time.monotonic() + START_TIMEOUT
+            try:
+                self._spawn(g)
+            except (OSError, ChannelClosed) as exc:     # it ended before taking its config
+                g.alive = False
+                raise OSError(f"poll group {g.index} did not start: {self._why(g, timeout)}"
+                              f" ({exc}; see its log lines)") from exc
+        deadline = time.monotonic() + timeout
         for g in self.groups:
             while not g.ready:
                 left = deadline - time.monotonic()
                 if left <= 0 or not g.alive:
-                    raise OSError(f"poll group {g.index} did not start (see its log lines)")
-                # (spawned: a channel)
-                got = (g.chan.recv(block=True)  # type: ignore[union-attr]
-                       if _readable(g.chan, left) else None)  # type: ignore[arg-type]
+                    raise OSError(f"poll group {g.index} did not start: {self._why(g, timeout)}"
+                                  " (see its log lines)")
+                try:    # (spawned: a channel)
+                    got = (g.chan.recv(block=True)  # type: ignore[union-attr]
+                           if _readable(g.chan, left) else None)  # type: ignore[arg-type]
+                except (OSError, ChannelClosed):
+                    g.alive, got = False, None
                 if got is not None:
                     self._handle(g, *got)
         for g in self.groups:       # (spawned: a channel; the lambdas bind their group)
@@ -207,6 +214,21 @@ class PollGroups:
         log.info("poll groups: %d (the coordinator and %d worker%s: pids %s)", self.count,
                  len(self.groups), "" if len(self.groups) == 1 else "s",
                  ", ".join(str(g.pid) for g in self.groups))
+
+    @staticmethod
+    def _why(g: Group, timeout: int) -> str:
+        code = None
+        if g.proc is not None:
+            try:
+                code = g.proc.wait(0 if g.alive else 2)   # a closed channel: it is ending
+            except subprocess.TimeoutExpired:
+                code = None
+        if code is not None:
+            return f"its process (pid {g.pid}) exited with status {code}"
+        if not g.alive:
+            return "its control channel closed"
+        return (f"not ready within {timeout} s (limits.worker_start_timeout; pid {g.pid} "
+                "is still starting)")
 
     def _spawn(self, g: Group) -> None:
         g.start(self.target.config, self._memfds(), self._states(),

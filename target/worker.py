@@ -24,11 +24,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
+
+if __name__ == "__main__":
+    # Stopping is the coordinator's: it drains this group's queues and then closes the
+    # channel, which ends this process.  A signal sent to every process at once (systemd's
+    # KillMode=control-group, Ctrl-C in a terminal) must not end the worker first, its
+    # hosts' commands unanswered and its queues failed.  Ignored before the imports below
+    # (slow on a loaded machine); a worker whose coordinator is gone still ends (the channel).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 from blockfabric import numa
 from blockfabric.errors import BlockfabricError

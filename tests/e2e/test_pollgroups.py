@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import signal
 import subprocess
 import time
@@ -293,3 +294,86 @@ def test_io_on_a_workers_queue_keeps_a_silent_host_alive(two_groups, transport):
             two_groups.log
         took = time.monotonic() - silent
         assert kato - 0.1 <= took <= kato + ACTIVITY_LAG + 2, took
+
+
+SLOW_WORKER = """\
+import os, time
+with open("/proc/self/cmdline", "rb") as f:
+    if b"blockfabric.target.worker" in f.read():
+        time.sleep({seconds!r})
+        if {exit!r}:
+            os._exit({exit!r})
+"""
+
+
+@pytest.mark.parametrize("case", ["slow", "dies"])
+def test_a_worker_that_does_not_start_fails_the_start_saying_why(tmp_path, case):
+    """A worker slower than ``limits.worker_start_timeout`` (here: its interpreter held up
+    in sitecustomize, as a loaded or emulated machine does) or one that exits at once: the
+    target refuses to start, names the group, the reason and the key, and leaves no worker
+    behind."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WORKER.format(
+        seconds=6 if case == "slow" else 0, exit=0 if case == "slow" else 3))
+    config = {**ram_config(free_port(), transport="tcp", reactors=2),
+              "limits": {"worker_start_timeout": 2}}
+    path = tmp_path / "target.yaml"
+    import yaml
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, PYTHONPATH=str(site))
+    t0 = time.monotonic()
+    done = subprocess.run([str(BIN / "blockfabric-target"), "run", "-C", str(path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    if case == "slow":
+        assert ("poll group 1 did not start: not ready within 2 s "
+                "(limits.worker_start_timeout;") in done.stderr, done.stderr
+        assert time.monotonic() - t0 < 6 + 20    # gave up at the timeout, not the worker
+        pid = int(re.search(r"pid (\d+) is still starting", done.stderr).group(1))
+        assert not os.path.exists(f"/proc/{pid}"), "the worker outlived its target"
+    else:
+        assert "poll group 1 did not start: its process" in done.stderr, done.stderr
+        assert "exited with status 3" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_drains_through_the_coordinator(tmp_path, sig):
+    """systemd's stop signals every process of the unit (KillMode=control-group, the
+    default) and a terminal's Ctrl-C the whole foreground group: the worker leaves its
+    ending to the coordinator, which drains it (the host's I/O in the worker answered, the
+    volumes flushed), and the target exits 0 with no traceback from any process."""
+    import yaml
+    config = ram_config(free_port(), transport="tcp", reactors=2)
+    path = tmp_path / "target.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([str(BIN / "blockfabric-target"), "run", "-C", str(path), "-v"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    import threading
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any("ready:" in ln for ln in lines) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(lines)
+            time.sleep(0.05)
+        ctrl = connect("127.0.0.1", NQN, config["listeners"][0]["port"], transport="tcp",
+                       hostnqn=HOSTNQN, nr_io_queues=1, ctrl_loss_tmo=0)
+        ns = ctrl.namespaces[1]
+        ns.write(0, b"d" * 4096)
+        os.killpg(proc.pid, sig)
+        rc = proc.wait(30)
+        reader.join(5)
+        log = "".join(lines)
+        assert rc == 0, log
+        assert "Traceback" not in log, log
+        assert "group 1: coordinator gone" not in log, log
+        assert "drained: volumes flushed" in log, log
+        with contextlib.suppress(Exception):
+            ctrl.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

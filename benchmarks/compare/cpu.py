@@ -9,6 +9,7 @@ pids meanwhile, and µs per I/O = CPU seconds in that span / the I/Os counted in
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import pathlib
@@ -163,6 +164,35 @@ def counted_span(out: dict, runtime: float | None = None) -> tuple[float, float,
     if runtime is not None:
         seconds = min(seconds, runtime)
     return end - seconds, end, job["read"]["total_ios"] + job["write"]["total_ios"]
+
+
+def run_counted(argv: list[str], pids: dict[str, int | None], runtime: float | None = None,
+                env: dict[str, str] | None = None, timeout: float = 300.0
+                ) -> tuple[dict, Span, float]:
+    """Run the load ``argv`` (fio, blockfabric bench or nbd_qd.py: JSON on stdout) while a
+    :class:`Sampler` follows ``pids`` and the load itself (as "host"; not fio, which forks its
+    job: its CPU comes from its JSON); returns its JSON, the CPU over exactly the counted run
+    it reports (start-up, ramp and teardown excluded) and the I/Os counted in that run."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+    own = {} if argv[0] == "fio" else {"host": proc.pid}
+    try:
+        with Sampler({**pids, **own}) as sampler:
+            out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0:
+        from systems import SetupError  # noqa: PLC0415  (systems starts what is measured)
+        raise SetupError(f"{' '.join(argv)} failed: {err}")
+    data = json.loads(out[out.index("{"):])
+    if "jobs" in data:
+        t0, t1, ios = counted_span(data, runtime)
+    else:                                   # nbd_qd.py
+        t1 = data["timestamp_ms"] / 1e3
+        t0, ios = t1 - data["seconds"], data["ios"]
+    return data, sampler.span(t0, t1), ios
 
 
 def _cpu_or_none(pid: int) -> float | None:

@@ -60,6 +60,13 @@ def loads(port: int, runtime: float, max_n: int = 4) -> list[tuple[str, int, lis
     return out
 
 
+def profile_loads(port: int, path: pathlib.Path, runtime: float) -> dict[str, list[str]]:
+    """The loads profiled: ``blockfabric bench`` (one queue) on the target at ``port``, fio
+    on the mounted file ``path``."""
+    return {"bench": cost_per_io.bench_argv(port, LOAD, runtime, "-i", "1"),
+            "mount": cost_per_io.fio_argv(path, LOAD, runtime)}
+
+
 def scale(port: int, target_pid: int, runtime: float, env: dict[str, str],
           max_n: int = 4) -> list[dict]:
     rows = []
@@ -182,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         port, target_pid, _cmd = ws.target(args.progress)
         rows = scale(port, target_pid, args.runtime, env, args.max_n)
         if not args.no_profile:
-            run = 300   # longer than the profiling takes: the load is ended after it
-            base = systems.controllers(port)
-            spots["bench"] = profile("bench", cost_per_io.bench_argv(port, LOAD, run, "-i", "1"),
-                                     {"target": target_pid}, args.out, stamp, env,
-                                     lambda: systems.controllers(port) > base)
             bf = ws.blockfabric(args.progress)      # a target of its own, and the mount
-            spots["mount"] = profile("mount", cost_per_io.fio_argv(bf.path, LOAD, run),
+            # longer than the profiling takes: the load is ended after it
+            load = profile_loads(port, bf.path, 300)
+            base = systems.controllers(port)
+            spots["bench"] = profile("bench", load["bench"], {"target": target_pid}, args.out,
+                                     stamp, env, lambda: systems.controllers(port) > base)
+            spots["mount"] = profile("mount", load["mount"],
                                      {"target": bf.server_pid, "host": bf.client_pid},
                                      args.out, stamp, env, lambda: True)
     (args.out / f"scaling-{stamp}.md").write_text(

@@ -33,18 +33,21 @@ def bench_args(argv):
 
 def test_every_load_is_a_blockfabric_bench_command_line():
     loads = scaling.loads(4420, 1.5)
-    assert [(kind, n) for kind, n, _ in loads] == \
+    assert [(kind, n) for kind, n, _, _ in loads] == \
         [("I/O queues", n) for n in range(1, 5)] + [("hosts", n) for n in range(1, 5)]
-    for kind, n, argvs in loads:
+    for kind, n, seconds, argvs in loads:
         parsed = [bench_args(a) for a in argvs]
-        assert all((p.rw, p.iodepth, p.trsvcid) == ("randread", 16, "4420") for p in parsed)
+        assert all((p.rw, p.iodepth, p.trsvcid, p.runtime) == ("randread", 16, "4420", seconds)
+                   for p in parsed)
         if kind == "I/O queues":
             [p] = parsed
             assert (p.nr_io_queues, p.numjobs, p.thread, p.group_reporting) == (n, n, True, True)
         else:
             assert len(parsed) == n and len({p.hostnqn for p in parsed}) == n
+            assert seconds == 1.5 + (n - 1) * scaling.STAGGER
             assert all(p.nr_io_queues == 1 for p in parsed)
-    assert [kind for kind, _, _ in scaling.loads(4420, 1.5, max_n=1)] == ["I/O queues", "hosts"]
+    assert [(kind, seconds) for kind, _, seconds, _ in scaling.loads(4420, 1.5, max_n=1)] == \
+        [("I/O queues", 1.5), ("hosts", 1.5)]
     load = scaling.profile_loads(4420, pathlib.Path("/mnt/n1"), 300)
     assert bench_args(load["bench"]).nr_io_queues == 1
     assert load["mount"][0] == "fio" and "--filename=/mnt/n1" in load["mount"]

@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import signal
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -121,30 +119,12 @@ def result_of(out: dict) -> dict[str, float]:
 def measure(argv: list[str], pids: dict[str, int | None], runtime: float,
             env: dict[str, str] | None = None) -> tuple[dict[str, float], cpu.Span]:
     """Run the load ``argv`` while sampling the CPU of ``pids`` and of the load itself
-    ("host" unless a pid is already called that; not fio, which forks its job: its CPU comes
-    from its JSON); returns the load's result (see :func:`result_of`) and the CPU over
-    exactly the counted run it reports (start-up, ramp and teardown excluded)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
-    own = {} if argv[0] == "fio" else {"host": proc.pid}
-    try:
-        with cpu.Sampler({**pids, **own}) as sampler:
-            out, err = proc.communicate(timeout=RAMP + 300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0:
-        raise systems.SetupError(f"{' '.join(argv)}: {err}")
-    data = json.loads(out[out.index("{"):])
-    if "jobs" in data:
-        t0, t1, ios = cpu.counted_span(data, runtime)
-    else:                                   # nbd_qd.py
-        t1 = data["timestamp_ms"] / 1e3
-        t0, ios = t1 - data["seconds"], data["ios"]
+    (:func:`cpu.run_counted`); returns the load's result (see :func:`result_of`, with the
+    I/Os counted as "ios") and the CPU over exactly the counted run it reports."""
+    data, span, ios = cpu.run_counted(argv, pids, runtime, env, timeout=RAMP + 300)
     res = result_of(data)
     res["ios"] = ios
-    return res, sampler.span(t0, t1)
+    return res, span
 
 
 class Fleet:

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from numjobs import BIN, TreeSampler, children, start_target_on  # noqa: E402
+from numjobs import (BIN, TreeSampler, children, medians, spread,  # noqa: E402
+                     start_target_on)
 
 NQN = "nqn.2026-12.io.blockfabric:fuseworkers"
 
@@ -134,13 +134,10 @@ def main() -> int:
             for n in counts:
                 mine = [x for x in rows if (x["transport"], x["numjobs"], x["workers"]) ==
                         (t, nj, n)]
-
-                def med(key: str) -> float:
-                    return statistics.median(x[key] for x in mine)
-                lo, hi = min(x["iops"] for x in mine), max(x["iops"] for x in mine)
-                print(f"| {t} | {nj} | {n} | {med('iops'):.0f} ({lo:.0f}-{hi:.0f}) | "
-                      f"{med('host_cores'):.2f} ({med('busiest_cores'):.2f}) | "
-                      f"{med('target_us'):.1f} | {med('host_us'):.1f} | {med('fio_us'):.1f} |")
+                m = medians(mine)
+                print(f"| {t} | {nj} | {n} | {spread([x['iops'] for x in mine])} | "
+                      f"{m['host_cores']:.2f} ({m['busiest_cores']:.2f}) | "
+                      f"{m['target_us']:.1f} | {m['host_us']:.1f} | {m['fio_us']:.1f} |")
             base = counts[0]
             for n in counts[1:]:
                 ratios = [x["iops"] / y["iops"] for x in rows for y in rows
@@ -148,8 +145,7 @@ def main() -> int:
                           and x["numjobs"] == y["numjobs"] == nj and x["workers"] == n
                           and y["workers"] == base]
                 print(f"  {t} numjobs {nj}: IOPS {n}/{base} workers per round: median "
-                      f"{statistics.median(ratios):.2f} (range {min(ratios):.2f}-"
-                      f"{max(ratios):.2f})")
+                      f"{spread(ratios, '.2f', 'range ')}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

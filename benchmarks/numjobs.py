@@ -127,6 +127,19 @@ def one(port: int, target_pid: int, mode: str, args: argparse.Namespace) -> dict
             "bench_cores": cpu["bench"] / (t1 - t0), "target_cores": cpu["target"] / (t1 - t0)}
 
 
+def medians(rows: list[dict]) -> dict[str, float]:
+    """Each number's median over ``rows`` (rows of one kind: the same keys)."""
+    return {k: statistics.median(r[k] for r in rows) for k, v in rows[0].items()
+            if isinstance(v, (int, float))}
+
+
+def spread(values: list[float], spec: str = ".0f", within: str = "") -> str:
+    """``median (min-max)`` of ``values``, each in the format ``spec``; ``within`` opens the
+    bracket ("range ")."""
+    return (f"{statistics.median(values):{spec}} ({within}{min(values):{spec}}-"
+            f"{max(values):{spec}})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numjobs", type=int, default=2)
@@ -156,17 +169,13 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for mode in ("thread", "processes"):
         mine = [x for x in rows if x["mode"] == mode]
-
-        def med(key: str) -> float:
-            return statistics.median(x[key] for x in mine)
-        lo, hi = min(x["iops"] for x in mine), max(x["iops"] for x in mine)
-        print(f"| {mode} | {med('iops'):.0f} ({lo:.0f}-{hi:.0f}) | {med('bench_cores'):.2f} | "
-              f"{med('target_cores'):.2f} | {med('bench_us'):.1f} | {med('target_us'):.1f} |")
+        m = medians(mine)
+        print(f"| {mode} | {spread([x['iops'] for x in mine])} | {m['bench_cores']:.2f} | "
+              f"{m['target_cores']:.2f} | {m['bench_us']:.1f} | {m['target_us']:.1f} |")
     ratios = [p["iops"] / t["iops"] for r in range(args.rounds)
               for t in rows if t["round"] == r and t["mode"] == "thread"
               for p in rows if p["round"] == r and p["mode"] == "processes"]
-    print(f"IOPS processes/thread per round: median {statistics.median(ratios):.2f} "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"IOPS processes/thread per round: median {spread(ratios, '.2f', 'range ')}")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

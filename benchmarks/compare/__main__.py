@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import re
 import signal
@@ -156,25 +155,9 @@ class Runner:
                  env: dict[str, str] | None = None) -> tuple[dict, dict[str, float]]:
         """Run a library-level load (blockfabric bench or nbd_qd.py, the host); its JSON and
         the server's and its own CPU us per I/O over the span it counted."""
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, stdin=subprocess.DEVNULL,
-                                env=dict(os.environ, **(env or {})))
-        try:
-            with cpu.Sampler({"server": server_pid, "host": proc.pid}) as smp:
-                stdout, stderr = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if proc.returncode != 0:
-            raise systems.SetupError(f"{' '.join(argv)} failed: {stderr}")
-        out = json.loads(stdout)
-        if "jobs" in out:
-            t0, t1, ios = cpu.counted_span(out, self.args.runtime)
-        else:                                   # nbd_qd.py
-            t1 = out["timestamp_ms"] / 1e3
-            t0, ios = t1 - out["seconds"], out["ios"]
-        return out, smp.span(t0, t1).us_per_io(ios)
+        out, span, ios = cpu.run_counted(argv, {"server": server_pid}, self.args.runtime,
+                                         env)
+        return out, span.us_per_io(ios)
 
 
 def say(text: str) -> None:

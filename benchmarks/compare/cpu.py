@@ -9,6 +9,7 @@ pids meanwhile, and µs per I/O = CPU seconds in that span / the I/Os counted in
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import pathlib
@@ -163,6 +164,59 @@ def counted_span(out: dict, runtime: float | None = None) -> tuple[float, float,
     if runtime is not None:
         seconds = min(seconds, runtime)
     return end - seconds, end, job["read"]["total_ios"] + job["write"]["total_ios"]
+
+
+def run_counted(argv: list[str], pids: dict[str, int | None], runtime: float | None = None,
+                env: dict[str, str] | None = None, timeout: float = 300.0
+                ) -> tuple[dict, Span, float]:
+    """Run the load ``argv`` (fio, blockfabric bench or nbd_qd.py: JSON on stdout) while a
+    :class:`Sampler` follows ``pids`` and the load itself (as "host"; not fio, which forks its
+    job: its CPU comes from its JSON); returns its JSON, the CPU over exactly the counted run
+    it reports (start-up, ramp and teardown excluded) and the I/Os counted in that run."""
+    [data], span, ios = run_together([argv], pids, runtime, env, timeout)
+    return data, span, ios
+
+
+def run_together(argvs: list[list[str]], pids: dict[str, int | None],
+                 runtime: float | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 300.0) -> tuple[list[dict], Span, float]:
+    """:func:`run_counted` for several loads started at once (each followed as "host0",
+    "host1", ...; one alone as "host"): their JSONs, the CPU over the span in which all of
+    them counted (the latest start to the earliest end) and the I/Os counted in that span
+    (each load's share of its own counted run, pro rata)."""
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL, env=dict(os.environ, **(env or {})))
+             for a in argvs]
+    names = ["host"] if len(procs) == 1 else [f"host{i}" for i in range(len(procs))]
+    own = {n: p.pid for n, p, a in zip(names, procs, argvs) if a[0] != "fio"}
+    deadline = time.monotonic() + timeout
+    try:
+        with Sampler({**pids, **own}) as sampler:
+            outs = [p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                    for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    datas, runs = [], []
+    for a, p, (out, err) in zip(argvs, procs, outs):
+        if p.returncode != 0:
+            from systems import SetupError  # noqa: PLC0415  (systems starts what is measured)
+            raise SetupError(f"{' '.join(a)} failed: {err}")
+        data = json.loads(out[out.index("{"):])
+        if "jobs" in data:
+            runs.append(counted_span(data, runtime))
+        else:                               # nbd_qd.py
+            t1 = data["timestamp_ms"] / 1e3
+            runs.append((t1 - data["seconds"], t1, data["ios"]))
+        datas.append(data)
+    t0, t1 = max(r[0] for r in runs), min(r[1] for r in runs)
+    if t1 <= t0:
+        from systems import SetupError  # noqa: PLC0415
+        raise SetupError(f"{len(argvs)} loads did not count at the same time: {runs}")
+    ios = sum(n * ((t1 - t0) / (b - a)) for a, b, n in runs)
+    return datas, sampler.span(t0, t1), ios
 
 
 def _cpu_or_none(pid: int) -> float | None:

@@ -63,3 +63,15 @@ def test_medians_over_rounds_and_the_cpu_goal_against_the_floor():
     assert lines[0].endswith("100.0 us target+host vs the floor's 50.0 us = 2.00x "
                              "(goal <= 2x): **PASS**")
     assert lines[1].endswith("floor not measured: no verdict")
+
+
+def test_a_load_is_measured_over_the_run_it_counts_and_a_failed_one_raises():
+    # an nbd_qd.py-like load: its JSON (after a line of chatter) names the counted span
+    load = ("import json, time; t = time.time(); print('warming up'); "
+            "print(json.dumps({'timestamp_ms': t * 1e3, 'seconds': 0.5, 'ios': 1000, "
+            "'iops': 2000, 'p50_us': 1.0, 'p99_us': 2.0}))")
+    res, span = cost.measure([sys.executable, "-c", load], {}, 0.5)
+    assert res["iops"] == 2000 and res["ios"] == 1000
+    assert set(span.cpu) == {"host"}
+    with pytest.raises(cost.systems.SetupError, match="failed: boom"):
+        cost.measure([sys.executable, "-c", "import sys; sys.exit('boom')"], {}, 0.5)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -155,6 +155,24 @@ def reactors(request) -> int:
     return request.param
 
 
+def _stop_and_check(proc: TargetProc) -> None:
+    """Stop ``proc`` if it still runs; its log must show no traceback."""
+    if proc.alive():
+        proc.stop()
+    assert "Traceback" not in proc.log, proc.log
+
+
+def _start_ram(start: Callable[[dict[str, Any]], TargetProc], transport: str = "rdma",
+               reactors: int = 1) -> TargetProc:
+    """A ramdisk target on a free port, started by ``start(config)``; ``proc.port``,
+    ``proc.transport``, ``proc.reactors`` and ``proc.via`` (how to connect to it)."""
+    port = free_port()
+    proc = start(ram_config(port, transport=transport, reactors=reactors))
+    proc.port, proc.transport, proc.via = port, transport, via(transport)
+    proc.reactors = reactors
+    return proc
+
+
 @pytest.fixture
 def start_target(tmp_path):
     """start_target(config, netns=None) -> a running TargetProc, stopped at teardown."""
@@ -167,29 +185,20 @@ def start_target(tmp_path):
 
     yield start
     for proc in started:
-        if proc.alive():
-            proc.stop()
-        assert "Traceback" not in proc.log, proc.log
+        _stop_and_check(proc)
 
 
 @pytest.fixture(scope="module")
 def module_ram_target(tmp_path_factory):
     """One ramdisk target shared by a whole test module (a target start costs ~0.5 s)."""
-    port = free_port()
-    proc = TargetProc(ram_config(port), tmp_path_factory.mktemp("target")).start()
-    proc.port = port
+    proc = _start_ram(lambda c: TargetProc(c, tmp_path_factory.mktemp("target")).start())
     yield proc
-    if proc.alive():
-        proc.stop()
-    assert "Traceback" not in proc.log, proc.log
+    _stop_and_check(proc)
 
 
 @pytest.fixture
 def ram_target(start_target):
-    port = free_port()
-    proc = start_target(ram_config(port))
-    proc.port = port
-    return proc
+    return _start_ram(start_target)
 
 
 @pytest.fixture(scope="module", params=[(t, r) for t in TRANSPORTS for r in REACTORS],
@@ -197,24 +206,14 @@ def ram_target(start_target):
 def module_any_target(request, tmp_path_factory):
     """One ramdisk target per transport and poll-group count shared by a whole test module
     (``proc.via``)."""
-    port = free_port()
-    transport, reactors = request.param
-    proc = TargetProc(ram_config(port, transport=transport, reactors=reactors),
-                      tmp_path_factory.mktemp("target")).start()
-    proc.port, proc.transport, proc.via = port, transport, via(transport)
-    proc.reactors = reactors
+    proc = _start_ram(lambda c: TargetProc(c, tmp_path_factory.mktemp("target")).start(),
+                      *request.param)
     yield proc
-    if proc.alive():
-        proc.stop()
-    assert "Traceback" not in proc.log, proc.log
+    _stop_and_check(proc)
 
 
 @pytest.fixture
 def any_target(start_target, transport, reactors):
     """A ramdisk target listening on ``transport`` with ``reactors`` poll groups
     (``proc.via``: how to connect to it)."""
-    port = free_port()
-    proc = start_target(ram_config(port, transport=transport, reactors=reactors))
-    proc.port, proc.transport, proc.via = port, transport, via(transport)
-    proc.reactors = reactors
-    return proc
+    return _start_ram(start_target, transport, reactors)

@@ -42,10 +42,13 @@ def count_inflight(subsystems: Iterable[Subsystem], closing: Iterable[Namespace]
 
 def start_drain(*, reactor: Reactor, owner: Owner, listeners: Listeners,
           registry: ControllerRegistry, subsystems: dict[str, Subsystem],
-          inflight: Callable[[], int], timeout: float = DRAIN_TIMEOUT) -> None:
+          inflight: Callable[[], int], timeout: float = DRAIN_TIMEOUT,
+          groups_left: Callable[[], int] = lambda: 0) -> None:
     """Stop accepting, let the commands in flight finish (new ones are held, not run:
     ``owner.draining``, which every controller reads), flush every volume, disconnect every
-    host, and stop the reactor.  Asked again while draining: stop at once."""
+    host, and stop the reactor.  ``groups_left``: poll-group workers whose own drain has not
+    finished (their commands are theirs to count).  Asked again while draining: stop at
+    once."""
     if owner.draining:
         log.warning("stop requested again while draining: stopping now")
         reactor.stop()
@@ -54,18 +57,21 @@ def start_drain(*, reactor: Reactor, owner: Owner, listeners: Listeners,
     sd_notify("STOPPING=1")
     for entry in list(listeners.entries):
         listeners.close_one(entry)
-    log.info("draining: listeners closed, %d command(s) in flight, %d controller(s)",
-             inflight(), len(registry.controllers))
+    groups = groups_left()
+    log.info("draining: listeners closed, %d command(s) in flight, %d controller(s)%s",
+             inflight(), len(registry.controllers),
+             f", {groups} poll group(s) draining" if groups else "")
     deadline = time.monotonic() + timeout
 
     def check() -> None:
-        left = inflight()
-        if left and time.monotonic() < deadline:
+        left, groups = inflight(), groups_left()
+        if (left or groups) and time.monotonic() < deadline:
             reactor.call_later(DRAIN_POLL, check)
             return
-        if left:
-            log.error("drain: %d command(s) still in flight after %.0f s; stopping anyway",
-                      left, timeout)
+        if left or groups:
+            log.error("drain: %d command(s) still in flight%s after %.0f s; stopping anyway",
+                      left, f" and {groups} poll group(s) not drained" if groups else "",
+                      timeout)
         for sub in subsystems.values():
             flush_subsystem(sub)
         for ctrl in list(registry.controllers.values()):

@@ -251,8 +251,8 @@ class Target:
             poll.drain(timeout)             # the workers' commands in flight count too
         start_drain(reactor=self.reactor, owner=self.owner, listeners=self.listening,
                     registry=self.registry, subsystems=self.subsystems,
-                    inflight=self.inflight if poll is None else
-                    lambda: self.inflight() + poll.draining_left(), timeout=timeout)
+                    inflight=self.inflight, timeout=timeout,
+                    groups_left=(lambda: 0) if poll is None else poll.draining_left)
 
     def reload_from(self, load: Callable[[], cfg.TargetConfig]) -> bool:
         """Load a new configuration and apply it (through :meth:`reload`); on any error

@@ -370,6 +370,8 @@ def test_a_signal_to_the_whole_process_group_drains_through_the_coordinator(tmp_
         assert rc == 0, log
         assert "Traceback" not in log, log
         assert "group 1: coordinator gone" not in log, log
+        # the worker is counted as a group draining, not as a command in flight
+        assert "0 command(s) in flight, 1 controller(s), 1 poll group(s) draining" in log, log
         assert "drained: volumes flushed" in log, log
         with contextlib.suppress(Exception):
             ctrl.close()

@@ -109,9 +109,13 @@ class Events(ControllerParts):
         try:
             if event.event_type == AsyncEventType.NOTICE \
                     and event.info == AsyncNotice.NS_ATTR_CHANGED:
+                # Reading the page clears the target's list: if the rescan after it fails,
+                # the next notice rescans everything rather than lose those namespaces.
+                full, self._rescan_all = self._rescan_all, True
                 page = ChangedNamespaceList.unpack_from(
                     self.get_log_page(LogPageId.CHANGED_NS, 4096))   # re-arms the event
-                changed = self.rescan(None if page.overflowed else page.nsids)
+                changed = self.rescan(None if page.overflowed or full else page.nsids)
+                self._rescan_all = False
                 log.info("namespaces changed: %s", sorted(changed) or "none")
             elif event.event_type == AsyncEventType.NOTICE \
                     and event.info == AsyncNotice.ANA_CHANGE:
@@ -129,8 +133,14 @@ class Events(ControllerParts):
             if not self._closed:
                 log.warning("handling %s: %s", event, exc)
             return
+        except Exception:   # (a malformed page, say): logged, never lost in the executor
+            log.exception("handling %s failed", event)
+            return
         finally:
-            self._submit_aer()
+            try:
+                self._submit_aer()
+            except Exception:   # no AER outstanding means no event is ever seen again
+                log.exception("AER not submitted after %s", event)
         for ns_listener in list(self.namespace_listeners):
             try:
                 ns_listener(self, changed)  # type: ignore[arg-type]  # (self: a Controller)

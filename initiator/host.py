@@ -183,6 +183,8 @@ class Controller(QueueSetup, Events, IoPath, Recovery):
         self.ana_log: tuple[int, list] | None = None
         self.ana_listeners: list[Callable[[Controller, tuple[int, list]], None]] = []
         self._events: concurrent.futures.ThreadPoolExecutor | None = None
+        #: a namespace notice was not handled to the end: the next one rescans everything
+        self._rescan_all = False
         self.paths = [(opts.traddr, int(opts.trsvcid))] + [(p[0], int(p[1])) for p in opts.paths]
         self.path_index = 0
         self.state = CtrlState.CONNECTING

@@ -65,6 +65,7 @@ class _State:
     ana_log: tuple[int, list[Any]] | None
     ana_listeners: list[Callable[[Controller, tuple[int, list[Any]]], None]]
     _events: concurrent.futures.ThreadPoolExecutor | None
+    _rescan_all: bool
     paths: list[tuple[str, int]]
     path_index: int
     state: CtrlState

@@ -192,13 +192,19 @@ def run(path: str | None, verbose: int) -> int:
         print(f"blockfabric-target: error: {shown}: {exc}", file=sys.stderr)
         return 1
     with target:
-        # Handlers only wake the reactor; the drain and the reload run there.
+        # Handlers only queue work for the reactor (a deque append and a byte to the wake
+        # pipe): the log lines, the drain and the reload run there.  A handler that logged
+        # itself could interrupt this thread inside a write to stderr and die of the
+        # reentrant write (RuntimeError: reentrant call inside BufferedWriter).
         def stop(signum: int, _frame: object) -> None:
-            log.info("%s: draining and stopping", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            target.reactor.call_soon_threadsafe(
+                lambda: log.info("%s: draining and stopping", name))
             target.request_stop()
 
         def reload(_signum: int, _frame: object) -> None:
-            log.info("SIGHUP: reloading %s", shown)
+            target.reactor.call_soon_threadsafe(
+                lambda: log.info("SIGHUP: reloading %s", shown))
             target.request_reload(lambda: load_config(path)[0])
 
         signal.signal(signal.SIGTERM, stop)

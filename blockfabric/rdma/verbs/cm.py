@@ -425,10 +425,7 @@ class VerbsCMId(_Endpoint, base.CMId):
             raise rdma_error(f"rdma_resolve_addr({address}:{port}) failed", exc) from exc
         raw = self._expect(CMEventType.ADDR_RESOLVED, deadline, f"resolve {address}")
         self._bind_ptr(raw.id_ptr)
-        try:
-            self._cm.resolve_route(ms)
-        except self._pv.PyverbsError as exc:
-            raise rdma_error(f"rdma_resolve_route({address}) failed", exc) from exc
+        _native.resolve_route(raw.id_ptr, ms, address)    # (not pyverbs': see there)
         self._expect(CMEventType.ROUTE_RESOLVED, deadline, f"route to {address}")
         self._set_device()
 

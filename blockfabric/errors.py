@@ -50,6 +50,11 @@ class ConnectionRejected(RdmaError):
         self.private_data = private_data
 
 
+class ConnectionAbandoned(RdmaError):
+    """A connection request whose peer gave up (timed out and went away) before it was
+    accepted: the request is stale, and accepting it can only fail."""
+
+
 class RdmaTimeout(RdmaError):
     """Address/route resolution, connection setup or a wait ran out of time."""
 

@@ -69,9 +69,10 @@ class QueueSetup(ControllerParts):
             except ConnectionRejected as exc:
                 where = f"{traddr}:{trsvcid}"
                 if not exc.private_data:
+                    # the peer's CM refused, not a target: the provider says why
                     raise ConnectionRefusedError(
-                        f"connection to {where} refused: is a target listening there, with "
-                        f"provider {self.provider.name}?") from exc
+                        f"connection to {where} refused ({_cause(exc)}): is a target "
+                        f"listening there, with provider {self.provider.name}?") from exc
                 raise ConnectionRefusedError(f"{where}: " + _reject_text(exc.private_data,
                                                                           qid)) from exc
             try:
@@ -274,6 +275,11 @@ def _secret(text: str | None, name: str) -> Secret | None:
         return Secret.parse(text)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
+
+
+def _cause(exc: Exception) -> str:
+    """A provider's error without the address it starts with (the caller names it)."""
+    return str(exc).rsplit(": ", 1)[-1]
 
 
 def _reject_text(private: bytes, qid: int) -> str:

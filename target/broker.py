@@ -53,7 +53,7 @@ class BufferBroker:
         self.reactor = reactor
         self._config = config
         self._on_hoarding = on_hoarding
-        self._pds: dict[int, PD] = {}
+        self._pds: dict[object, PD] = {}
         self._control: dict[int, BufferPool] = {}
         self._zeros: dict[int, BufferPool] = {}
         self._old_zeros: list[BufferPool] = []      # outgrown by a larger mdts (reload)
@@ -63,8 +63,11 @@ class BufferBroker:
 
     # -- protection domains -------------------------------------------------------------
     def pd_for(self, cmid: CMId) -> PD:
-        """The protection domain of ``cmid``'s device (one per device context)."""
-        key = id(cmid.context)
+        """The protection domain of ``cmid``'s device: one per device in this process,
+        shared by all its queues (so are the control, zero and bounce buffers registered on
+        it: once per device, not per queue).  Keyed by the context's ``device_key``: on
+        verbs each CM id holds its own handle of the shared device."""
+        key = cmid.context.device_key
         pd = self._pds.get(key)
         if pd is None:
             pd = self._pds[key] = cmid.context.alloc_pd()

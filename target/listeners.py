@@ -16,6 +16,7 @@ import socket
 import time
 from typing import Any, Callable
 
+from blockfabric.errors import ConnectionAbandoned
 from blockfabric.fabric.reactor import Reactor, Timer
 from blockfabric.fabric.target_side import TargetQueue
 from blockfabric.fabric.tcp_target import TcpTargetQueue
@@ -42,9 +43,11 @@ class Episode:
     most once per ``interval`` seconds with how many were left out, so that a flood of
     refusals cannot flood the log."""
 
-    def __init__(self, logger: logging.Logger, what: str, interval: float = 10.0) -> None:
+    def __init__(self, logger: logging.Logger, what: str, interval: float = 10.0,
+                 verb: str = "refused") -> None:
         self.log = logger
         self.what = what
+        self.verb = verb
         self.interval = interval
         self.quiet_until = 0.0
         self.left_out = 0
@@ -55,7 +58,8 @@ class Episode:
             self.left_out += 1
             return
         if self.left_out:
-            msg += f" (and {self.left_out} more {self.what} refused since the last such line)"
+            msg += (f" (and {self.left_out} more {self.what} {self.verb} since the last such "
+                    "line)")
         self.log.warning(msg, *args)
         self.left_out = 0
         self.quiet_until = now + self.interval
@@ -112,6 +116,10 @@ class Listeners:
         #: id(listener) -> the timer that calls it back at its deadline() (see _on_requests)
         self._timers: dict[int, Timer] = {}
         self._shed_log = Episode(log, "connection requests")
+        #: connect requests whose host gave up before they were accepted (stale: nothing
+        #: of them is kept, see _on_requests)
+        self.abandoned = 0
+        self._abandoned_log = Episode(log, "connection requests", verb="abandoned")
         #: With ``reactors`` > 1 (target.pollgroups): hands soft-RDMA I/O queues to a
         #: worker at their CM request; None: every queue is accepted here.
         self.poll: Any = None
@@ -178,6 +186,14 @@ class Listeners:
                     return
                 try:
                     self._accept(lconf, provider, cmid)
+                except ConnectionAbandoned as exc:
+                    # The host timed out and went away before we took its request: nobody
+                    # to refuse; the id goes (nothing of the queue was kept), the rest wait.
+                    self.abandoned += 1
+                    self._abandoned_log.note("connection request from %s abandoned (%d so "
+                                             "far): %s", cmid.peer_address[0],
+                                             self.abandoned, exc)
+                    cmid.close()
                 except Exception as exc:
                     if getattr(exc, "errno", None) in NO_RESOURCES_ERRNOS:
                         # Out of descriptors or memory: refused like any other shortage,
@@ -254,7 +270,13 @@ class Listeners:
             queue.close()       # its CQ, buffers and QP; the caller refuses the request
             raise
         self._admitted(session, limits.connect_timeout)
-        cmid.accept(CMAccept(crqsize=depth).pack())
+        try:
+            cmid.accept(CMAccept(crqsize=depth).pack())
+        except BaseException:
+            # not a queue after all (the host gave up on it, or the CM refused): nothing of
+            # it stays counted, registered or waiting for a Connect
+            self.registry.close_queue(session)
+            raise
         log.debug("accepted %s qid %d depth %d", cmid.peer_address, req.qid, depth)
 
     def _on_cm_event(self, session: QueueSession) -> None:

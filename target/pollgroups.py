@@ -33,7 +33,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from blockfabric.errors import RdmaError
+from blockfabric.errors import ConnectionAbandoned, RdmaError
 from blockfabric.fabric.handoff import Channel, ChannelClosed
 from blockfabric.fabric.tcp_target import PeerInfo, TcpTargetQueue
 from blockfabric.target import groupstate
@@ -459,6 +459,8 @@ class PollGroups:
             elif op == "close":
                 self._verbs_close(g, hid)
         except RdmaError as exc:
+            if isinstance(exc, ConnectionAbandoned):
+                self.target.listening.abandoned += 1
             log.info("poll group %d: %s of %s failed: %s", g.index, op,
                      "%s:%s" % tuple(cmid.peer_address[:2]), exc)
             g.send(("verbs_event", hid, int(CMEventType.DISCONNECTED), 0))  # the worker ends it

@@ -339,6 +339,13 @@ class Context(_Closable):
 
     name: str
 
+    @property
+    def device_key(self) -> object:
+        """Equal for every context of one device in this process: what a protection domain
+        allocated on one of them is valid with.  A provider whose CM ids each hold their own
+        handle of a shared device (verbs) says so here; by default a context is its own."""
+        return id(self)
+
     @abc.abstractmethod
     def alloc_pd(self) -> PD:
         ...

@@ -91,6 +91,7 @@ def _cmid(cm: FakeCM, request: RawEvent | None = None) -> VerbsCMId:
     cmid.qp = FakeQP()
     cmid.context = types.SimpleNamespace(_device=types.SimpleNamespace(max_rd_atom=MAX_RD_ATOM))
     cmid._request = request
+    cmid._channel = types.SimpleNamespace(pump=lambda: None)   # (no events waiting)
     cmid._retry = (7, 7)
     cmid.peer_address = ("10.99.0.1", 4420)
     return cmid

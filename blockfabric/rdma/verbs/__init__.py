@@ -102,7 +102,11 @@ class VerbsProvider(base.Provider):
 
     def create_id(self) -> VerbsCMId:
         channel = _Channel()
-        cmid = VerbsCMId(self, channel, channel.new_id())
+        try:
+            cmid = VerbsCMId(self, channel, channel.new_id())
+        except BaseException:
+            channel.release(None)       # no id on it: destroyed now, not by a finalizer
+            raise
         channel.default = cmid
         return cmid
 

@@ -211,6 +211,30 @@ def id_addresses(id_ptr: int) -> tuple[tuple[str, int], tuple[str, int]]:
 _librdmacm = None
 
 
+def _rdmacm():
+    global _librdmacm
+    if _librdmacm is None:
+        lib = ctypes.CDLL("librdmacm.so.1", use_errno=True)
+        lib.rdma_bind_addr.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.rdma_resolve_route.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        _librdmacm = lib
+    return _librdmacm
+
+
+def resolve_route(id_ptr: int, timeout_ms: int, address: str) -> None:
+    """rdma_resolve_route through librdmacm itself.
+
+    pyverbs' CMID.resolve_route then wraps the id's device (``id->verbs``, librdmacm's own
+    device context, shared by every id of the process) in a pyverbs Context, whose finalizer
+    calls ibv_close_device on it unless the CMID was closed first: collected in the wrong
+    order, every later rdma_cm call on that device (the next connection's route) crashes.
+    This provider opens its own device contexts and needs no such wrapper."""
+    if _rdmacm().rdma_resolve_route(id_ptr, timeout_ms) != 0:
+        code = ctypes.get_errno()
+        raise RdmaError(f"rdma_resolve_route({address}) failed: {os.strerror(code)}",
+                       errno=code)
+
+
 def bind_addr(id_ptr: int, address: str | None, port: int) -> None:
     """rdma_bind_addr through librdmacm itself.
 
@@ -219,10 +243,6 @@ def bind_addr(id_ptr: int, address: str | None, port: int) -> None:
     segfault seen with pyverbs 44).  This provider opens its own device contexts, so it binds
     without pyverbs.
     """
-    global _librdmacm
-    if _librdmacm is None:
-        _librdmacm = ctypes.CDLL("librdmacm.so.1", use_errno=True)
-        _librdmacm.rdma_bind_addr.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(
             address or "0.0.0.0", port, type=socket.SOCK_STREAM,
@@ -238,7 +258,7 @@ def bind_addr(id_ptr: int, address: str | None, port: int) -> None:
                + socket.inet_pton(socket.AF_INET6, host.split("%")[0])
                + struct.pack("=I", scope_id))
     raw = raw.ljust(128, b"\0")
-    if _librdmacm.rdma_bind_addr(id_ptr, raw) != 0:
+    if _rdmacm().rdma_bind_addr(id_ptr, raw) != 0:
         code = ctypes.get_errno()
         raise RdmaError(f"rdma_bind_addr({address}:{port}) failed: {os.strerror(code)}",
                         errno=code)

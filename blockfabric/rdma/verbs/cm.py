@@ -11,14 +11,22 @@ QPs are external (created by :mod:`.resources` on our own device context) and mo
 INIT/RTR/RTS with ``rdma_init_qp_attr``, as rdma-core's tests/rdmacm_utils.py does: the passive
 side before it accepts, the active side on CONNECT_RESPONSE, followed by ``rdma_establish``.
 
-Why one module of ~550 lines: it is one adapter (rdma_cm through pyverbs) whose event
+Teardown is explicit and ordered (QP, then CM id, then the event channel once no id is left on
+it) and never left to pyverbs' finalizers: every channel and its ids stay referenced from
+``_open`` until closed, so the collector never frees them in its own order (a CM id destroyed
+after its channel, or a channel freed under a live id, is a SIGSEGV in librdmacm), and
+whatever is still open at interpreter exit is closed in that order by ``_close_all``.
+
+Why one module of ~700 lines: it is one adapter (rdma_cm through pyverbs) whose event
 channel, CM ids and listeners share the rule that nothing blocks while holding the GIL;
 split, that rule would be kept in several places.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import errno
 import logging
 import os
 import select
@@ -26,14 +34,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from blockfabric.errors import ConnectionRejected, RdmaError, RdmaTimeout
+from blockfabric.errors import ConnectionAbandoned, ConnectionRejected, RdmaError, RdmaTimeout
 from blockfabric.rdma import base
 from blockfabric.rdma.base import CMEvent, CMEventType, QPCap
 from blockfabric.rdma.verbs import _native
 from blockfabric.rdma.verbs._native import RawEvent, rdma_error
 from blockfabric.rdma.verbs.resources import VerbsContext, VerbsQP, external_qp
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from blockfabric.rdma.verbs import VerbsProvider
@@ -42,6 +48,15 @@ log = logging.getLogger(__name__)
 
 # IB CM reject reason "consumer defined": the peer called rdma_reject (with private data)
 _REJ_CONSUMER = 28
+# the IB CM's own reject reasons (IBTA 12.6.7.2) a connect meets most: the peer's CM refused
+# it before any consumer saw it, and the private data of such a reject is not the peer's
+_REJ_REASONS = {1: "no QP", 3: "no resources", 4: "timed out", 5: "unsupported request",
+                6: "invalid communication id", 8: "no listener on that port",
+                10: "stale connection", 13: "port redirected"}
+# events that end a connect request before it was accepted: its host gave up
+_ABANDONED = frozenset((CMEventType.REJECTED, CMEventType.CONNECT_ERROR,
+                        CMEventType.UNREACHABLE, CMEventType.DISCONNECTED,
+                        CMEventType.DEVICE_REMOVAL))
 # events that only move the connection along and are consumed here, not handed to the user
 _INTERNAL = {CMEventType.ESTABLISHED, CMEventType.TIMEWAIT_EXIT}
 _KNOWN = frozenset(int(t) for t in CMEventType)
@@ -82,6 +97,29 @@ class _Waker:
         os.close(self._w)
 
 
+#: Every event channel of this process not destroyed yet; each holds its ids (see the top).
+_open: "set[_Channel]" = set()
+_open_lock = threading.Lock()
+
+
+def _close_all() -> None:
+    """At interpreter exit: close every id and listener still open, in verbs order (each
+    id's QP, the id, and last the channel), before finalizers run in any order.  A child
+    process (fork) leaves its parent's ids alone: the descriptors are shared."""
+    with _open_lock:
+        channels = [c for c in _open if c.pid == os.getpid()]
+    for channel in channels:
+        # a listener's children first: they share its channel
+        for endpoint in sorted(channel.endpoints, key=lambda e: isinstance(e, VerbsListener)):
+            try:
+                endpoint.close()
+            except Exception as exc:  # noqa: BLE001  (exiting: the next one still goes)
+                log.debug("rdma_cm: closing at exit: %s", exc)
+
+
+atexit.register(_close_all)
+
+
 class _Channel:
     """One rdma_cm event channel and the ids whose events arrive on it."""
 
@@ -98,7 +136,12 @@ class _Channel:
         self.owners: dict[int, "VerbsCMId"] = {}    # rdma_cm_id pointer -> owner
         self.listener: "VerbsListener | None" = None
         self.default: "VerbsCMId | None" = None     # an active id, before its pointer is known
-        self.users = 0
+        #: the ids and listener on this channel not destroyed yet (kept alive: see the top)
+        self.endpoints: set[_Endpoint] = set()
+        self.pid = os.getpid()
+        self.destroyed = False
+        with _open_lock:
+            _open.add(self)
 
     def new_id(self):
         try:
@@ -139,10 +182,30 @@ class _Channel:
                     # acked at once: rdma_destroy_id waits for every reported event's ack
                     event.close()
 
-    def release(self) -> None:
-        self.users -= 1
-        if self.users <= 0:
+    def release(self, endpoint: "_Endpoint | None") -> None:
+        """``endpoint``'s rdma_cm id is destroyed: once none is left, destroy the channel
+        (an id outliving its channel is a use after free in librdmacm)."""
+        with self.lock:
+            self.endpoints.discard(endpoint)
+            if self.endpoints or self.destroyed:
+                return
+            self.destroyed = True
+            self.listener = None
+            self.default = None
             self.ch.close()
+        with _open_lock:
+            _open.discard(self)
+
+
+def _destroy_id(cm, what: str) -> bool:
+    """rdma_destroy_id through pyverbs, now; False (logged) when it failed: the id is then
+    still there and its channel must stay."""
+    try:
+        cm.close()
+    except Exception as exc:  # noqa: BLE001  (teardown goes on; the caller keeps the channel)
+        log.warning("rdma_cm: destroying %s failed: %s; its event channel is kept", what, exc)
+        return False
+    return True
 
 
 class _Endpoint:
@@ -153,9 +216,10 @@ class _Endpoint:
 
     def _attach(self, channel: _Channel) -> None:
         self._channel = channel
-        channel.users += 1
         self._events: collections.deque = collections.deque()
         self._waker = _Waker(channel.fd)
+        with channel.lock:
+            channel.endpoints.add(self)
 
     def _queue(self, item) -> None:
         self._events.append(item)
@@ -181,11 +245,16 @@ class _Endpoint:
     def fileno(self) -> int:
         return self._waker.fileno()
 
+    def close(self) -> None:
+        raise NotImplementedError
+
 
 class VerbsCMId(_Endpoint, base.CMId):
     """One end of one RC connection over rdma_cm."""
 
     context: VerbsContext           # (None until bound to a device: see _set_device)
+    _accepted = False               # (passive) rdma_accept done
+    _abandoned: str | None = None   # (passive) why the host gave up before the accept
 
     def __init__(self, provider: "VerbsProvider", channel: _Channel, cmid, *,
                  id_ptr: int | None = None, private_data: bytes = b"",
@@ -226,6 +295,8 @@ class VerbsCMId(_Endpoint, base.CMId):
             # it was set up as; end it, as nvmet-rdma does on ADDR_CHANGE
             self._fail(RdmaError(f"unexpected rdma_cm event {raw.type} (status {raw.status})"))
             return
+        if self._request is not None and not self._accepted and raw.type in _ABANDONED:
+            self._abandoned = f"{_event_name(raw.type)}, status {raw.status}"
         if raw.type == CMEventType.DISCONNECTED:
             if self._disconnected:
                 return                    # already reported when we disconnected ourselves
@@ -308,6 +379,34 @@ class VerbsCMId(_Endpoint, base.CMId):
             param.set_private_data(bytes(private_data))
         return param
 
+    def _stale(self, what: str, exc: RdmaError | None = None) -> ConnectionAbandoned | None:
+        """A connect request (not accepted yet) whose host gave up: an event said so, or
+        the CM refused ``what`` with EINVAL (the kernel's id is no longer a pending request),
+        after reading any event that explains it.  None otherwise."""
+        if self._request is None or self._accepted:
+            return None
+        self._channel.pump()
+        if self._abandoned is None and (exc is None or exc.errno != errno.EINVAL):
+            return None
+        why = self._abandoned or f"{what}: {exc}"
+        return ConnectionAbandoned(f"connect request from {self.peer_address[0]}: the host "
+                                   f"gave up before it was accepted ({why})",
+                                   errno=exc.errno if exc is not None else None)
+
+    def _checked(self, what: str, step: Callable):
+        """``step()`` for a pending request: ConnectionAbandoned instead, or for its failure,
+        when the request is stale."""
+        stale = self._stale(what)
+        if stale is not None:
+            raise stale
+        try:
+            return step()
+        except RdmaError as exc:
+            stale = self._stale(what, exc)
+            if stale is not None:
+                raise stale from exc
+            raise
+
     def _need_qp(self, what: str) -> None:
         if self.qp is None:
             raise RdmaError(f"{what}: create_qp() first", errno=22)
@@ -326,10 +425,7 @@ class VerbsCMId(_Endpoint, base.CMId):
             raise rdma_error(f"rdma_resolve_addr({address}:{port}) failed", exc) from exc
         raw = self._expect(CMEventType.ADDR_RESOLVED, deadline, f"resolve {address}")
         self._bind_ptr(raw.id_ptr)
-        try:
-            self._cm.resolve_route(ms)
-        except self._pv.PyverbsError as exc:
-            raise rdma_error(f"rdma_resolve_route({address}) failed", exc) from exc
+        _native.resolve_route(raw.id_ptr, ms, address)    # (not pyverbs': see there)
         self._expect(CMEventType.ROUTE_RESOLVED, deadline, f"route to {address}")
         self._set_device()
 
@@ -337,8 +433,9 @@ class VerbsCMId(_Endpoint, base.CMId):
                   cap: QPCap | None = None, sq_sig_all: bool = False) -> VerbsQP:
         if self.context is None:
             raise RdmaError("create_qp: resolve() first (no device yet)", errno=22)
-        self.qp = external_qp(self.qp, pd, send_cq, recv_cq, cap, sq_sig_all,
-                              lambda qp: self._qp_to(self._pv.e.IBV_QPS_INIT, "INIT", qp))
+        self.qp = self._checked("create_qp", lambda: external_qp(
+            self.qp, pd, send_cq, recv_cq, cap, sq_sig_all,
+            lambda qp: self._qp_to(self._pv.e.IBV_QPS_INIT, "INIT", qp)))
         return self.qp          # in INIT: receives may be posted from here
 
     def connect(self, private_data: bytes = b"", timeout: float = 5.0,
@@ -356,10 +453,9 @@ class VerbsCMId(_Endpoint, base.CMId):
         if raw is None:
             raise RdmaTimeout(f"connect to {self.peer_address}: no answer in {timeout} s")
         if raw.type == CMEventType.REJECTED:
-            why = ("rejected by the peer" if raw.status == _REJ_CONSUMER
-                   else f"refused (IB CM reject reason {raw.status}; no listener?)")
-            raise ConnectionRejected(f"connect to {self.peer_address}: {why}",
-                                     raw.private_data)
+            why, data = _rejection(raw)
+            raise ConnectionRejected(f"connect to {self.peer_address[0]} port "
+                                     f"{self.peer_address[1]}: {why}", data)
         if raw.type == CMEventType.UNREACHABLE:
             raise RdmaTimeout(f"connect to {self.peer_address}: unreachable "
                               f"(status {raw.status})")
@@ -396,14 +492,19 @@ class VerbsCMId(_Endpoint, base.CMId):
         return resources, depth
 
     def accept(self, private_data: bytes = b"") -> None:
+        """Raises ConnectionAbandoned when the host gave up on its request meanwhile."""
         self._need_qp("accept")
         resources, depth = self._accept_depths()
-        self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
-        self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
-        try:
-            self._cm.accept(self._conn_param(private_data, resources, depth))
-        except self._pv.PyverbsError as exc:
-            raise rdma_error("rdma_accept failed", exc) from exc
+
+        def accept() -> None:
+            self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
+            self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
+            try:
+                self._cm.accept(self._conn_param(private_data, resources, depth))
+            except self._pv.PyverbsError as exc:
+                raise rdma_error("rdma_accept failed", exc) from exc
+        self._checked("accept", accept)
+        self._accepted = True
 
     # ------------------------------------------------------------ a QP in another process
     def remote_qp_attrs(self) -> list[dict]:
@@ -412,9 +513,10 @@ class VerbsCMId(_Endpoint, base.CMId):
         here, as plain fields, with this side's retry counts as in :meth:`_qp_to`."""
         from blockfabric.rdma.verbs.remote import dump_attr  # noqa: PLC0415
         e = self._pv.e
-        return [dump_attr(*self._qp_attr(state, what))
-                for state, what in ((e.IBV_QPS_INIT, "INIT"), (e.IBV_QPS_RTR, "RTR"),
-                                    (e.IBV_QPS_RTS, "RTS"))]
+        return self._checked("rdma_init_qp_attr", lambda: [
+            dump_attr(*self._qp_attr(state, what))
+            for state, what in ((e.IBV_QPS_INIT, "INIT"), (e.IBV_QPS_RTR, "RTR"),
+                                (e.IBV_QPS_RTS, "RTS"))])
 
     def accept_remote(self, qp_num: int, private_data: bytes = b"") -> None:
         """rdma_accept for the QP ``qp_num`` of another process (moved to RTS there with
@@ -422,10 +524,15 @@ class VerbsCMId(_Endpoint, base.CMId):
         if self.qp is not None:
             raise RdmaError("accept_remote: this CM id has a QP of its own", errno=22)
         resources, depth = self._accept_depths()
-        try:
-            self._cm.accept(self._conn_param(private_data, resources, depth, qp_num=qp_num))
-        except self._pv.PyverbsError as exc:
-            raise rdma_error("rdma_accept failed", exc) from exc
+
+        def accept() -> None:
+            try:
+                self._cm.accept(self._conn_param(private_data, resources, depth,
+                                                 qp_num=qp_num))
+            except self._pv.PyverbsError as exc:
+                raise rdma_error("rdma_accept failed", exc) from exc
+        self._checked("accept", accept)
+        self._accepted = True
 
     def reject(self, private_data: bytes = b"") -> None:
         data = bytes(private_data)
@@ -456,21 +563,35 @@ class VerbsCMId(_Endpoint, base.CMId):
                        private_data=raw.private_data)
 
     def close(self) -> None:
-        """Tear down in verbs order: QP, then the CM id, the device reference, the channel."""
+        """Tear down in verbs order, each step whatever became of the one before: the QP,
+        then the CM id, the device reference, and the channel once no id is left on it (an
+        id that could not be destroyed keeps it: a leak, not a crash).  Idempotent; the
+        first failure is raised once all of it is done."""
         if self._closed:
             return
         self._closed = True
-        try:
+        failed: BaseException | None = None
+        channel = self._channel
+        with channel.lock:              # no pump hands this id an event while it goes
+            channel.owners.pop(self._ptr, None)  # type: ignore[arg-type]  # (None: none)
+            if channel.default is self:
+                channel.default = None
             if self.qp is not None:
-                self.qp.close()
-            self._cm.close()
-        finally:
-            with self._channel.lock:
-                self._channel.owners.pop(self._ptr, None)  # type: ignore[arg-type]  # (None: none)
-            if self.context is not None:
+                try:
+                    self.qp.close()
+                except Exception as exc:  # noqa: BLE001  (raised below, after the rest)
+                    failed = exc
+            destroyed = _destroy_id(self._cm, f"the CM id of {self.peer_address}")
+        if self.context is not None:
+            try:
                 self.context.close()
-            self._waker.close()
-            self._channel.release()
+            except Exception as exc:  # noqa: BLE001
+                failed = failed or exc
+        self._waker.close()
+        if destroyed:
+            channel.release(self)
+        if failed is not None:
+            raise failed
 
 
 class VerbsListener(_Endpoint, base.Listener):
@@ -484,11 +605,16 @@ class VerbsListener(_Endpoint, base.Listener):
         self._refused = 0               # requests refused in this episode (logged once)
         self._refused_at = 0.0          # the last of them
         channel = _Channel()
-        self._attach(channel)
-        channel.listener = self
         self._closed = False
-        self._cm = channel.new_id()
+        self._cm = None
         try:
+            self._attach(channel)
+        except BaseException:
+            channel.release(None)
+            raise
+        channel.listener = self
+        try:
+            self._cm = channel.new_id()
             ptr = _native.cm_id_pointer(self._cm, channel.ptr)
             _native.bind_addr(ptr, address, port)
             self._cm.listen(backlog)
@@ -558,13 +684,29 @@ class VerbsListener(_Endpoint, base.Listener):
                 child.reject()
             except RdmaError:
                 pass
-            child.close()
-        self._channel.listener = None
-        try:
-            self._cm.close()
-        finally:
-            self._waker.close()
-            self._channel.release()
+            try:
+                child.close()
+            except Exception as exc:  # noqa: BLE001  (the listener still goes)
+                log.debug("listener %s: closing a request: %s", self.local_address, exc)
+        with self._channel.lock:
+            self._channel.listener = None
+            destroyed = self._cm is None or _destroy_id(self._cm, "a listening CM id")
+        self._waker.close()
+        if destroyed:
+            self._channel.release(self)
+
+
+def _rejection(raw: RawEvent) -> tuple[str, bytes]:
+    """Why a connect was rejected, and the peer's reject data (empty when the peer's CM, not
+    its consumer, refused: then the data is only the padding of the REJ message).  iWARP
+    reports a reject as -ECONNREFUSED, the peer's data (if any) with it."""
+    data = raw.private_data
+    if raw.status == _REJ_CONSUMER or (raw.status < 0 and any(data)):
+        return "rejected by the target", data
+    if raw.status < 0:
+        return f"refused ({os.strerror(-raw.status)}; no listener on that port?)", b""
+    reason = _REJ_REASONS.get(raw.status, "see the IB CM reject reasons")
+    return f"refused by the peer's RDMA CM: {reason} (reject reason {raw.status})", b""
 
 
 def _event_name(value: int) -> str:

@@ -88,6 +88,12 @@ class VerbsContext(_Released, base.Context):
         self._device = device.acquire()
         self.name = device.name
 
+    @property
+    def device_key(self) -> object:
+        """Every handle of one opened device: a PD of one is a PD of all (each CM id has
+        its own handle, so ``id(context)`` would be one per connection)."""
+        return ("verbs", id(self._device))
+
     def alloc_pd(self) -> "VerbsPD":
         return VerbsPD(self._device)
 

@@ -407,7 +407,10 @@ class SoftQP(QP):
                 e = self._build(wr, cap, go and self._ack_due)
                 sq.append(e)
                 if e.psn is None:
-                    self._stall = go = False
+                    # stop here until it reaches the head and moves the QP to ERR (_retire):
+                    # no later WR, of this post or of one before that, goes on the wire
+                    self._stall = True
+                    go = False
                 elif go:
                     bufs.extend(e.frame)
                     e.sent = True

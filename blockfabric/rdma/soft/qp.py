@@ -85,6 +85,7 @@ _RTS = QPState.RTS
 _WC_READ = WcOpcode.RDMA_READ
 _WC_WRITE = WcOpcode.RDMA_WRITE
 _WC_RECV = WcOpcode.RECV
+_WC_SEND = WcOpcode.SEND
 _WC_OK = WcStatus.SUCCESS
 _WC_OF = {_OP_SEND: WcOpcode.SEND, _OP_SEND_IMM: WcOpcode.SEND,
           _OP_SEND_INV: WcOpcode.SEND, _OP_WRITE: _WC_WRITE,
@@ -406,6 +407,9 @@ class SoftQP(QP):
                     e.end = self._tx_queued + size
                     self._xmit(e.frame, size)
                     return
+            elif (len(wrs) == 2 and self._state is _RTS and not (self._hold or self._stall)
+                    and self._post_pair(sq, cap, wrs[0], wrs[1])):
+                return
             if self._state == _ERR:
                 for wr in wrs:
                     self.send_cq.push(WC(wr.wr_id, WcStatus.WR_FLUSH_ERR,
@@ -445,6 +449,71 @@ class SoftQP(QP):
                 self._xmit(bufs, end - self._tx_queued)
             if sq and sq[0].psn is None:
                 self._retire()
+
+    def _post_pair(self, sq: deque, cap: QPCap, write: SendWR, send: SendWR) -> bool:
+        """The target's answer to a read, per I/O: an RDMA WRITE of the data, then the SEND
+        of the response, each of one SGE read from registered memory, neither inline.  Both
+        checked first, then built as one frame list and sent: what the general path of
+        post_send and two _build calls do for this chain.  False, with nothing done, for any
+        other chain or one that fails a check (the general path then says why)."""
+        if (write.opcode is not _OP_WRITE or send.opcode is not _OP_SEND
+                or len(sq) + 2 > cap.max_send_wr or cap.max_send_sge < 1):
+            return False
+        wsg, ssg = write.sg_list, send.sg_list
+        wflags, sflags = int(write.send_flags), int(send.send_flags)
+        if len(wsg) != 1 or len(ssg) != 1 or (wflags | sflags) & _INLINE:
+            return False
+        lkeys, pd = self.ctx.lkeys, self.pd
+        a, b = wsg[0], ssg[0]
+        ma, mb = lkeys.get(a.lkey), lkeys.get(b.lkey)
+        alen, blen, aaddr, baddr = a.length, b.length, a.addr, b.addr
+        if (ma is None or mb is None or ma.pd is not pd or mb.pd is not pd
+                or aaddr < ma.addr or aaddr + alen > ma.end or alen <= 0
+                or baddr < mb.addr or baddr + blen > mb.end or blen <= 0
+                or alen > _MAX_MESSAGE or blen > _MAX_MESSAGE):
+            return False
+        self.posted = now = _now()
+        if not sq:
+            self._last_progress = now
+        if self._ack_due:               # the WRITE carries the ACK this side owes
+            self._ack_due = False
+            flags, done = _F_ACK, self._done_psn
+            if self.ack_group is not None:
+                self.ack_group.carried(self)
+        else:
+            flags = done = 0
+        psn = self._next_psn
+        psn2 = (psn + 1) & M
+        self._next_psn = (psn + 2) & M
+        off = aaddr - ma.addr
+        data = ma.buf[off:off + alen]
+        off = baddr - mb.addr
+        resp = mb.buf[off:off + blen]
+        whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
+                    write.remote_addr)
+        shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
+        sig_all = self.sig_all
+        end = self._tx_queued
+        e = _Entry()
+        e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
+        e.signaled = sig_all or bool(wflags & _SIGNALED)
+        e.status = e.rnr = 0
+        e.views, e.frame = [data], [whdr, data]
+        e.sent = True
+        e.size = size = HDR + alen
+        e.end = end = end + size
+        sq.append(e)
+        e = _Entry()
+        e.psn, e.wr_id, e.opcode, e.byte_len = psn2, send.wr_id, _WC_SEND, blen
+        e.signaled = sig_all or bool(sflags & _SIGNALED)
+        e.status = e.rnr = 0
+        e.views, e.frame = [resp], [shdr, resp]
+        e.sent = True
+        e.size = HDR + blen
+        e.end = end + HDR + blen
+        sq.append(e)
+        self._xmit([whdr, data, shdr, resp], size + HDR + blen)
+        return True
 
     def _build(self, wr: SendWR, cap: QPCap, ack: bool = False) -> _Entry:
         """A send-queue entry with its frame; ``psn`` None when local checks failed.  With

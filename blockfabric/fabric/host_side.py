@@ -42,7 +42,8 @@ from blockfabric.errors import QueueDead, WorkCompletionError
 from blockfabric.fabric.endpoint import (INDEX_MASK, KIND_RECV, KIND_SEND, KIND_SHIFT,
                                          Endpoint, wr_id)
 from blockfabric.protocol import CQE, CQE_SIZE, SQE, SQE_SIZE, OffsetSGL
-from blockfabric.protocol.rw import pack_rw_into
+from blockfabric.protocol.capsule import PSDT_SGL
+from blockfabric.protocol.rw import RW_SQE, pack_rw_into
 from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_OFFSET
 from blockfabric.protocol.status import status_code
 from blockfabric.rdma import (CONNECTION_ENDED, PD, WC, CMId, QPState, RecvWR, SendFlags,
@@ -61,6 +62,7 @@ GEN_MASK = 0xF
 STATUS_BITS = 0x7FF << 1
 _KEYED = TYPE_KEYED << 56
 _OFFSET = TYPE_OFFSET << 56
+_rw_pack_into = RW_SQE.pack_into    # pack_rw_into without its call (the reactor's path)
 _CQE_RAW = struct.Struct("<QHHHH")
 _unpack_cqe = _CQE_RAW.unpack_from
 _get_ident = threading.get_ident
@@ -227,11 +229,12 @@ class HostQueue(Endpoint):
         view = slot.view
         if data is not None and length <= self.inline_size:
             view[SQE_SIZE:SQE_SIZE + length] = data
-            pack_rw_into(view, opcode, cid, nsid, slba, nlb, 0, length | _OFFSET)
+            _rw_pack_into(view, 0, opcode, PSDT_SGL, cid, nsid, 0, 0, 0, length | _OFFSET,
+                          slba, nlb, 0, 0, 0)       # pack_rw_into, inline
             slot.sge.length = SQE_SIZE + length
         else:
-            pack_rw_into(view, opcode, cid, nsid, slba, nlb, addr,
-                         length | rkey << 24 | _KEYED)
+            _rw_pack_into(view, 0, opcode, PSDT_SGL, cid, nsid, 0, 0, addr,
+                          length | rkey << 24 | _KEYED, slba, nlb, 0, 0, 0)
             slot.sge.length = SQE_SIZE
         stats = self.stats
         slot.seq = stats.submitted_loop + stats.submitted_other

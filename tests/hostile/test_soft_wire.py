@@ -70,7 +70,20 @@ BAD_FRAMES = [
     ("RNR_NAK for a request never sent", wire.pack(Frame.RNR_NAK, psn=3)),
     ("request from the past", wire.pack(Frame.WRITE, psn=0xFFFFFF00)),
     ("payload above the largest message", wire.pack(Frame.SEND, length=0xFFFFFFFF)),
+    # the edges of the receive path's inline check of SEND and WRITE (SoftQP._on_header):
+    # each must fall through to wire.decode and be refused there
+    ("SEND with a key", wire.pack(Frame.SEND, length=64, key=5) + bytes(64)),
+    ("SEND with an address", wire.pack(Frame.SEND, length=64, addr=8) + bytes(64)),
+    ("SEND with extra and no flag for it", wire.pack(Frame.SEND, length=64, extra=1)
+     + bytes(64)),
+    ("WRITE with extra and no flag for it", wire.pack(Frame.WRITE, length=0, extra=1)),
+    ("SEND with an ACK value and no ACK flag", wire.pack(Frame.SEND, length=64, ack=1)
+     + bytes(64)),
+    ("WRITE above the largest message", wire.pack(Frame.WRITE, length=(1 << 31) + 1)),
 ]
+#: cases whose connection must end for that frame itself, as wire.decode words it (taken
+#: for a request, each would also end it, a frame later, for a repeated PSN)
+REFUSED_BY_DECODE = {name for name, _ in BAD_FRAMES[-6:]}
 
 
 @pytest.mark.timeout(120)
@@ -98,6 +111,9 @@ def test_frames_outside_their_enumerations_cost_only_their_connection(target, by
     assert "Traceback" not in target.log
     violations = [line for line in target.lines if "soft RDMA" in line and "127.0.0.2" in line]
     assert len(violations) == len(BAD_FRAMES), violations     # one line per connection
+    for (name, _), line in zip(BAD_FRAMES, violations):      # (one connection at a time)
+        if name in REFUSED_BY_DECODE:
+            assert "outside what it allows" in line, (name, line)
     probe.assert_bounded()
     assert_accepts_new_host(target.port)
 

@@ -337,6 +337,30 @@ def test_local_protection_error(pair):
     assert a.state() == ERR
 
 
+def test_nothing_after_a_local_error_reaches_the_wire(pair):
+    """A WR that fails its local checks behind one still in flight: the QP goes to ERR when
+    it is reached, and no WR posted after it, in the same post or a later one, goes out (an
+    HCA processes the send queue in order and stops at the error).  The WRITE in front is
+    large so that it is still unacknowledged when the next post comes; it completes either
+    way (SUCCESS when its ACK came first, else flushed)."""
+    a, b = pair
+    big, far = a.reg(64 * MiB, LOCAL, seed=30), b.reg(64 * MiB, RW)
+    msg, rbuf = a.reg(64, LOCAL, seed=31), b.reg(64, LOCAL)
+    b.recv(recv_wr(50, rbuf.sge()))
+    bad = {"addr": msg.addr, "length": 64, "lkey": msg.lkey ^ 0x100}
+    a.send(wr(WrOpcode.RDMA_WRITE, 1, [big.sge()], far),
+           wr(WrOpcode.SEND, 2, [bad]))
+    a.send(wr(WrOpcode.SEND, 3, [msg.sge()]))
+    got = a.poll(n=3, timeout=10)
+    assert [w["wr_id"] for w in got] == [1, 2, 3], got
+    assert got[0]["status"] in (OK, WcStatus.WR_FLUSH_ERR)
+    assert got[1]["status"] in BAD_LKEY | {WcStatus.WR_FLUSH_ERR}
+    assert got[2]["status"] == WcStatus.WR_FLUSH_ERR
+    assert a.state() == ERR
+    assert b.poll("recv", timeout=0.5) == []         # the SEND behind the error never came
+    assert b.read(rbuf, 0, 64) == bytes(64)
+
+
 @pytest.mark.parametrize("case", ["past_end", "before_start", "read_into_readonly"])
 def test_local_bounds_and_access(world, case):
     a, b = world.connect()

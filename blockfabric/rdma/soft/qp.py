@@ -55,6 +55,8 @@ _pack = wire.pack
 _hdr = wire.HEADER.pack         # (MAGIC, VERSION, type, flags, psn, length, key, extra, ack,
 _MAGIC, _VERSION = wire.MAGIC, wire.VERSION     # addr): wire.pack without its call
 _decode = wire.decode
+_unpack_header = wire.HEADER.unpack_from
+_MAX_MESSAGE = wire.MAX_MESSAGE
 _now = time.monotonic
 _get_ident = threading.get_ident
 IOV_BATCH = 512                 # below IOV_MAX (1024)
@@ -83,6 +85,7 @@ _RTS = QPState.RTS
 _WC_READ = WcOpcode.RDMA_READ
 _WC_WRITE = WcOpcode.RDMA_WRITE
 _WC_RECV = WcOpcode.RECV
+_WC_SEND = WcOpcode.SEND
 _WC_OK = WcStatus.SUCCESS
 _WC_OF = {_OP_SEND: WcOpcode.SEND, _OP_SEND_IMM: WcOpcode.SEND,
           _OP_SEND_INV: WcOpcode.SEND, _OP_WRITE: _WC_WRITE,
@@ -93,6 +96,7 @@ _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _F_IMM, _F_INV, _F_ACK = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV), int(FrameFlags.ACK)
 _SEND, _WRITE, _READ_REQ = int(Frame.SEND), int(Frame.WRITE), int(Frame.READ_REQ)
+_NOT_ACK = 0xFF & ~_F_ACK       # header flag bits other than ACK
 _READ_RESP, _ACK, _NAK = int(Frame.READ_RESP), int(Frame.ACK), int(Frame.NAK)
 _RNR_NAK, _DREQ, _CONN_RTU = int(Frame.RNR_NAK), int(Frame.DREQ), int(Frame.CONN_RTU)
 # what the payload in flight is for, when it has all arrived
@@ -380,6 +384,32 @@ class SoftQP(QP):
             wrs = (wrs,)
         cap = self.cap
         with self._lock:
+            sq = self._sq
+            if len(wrs) == 1 and self._state is _RTS and not (self._hold or self._stall):
+                # One WR (the host's capsule, per I/O): the general path below for one,
+                # without its list and loops; anything out of the ordinary (a full queue,
+                # a bad WR) falls through to it, which says why.
+                wr = wrs[0]
+                if (len(sq) < cap.max_send_wr and len(wr.sg_list) <= cap.max_send_sge
+                        and wr.opcode in _WC_OF):
+                    self.posted = now = _now()
+                    if not sq:
+                        self._last_progress = now
+                    e = self._build(wr, cap, self._ack_due)
+                    sq.append(e)
+                    if e.psn is None:
+                        self._stall = True          # (as below)
+                        if sq[0] is e:
+                            self._retire()
+                        return
+                    e.sent = True
+                    size = e.size
+                    e.end = self._tx_queued + size
+                    self._xmit(e.frame, size)
+                    return
+            elif (len(wrs) == 2 and self._state is _RTS and not (self._hold or self._stall)
+                    and self._post_pair(sq, cap, wrs[0], wrs[1])):
+                return
             if self._state == _ERR:
                 for wr in wrs:
                     self.send_cq.push(WC(wr.wr_id, WcStatus.WR_FLUSH_ERR,
@@ -388,7 +418,6 @@ class SoftQP(QP):
             if self._state != _RTS:
                 raise RdmaError(f"post_send on a QP in state {self._state.name}",
                                 errno=_errno.EINVAL)
-            sq = self._sq
             if len(sq) + len(wrs) > cap.max_send_wr:
                 raise RdmaError(f"send queue full ({cap.max_send_wr} WRs)", errno=_errno.ENOMEM)
             for wr in wrs:
@@ -407,7 +436,10 @@ class SoftQP(QP):
                 e = self._build(wr, cap, go and self._ack_due)
                 sq.append(e)
                 if e.psn is None:
-                    self._stall = go = False
+                    # stop here until it reaches the head and moves the QP to ERR (_retire):
+                    # no later WR, of this post or of one before that, goes on the wire
+                    self._stall = True
+                    go = False
                 elif go:
                     bufs.extend(e.frame)
                     e.sent = True
@@ -417,6 +449,71 @@ class SoftQP(QP):
                 self._xmit(bufs, end - self._tx_queued)
             if sq and sq[0].psn is None:
                 self._retire()
+
+    def _post_pair(self, sq: deque, cap: QPCap, write: SendWR, send: SendWR) -> bool:
+        """The target's answer to a read, per I/O: an RDMA WRITE of the data, then the SEND
+        of the response, each of one SGE read from registered memory, neither inline.  Both
+        checked first, then built as one frame list and sent: what the general path of
+        post_send and two _build calls do for this chain.  False, with nothing done, for any
+        other chain or one that fails a check (the general path then says why)."""
+        if (write.opcode is not _OP_WRITE or send.opcode is not _OP_SEND
+                or len(sq) + 2 > cap.max_send_wr or cap.max_send_sge < 1):
+            return False
+        wsg, ssg = write.sg_list, send.sg_list
+        wflags, sflags = int(write.send_flags), int(send.send_flags)
+        if len(wsg) != 1 or len(ssg) != 1 or (wflags | sflags) & _INLINE:
+            return False
+        lkeys, pd = self.ctx.lkeys, self.pd
+        a, b = wsg[0], ssg[0]
+        ma, mb = lkeys.get(a.lkey), lkeys.get(b.lkey)
+        alen, blen, aaddr, baddr = a.length, b.length, a.addr, b.addr
+        if (ma is None or mb is None or ma.pd is not pd or mb.pd is not pd
+                or aaddr < ma.addr or aaddr + alen > ma.end or alen <= 0
+                or baddr < mb.addr or baddr + blen > mb.end or blen <= 0
+                or alen > _MAX_MESSAGE or blen > _MAX_MESSAGE):
+            return False
+        self.posted = now = _now()
+        if not sq:
+            self._last_progress = now
+        if self._ack_due:               # the WRITE carries the ACK this side owes
+            self._ack_due = False
+            flags, done = _F_ACK, self._done_psn
+            if self.ack_group is not None:
+                self.ack_group.carried(self)
+        else:
+            flags = done = 0
+        psn = self._next_psn
+        psn2 = (psn + 1) & M
+        self._next_psn = (psn + 2) & M
+        off = aaddr - ma.addr
+        data = ma.buf[off:off + alen]
+        off = baddr - mb.addr
+        resp = mb.buf[off:off + blen]
+        whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
+                    write.remote_addr)
+        shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
+        sig_all = self.sig_all
+        end = self._tx_queued
+        e = _Entry()
+        e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
+        e.signaled = sig_all or bool(wflags & _SIGNALED)
+        e.status = e.rnr = 0
+        e.views, e.frame = [data], [whdr, data]
+        e.sent = True
+        e.size = size = HDR + alen
+        e.end = end = end + size
+        sq.append(e)
+        e = _Entry()
+        e.psn, e.wr_id, e.opcode, e.byte_len = psn2, send.wr_id, _WC_SEND, blen
+        e.signaled = sig_all or bool(sflags & _SIGNALED)
+        e.status = e.rnr = 0
+        e.views, e.frame = [resp], [shdr, resp]
+        e.sent = True
+        e.size = HDR + blen
+        e.end = end + HDR + blen
+        sq.append(e)
+        self._xmit([whdr, data, shdr, resp], size + HDR + blen)
+        return True
 
     def _build(self, wr: SendWR, cap: QPCap, ack: bool = False) -> _Entry:
         """A send-queue entry with its frame; ``psn`` None when local checks failed.  With
@@ -494,7 +591,23 @@ class SoftQP(QP):
 
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
         if isinstance(wrs, RecvWR):
+            # One WR (a receive reposted, per I/O), its views resolved before and still
+            # good (see _post_recvs): appended with no list, loop or limit loop.
+            c = wrs.resolved
+            if c and c[0] is self:
+                sg = wrs.sg_list
+                with self._lock:
+                    if (c[1] is sg and len(sg) == 1 and sg[0] is c[2]
+                            and c[2].addr == c[3] and c[2].length == c[4]
+                            and c[2].lkey == c[5] and not c[6].closed
+                            and self._state is not _ERR
+                            and len(self._rq) < self.cap.max_recv_wr):
+                        self._rq.append((wrs.wr_id, c[7], c[8], 0))
+                        return
             wrs = (wrs,)
+        self._post_recvs(wrs)
+
+    def _post_recvs(self, wrs: Sequence[RecvWR]) -> None:
         cap = self.cap
         with self._lock:
             if self._state == _ERR:
@@ -561,6 +674,8 @@ class SoftQP(QP):
                 self._die(exc)
                 return
             self._tx_sent += n
+            if n == size:                   # all taken (the usual case): nothing to queue
+                return
             for b in bufs:
                 if n >= len(b):
                     n -= len(b)
@@ -598,6 +713,9 @@ class SoftQP(QP):
                 self._die(exc)
                 return
             self._tx_sent += n
+            if self._tx_sent == self._tx_queued:
+                q.clear()       # the socket took all of it: no per-buffer accounting
+                break
             while q:
                 size = len(q[0])
                 if n < size:
@@ -778,7 +896,15 @@ class SoftQP(QP):
         self._expect(None, length, RX_DISCARD)
 
     def _on_header(self, at: int) -> None:
-        ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
+        # The per-I/O frames (a SEND, a WRITE, no flag but ACK) are checked here, inline:
+        # a subset of what wire.decode accepts, with the same values; anything else (other
+        # types, flags, fields) goes through decode, which says what is wrong with it.
+        magic, version, ftype, flags, psn, length, key, extra, ack, addr = \
+            _unpack_header(self._stage, at)
+        if (magic != _MAGIC or version != _VERSION or flags & _NOT_ACK or extra
+                or length > _MAX_MESSAGE or (ack and not flags)
+                or not (ftype == _WRITE or (ftype == _SEND and not key and not addr))):
+            ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
         if flags & _F_ACK and self._state != _ERR:
             # the peer's request carries its ACK of ours (validated like an ACK frame)
             self._ack_upto(ack)

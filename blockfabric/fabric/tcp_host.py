@@ -161,6 +161,10 @@ class TcpHostQueue(PduConnection, HostQueue):
         """Commands in flight: their answers are due (the reactor spins for them)."""
         return len(self._free) < self.depth
 
+    def in_flight(self) -> int:
+        """Commands whose answers are due (the reactor's spin follows it)."""
+        return self.depth - len(self._free)
+
     def _post(self, slot: Slot, length: int, locked: bool) -> int:
         view = slot.view
         addr, word = _SGL_WORDS.unpack_from(view, 24)

@@ -150,6 +150,10 @@ class TcpTargetQueue(PduConnection):
         return len(self._free) < len(self.commands) or \
             _monotonic() - self.rx_at < EXPECT_AFTER_RX
 
+    def in_flight(self) -> int:
+        """Commands not yet answered (the reactor's spin follows it)."""
+        return len(self.commands) - len(self._free)
+
     @property
     def broken(self) -> bool:
         return self.closed

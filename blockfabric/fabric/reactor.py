@@ -50,17 +50,18 @@ MAX_SPIN_US = 10_000.0
 SPIN_NEAR_FACTOR = 4.0
 SPIN_FAR_MISSES = 2
 SPIN_PROBE_EVERY = 64
-#: No busy-poll while the machine is oversubscribed: a 1-minute load average above this
-#: many times the CPUs the process may use (checked every SPIN_LOAD_EVERY s).  Then a
-#: spinning loop takes the CPU its peer and the application need: with load average 22-29
-#: on 2 cores, an 80 us spin took the mount's QD1 reads from 2.2-5.3k IOPS to 1.0-3.6k.
+#: No busy-poll while the machine is oversubscribed, where the kernel has no PSI (below):
+#: a 1-minute load average above this many times the CPUs the process may use (checked
+#: every SPIN_LOAD_EVERY s).  Then a spinning loop takes the CPU its peer and the
+#: application need: with load average 22-29 on 2 cores, an 80 us spin took the mount's
+#: QD1 reads from 2.2-5.3k IOPS to 1.0-3.6k.
 SPIN_LOAD_FACTOR = 2.0
 SPIN_LOAD_EVERY = 1.0
 #: Nor while the CPUs are contended right now: Linux's pressure stall information
 #: (/proc/pressure/cpu, "some avg10": the share of the last 10 s in which some runnable
 #: task waited for a CPU) above this many percent ($BLOCKFABRIC_REACTOR_SPIN_LOAD, 0-100;
-#: 100 turns the guard off).  It follows load within seconds, where the load average
-#: takes a minute.
+#: 100 turns this guard and the load average's off).  It follows load within seconds,
+#: where the load average takes a minute, and it counts only tasks that waited.
 SPIN_LOAD_ENV = "BLOCKFABRIC_REACTOR_SPIN_LOAD"
 DEFAULT_SPIN_LOAD = 40.0
 PSI_CPU = "/proc/pressure/cpu"
@@ -435,13 +436,12 @@ class Reactor:
                 return False
 
     def _pressed(self) -> bool:
-        """The machine is oversubscribed (load average) or its CPUs under pressure (PSI)."""
-        if _oversubscribed():
-            return True
+        """The CPUs are under pressure (PSI above ``spin_load``); where the kernel has no
+        PSI, the machine is oversubscribed (load average).  ``spin_load`` 100: never."""
         if self.spin_load >= 100.0:
             return False
         pressure = cpu_pressure()
-        return pressure is not None and pressure > self.spin_load
+        return _oversubscribed() if pressure is None else pressure > self.spin_load
 
     def _after_wait(self) -> None:
         """After the wait that followed a spin that ran out: near or far miss."""

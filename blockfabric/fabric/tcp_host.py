@@ -162,8 +162,9 @@ class TcpHostQueue(PduConnection, HostQueue):
         return len(self._free) < self.depth
 
     def in_flight(self) -> int:
-        """Commands whose answers are due (the reactor's spin follows it)."""
-        return self.depth - len(self._free)
+        """I/O commands whose answers are due (the reactor's spin follows it); the admin
+        queue counts none: its Asynchronous Event Requests wait there for good."""
+        return self.depth - len(self._free) if self.qid else 0
 
     def _post(self, slot: Slot, length: int, locked: bool) -> int:
         view = slot.view

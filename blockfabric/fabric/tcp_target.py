@@ -151,8 +151,9 @@ class TcpTargetQueue(PduConnection):
             _monotonic() - self.rx_at < EXPECT_AFTER_RX
 
     def in_flight(self) -> int:
-        """Commands not yet answered (the reactor's spin follows it)."""
-        return len(self.commands) - len(self._free)
+        """I/O commands not yet answered (the reactor's spin follows it); the admin queue
+        counts none: its Asynchronous Event Requests wait there for good."""
+        return len(self.commands) - len(self._free) if self.qid else 0
 
     @property
     def broken(self) -> bool:

@@ -49,6 +49,7 @@ Buf = bytes | bytearray | memoryview
 _unpack_header = tcp_pdu.COMMON.unpack_from       # tcp_pdu.header, without the call
 _CAPSULE_CMD = tcp_pdu.CAPSULE_CMD
 _CAPSULE_RESP = tcp_pdu.CAPSULE_RESP
+_C2H_DATA, _DATA_SUCCESS = tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_SUCCESS
 
 #: the staging buffer's first size: a connection that only connects costs this
 STAGING_START = 4096
@@ -316,8 +317,9 @@ class PduConnection:
                     self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
                 else:
                     self.on_pdu(ptype, flags, pdu, pdo, dlen)
-                if ptype == _CAPSULE_CMD or ptype == _CAPSULE_RESP:
-                    capsules += 1
+                if ptype == _CAPSULE_CMD or ptype == _CAPSULE_RESP or \
+                        (ptype == _C2H_DATA and flags & _DATA_SUCCESS):
+                    capsules += 1           # a command, or an answer (a read's may be data)
                 limits = self.limits        # ICReq/ICResp change them
         except tcp_pdu.PduError as exc:
             exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN

@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import re
 import signal
 import statistics
 import sys
@@ -73,6 +74,9 @@ SYSTEMS = {
     "libnbd": ("libnbd Python on nbdkit memory", "libnbd", None),
 }
 DEFAULT_SYSTEMS = "floor,mount-poll,bench-poll,nbd-memory,nbd-python,libnbd"
+#: a blockfabric system with a reactor spin: "mount-tcp-s100" is mount-tcp with target and
+#: mount at $BLOCKFABRIC_REACTOR_SPIN_US=100 (against mount-tcp in the same run)
+SPUN = re.compile(r"^((?:mount|bench)-(?:poll|thread|tcp)(?:-2r)?)-s(\d+)$")
 CPU_GOAL_VS_FLOOR = report.CPU_GOAL_VS_FLOOR   # issue 14: mount target+host <= 2x the floor
 
 
@@ -174,7 +178,8 @@ class Fleet:
             port, pid = self.ports[progress]
             transport, soft = systems.variant(progress)
             return measure(bench_argv(port, w, rt, "-i", "1", transport=transport),
-                           {"server": pid}, rt, {"BLOCKFABRIC_SOFT_PROGRESS": soft})
+                           {"server": pid}, rt,
+                           {"BLOCKFABRIC_SOFT_PROGRESS": soft, **systems.spin_of(progress)})
         if kind == "libnbd":
             mem = self.nbd["memory"]
             return measure(nbd_argv(mem.port, w, rt), {"server": mem.server_pid}, rt)
@@ -303,7 +308,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--runtime", type=float, default=8.0, help="seconds per run")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
-                   help=f"comma list of {', '.join(SYSTEMS)}, or all (default: %(default)s)")
+                   help=f"comma list of {', '.join(SYSTEMS)}, or all; a mount-/bench- one "
+                        "with -s<US> added runs with that reactor spin, e.g. mount-tcp-s100 "
+                        "(default: %(default)s)")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help=f"comma list of {', '.join(WORKLOADS)} (default: %(default)s)")
     p.add_argument("--floor", help=f"the perf-floor directory (default: ${systems.FLOOR_ENV}"
@@ -316,6 +323,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--rounds and --runtime must be positive")
     keys = list(SYSTEMS) if a.systems == "all" else \
         [k.strip() for k in a.systems.split(",") if k.strip()]
+    for key in keys:
+        spun = SPUN.match(key)
+        if spun and spun[1] in SYSTEMS:
+            label, kind, progress = SYSTEMS[spun[1]]
+            SYSTEMS[key] = (f"{label[:-1]}, spin {spun[2]} us)" if label.endswith(")")
+                            else f"{label}, spin {spun[2]} us", kind, f"{progress}-s{spun[2]}")
     wkeys = [k.strip() for k in a.workloads.split(",") if k.strip()]
     for what, got, known in (("system", keys, SYSTEMS), ("workload", wkeys, WORKLOADS)):
         bad = [k for k in got if k not in known]

@@ -472,6 +472,13 @@ def status_report(fs: VolumeFS) -> str:
         lines.append(f"  queue {qid} ({kind}): submitted {st['submitted']}, completed "
                      f"{st['completed']}, in flight {st['inflight']}, max in flight "
                      f"{st['max_inflight']}, errors {st['errors']}")
+    reactor = getattr(ctrl, "reactor", None)
+    spin = getattr(reactor, "spin_stats", None)
+    if spin is not None:            # the mount process's loop (a worker's has its own)
+        sp = spin()
+        lines.append(f"spin        {sp['spin_us']:g} us: hits {sp['hits']}, misses "
+                     f"{sp['misses']}, skipped for depth {sp['skips_depth']}, for CPU "
+                     f"pressure {sp['skips_pressure']} (limit {sp['load_limit']:g} %)")
     lines.append("counters" + (" (every worker's)" if fs.workers is not None else ""))
     for key, value in counters.items():
         lines.append(f"  {key.replace('_', ' ')}: {value}")

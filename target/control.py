@@ -183,6 +183,11 @@ def format_status(st: dict[str, Any]) -> str:
                      f"groups {gw['home_groups'] or 'none'}  ANA groups: {ana_groups}  chgcnt "
                      f"{gw['chgcnt']}  takeovers {gw['takeovers']} releases {gw['releases']}")
     lines.extend(placement_lines(st.get("placement")))
+    spin = st.get("spin")
+    if spin:
+        lines.append(f"reactor spin: {spin['spin_us']:g} us (none above {spin['load_limit']:g} % "
+                     f"CPU pressure)  hits {spin['hits']}  misses {spin['misses']}  skipped: "
+                     f"depth {spin['skips_depth']}  pressure {spin['skips_pressure']}")
     lines.append("")
     lines.append("listeners:")
     for x in st["listeners"]:

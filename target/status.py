@@ -69,6 +69,9 @@ def snapshot(target: Target) -> dict[str, Any]:
         # Target._snapshot_here).
         "placement": {**target.placement.as_dict(), "reactor": numa.thread_report(),
                       "memory": numa.bound_regions()},
+        # The reactor's busy-poll (blockfabric.fabric.reactor: spin_us, hits, misses, and
+        # the waits the depth or the CPU pressure kept from spinning); the coordinator's.
+        "spin": target.reactor.spin_stats(),
         # What hosts hold right now: a host that vanished must leave all of it at rest.
         # (With poll groups, PollGroups.snapshot adds what the workers hold.)
         "resources": resources(target.broker, len(registry.sessions), target.inflight()),

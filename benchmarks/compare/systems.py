@@ -168,7 +168,7 @@ class Workspace:
         """A ramdisk target on the soft provider (``progress`` "tcp": an NVMe/TCP listener
         instead), its metrics on port + 1 (so that a load can tell when its hosts are
         connected); returns (port, pid, command)."""
-        reactors = reactors_of(progress)
+        reactors, spin = reactors_of(progress), spin_of(progress)
         transport, progress = variant(progress)
         port = free_port()
         while not port_free(port + 1):
@@ -187,7 +187,7 @@ class Workspace:
             f"metrics: {{port: {port + 1}}}\n"
             # only when asked: an older tree (ab_pair.py's A side) has no such key
             + (f"reactors: {reactors}\n" if reactors > 1 else ""))
-        env = {"BLOCKFABRIC_SOFT_PROGRESS": progress}
+        env = {"BLOCKFABRIC_SOFT_PROGRESS": progress, **spin}
         argv = [BIN / "blockfabric-target", "run", "-C", config]
         proc, log = self.spawn(f"target-{port}", argv, env)
         wait_for(lambda: "ready:" in log.read_text(), proc, "blockfabric-target", log)
@@ -198,7 +198,7 @@ class Workspace:
         port, target_pid, target_cmd = self.target(progress)
         mnt = self.mountpoint(f"bf-{progress}")
         transport, soft = variant(progress)
-        env = {"BLOCKFABRIC_SOFT_PROGRESS": soft}
+        env = {"BLOCKFABRIC_SOFT_PROGRESS": soft, **spin_of(progress)}
         argv = [BIN / "blockfabric", "mount", *connect_flags(port, transport), mnt]
         proc, log = self.spawn(f"mount-{progress}", argv, env)
         wait_for(lambda: is_mounted(mnt), None, "blockfabric mount", log)
@@ -207,7 +207,8 @@ class Workspace:
             self._undo.append(lambda: (unmount(mnt), stop(pid, None)))
         label = ("blockfabric (NVMe/TCP)" if transport == "tcp" else
                  f"blockfabric ({progress})") + (f", reactors {reactors_of(progress)}"
-                                                 if reactors_of(progress) > 1 else "")
+                                                 if reactors_of(progress) > 1 else "") \
+            + "".join(f", spin {us} us" for us in spin_of(progress).values())
         return System(f"bf-{progress}", label, mnt / "n1",
                       [target_cmd, shell(argv, env)], target_pid, pid, port)
 
@@ -302,8 +303,15 @@ def variant(progress: str) -> tuple[str, str]:
 
 def reactors_of(progress: str) -> int:
     """The target's poll groups: a progress "tcp-2r" is NVMe/TCP with ``reactors: 2``."""
-    tail = progress.split("-", 1)[1] if "-" in progress else "1r"
-    return int(tail.rstrip("r"))
+    tails = [t for t in progress.split("-")[1:] if t.endswith("r")]
+    return int(tails[0].rstrip("r")) if tails else 1
+
+
+def spin_of(progress: str) -> dict[str, str]:
+    """The environment for a progress's reactor spin: "tcp-s100" runs the target and the
+    mount with $BLOCKFABRIC_REACTOR_SPIN_US=100 (none given: the tree's default)."""
+    tails = [t for t in progress.split("-")[1:] if t.startswith("s") and t[1:].isdigit()]
+    return {"BLOCKFABRIC_REACTOR_SPIN_US": tails[0][1:]} if tails else {}
 
 
 def mount_pid(mnt: pathlib.Path) -> int | None:

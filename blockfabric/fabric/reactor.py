@@ -6,9 +6,10 @@ completion queues and CM ids it owns, runs the command logic inline, and keeps i
 timers (keep-alive) — the way an SPDK reactor owns its pollers.  Other threads talk to a
 loop only through :meth:`Reactor.call_soon_threadsafe`.
 
-Why one module of ~550 lines: the loop, its timers, its cross-thread calls and its
-adaptive busy-poll are one wait; the waiter hand-off to a provider (set_waiter) is what
-makes a wake-up one system call, and it reads the loop's private state.
+Why one module of ~670 lines: the loop, its timers, its cross-thread calls and its
+adaptive busy-poll (with its depth and pressure guards) are one wait; the waiter hand-off
+to a provider (set_waiter) is what makes a wake-up one system call, and it reads the
+loop's private state.
 """
 
 from __future__ import annotations
@@ -49,12 +50,30 @@ MAX_SPIN_US = 10_000.0
 SPIN_NEAR_FACTOR = 4.0
 SPIN_FAR_MISSES = 2
 SPIN_PROBE_EVERY = 64
-#: No busy-poll while the machine is oversubscribed: a 1-minute load average above this
-#: many times the CPUs the process may use (checked every SPIN_LOAD_EVERY s).  Then a
-#: spinning loop takes the CPU its peer and the application need: with load average 22-29
-#: on 2 cores, an 80 us spin took the mount's QD1 reads from 2.2-5.3k IOPS to 1.0-3.6k.
+#: No busy-poll while the machine is oversubscribed, where the kernel has no PSI (below):
+#: a 1-minute load average above this many times the CPUs the process may use (checked
+#: every SPIN_LOAD_EVERY s).  Then a spinning loop takes the CPU its peer and the
+#: application need: with load average 22-29 on 2 cores, an 80 us spin took the mount's
+#: QD1 reads from 2.2-5.3k IOPS to 1.0-3.6k.
 SPIN_LOAD_FACTOR = 2.0
 SPIN_LOAD_EVERY = 1.0
+#: Nor while the CPUs are contended right now: Linux's pressure stall information
+#: (/proc/pressure/cpu, "some avg10": the share of the last 10 s in which some runnable
+#: task waited for a CPU) above this many percent ($BLOCKFABRIC_REACTOR_SPIN_LOAD, 0-100;
+#: 100 turns this guard and the load average's off).  It follows load within seconds,
+#: where the load average takes a minute, and it counts only tasks that waited.
+SPIN_LOAD_ENV = "BLOCKFABRIC_REACTOR_SPIN_LOAD"
+DEFAULT_SPIN_LOAD = 40.0
+PSI_CPU = "/proc/pressure/cpu"
+#: The spin follows the depth.  At depth the next completion comes without spinning, and a
+#: spin only takes the CPU the peer needs (a spin of 100 us cost NVMe/TCP QD16 20 %): no
+#: spin while the pollers' ``depth`` callables (add_poller) say more than SPIN_MAX_DEPTH
+#: commands are outstanding, and none for the next SPIN_BUSY_WAITS waits after a receive
+#: brought SPIN_BUSY_ARRIVALS or more at once (note_arrivals: a target, whose commands
+#: are done within the pass, sees the depth only that way).
+SPIN_MAX_DEPTH = 2
+SPIN_BUSY_ARRIVALS = 2
+SPIN_BUSY_WAITS = 256
 
 _default_override: float | None = None
 
@@ -84,6 +103,38 @@ def _oversubscribed() -> bool:
         return os.getloadavg()[0] > SPIN_LOAD_FACTOR * cpus
     except OSError:
         return False
+
+
+def cpu_pressure(path: str | None = None) -> float | None:
+    """The CPU pressure "some avg10" in percent (None: no PSI here, or unreadable)."""
+    try:
+        with open(path or PSI_CPU, "rb") as f:
+            line = f.readline()
+    except OSError:
+        return None
+    for field in line.split():
+        if field.startswith(b"avg10="):
+            try:
+                return float(field[6:])
+            except ValueError:
+                return None
+    return None
+
+
+def spin_load_limit() -> float:
+    """$BLOCKFABRIC_REACTOR_SPIN_LOAD (percent CPU pressure, 0-100) or DEFAULT_SPIN_LOAD."""
+    raw = os.environ.get(SPIN_LOAD_ENV)
+    if not raw:
+        return DEFAULT_SPIN_LOAD
+    try:
+        limit = float(raw)
+    except ValueError:
+        limit = -1.0
+    if not 0.0 <= limit <= 100.0:
+        log.warning("%s: %r is not a percentage 0-100: using %s", SPIN_LOAD_ENV, raw,
+                    DEFAULT_SPIN_LOAD)
+        return DEFAULT_SPIN_LOAD
+    return limit
 
 
 def spin_default() -> float:
@@ -132,10 +183,19 @@ class Reactor:
         self._spun_out = 0.0
         self._load_at = 0.0             # when to look at the load average again
         self._crowded = False           # it was too high: no spinning
-        #: counters for status: spins that found work, spins that ran out
+        #: CPU pressure (percent, cpu_pressure) above which there is no spinning
+        self.spin_load = spin_load_limit()
+        #: waits left without a spin after a receive found several commands (note_arrivals)
+        self._busy = 0
+        #: counters for status: spins that found work, spins that ran out, waits that did
+        #: not spin because of the depth, or of the load / CPU pressure
         self.spin_hits = 0
         self.spin_misses = 0
+        self.spin_skips_depth = 0
+        self.spin_skips_pressure = 0
         self._pollers: list[Callable[[], bool | None]] = []
+        #: the pollers' depth callables (add_poller), by poller
+        self._depths: dict[Callable[[], bool | None], Callable[[], int]] = {}
         #: a provider that waits for this loop (set_waiter), or None: the loop's own epoll
         self._waiter: Callable[[float | None], Any] | None = None
         #: the waiter's epoll (watch/unwatch), which holds this loop's fds meanwhile, or None
@@ -228,17 +288,36 @@ class Reactor:
         if detach is None or not detach(self, callback):
             self.remove_reader(cq.fileno(), callback)
 
-    def add_poller(self, poller: Callable[[], bool | None]) -> None:
+    def add_poller(self, poller: Callable[[], bool | None],
+                   depth: Callable[[], int] | None = None) -> None:
         """A provider engine to busy-poll before sleeping (``spin_us``): ``poller()`` runs
         a pass if there is work and returns True, False if it found none yet, None when
-        nothing is outstanding (no point in spinning for it)."""
+        nothing is outstanding (no point in spinning for it).  ``depth()``, if given, is
+        how many of its commands are outstanding (see SPIN_MAX_DEPTH)."""
         self._pollers.append(poller)
+        if depth is not None:
+            self._depths[poller] = depth
 
     def remove_poller(self, poller: Callable[[], bool | None]) -> None:
+        self._depths.pop(poller, None)
         try:
             self._pollers.remove(poller)
         except ValueError:
             pass
+
+    def note_arrivals(self, count: int) -> None:
+        """A receive brought ``count`` commands (or answers) at once: from
+        SPIN_BUSY_ARRIVALS on, the link is at depth, and the next SPIN_BUSY_WAITS waits do
+        not spin (loop thread)."""
+        if count >= SPIN_BUSY_ARRIVALS:
+            self._busy = SPIN_BUSY_WAITS
+
+    def spin_stats(self) -> dict[str, float | int]:
+        """The spin's knobs and counters, for status output."""
+        return {"spin_us": self.spin_us, "load_limit": self.spin_load,
+                "hits": self.spin_hits, "misses": self.spin_misses,
+                "skips_depth": self.spin_skips_depth,
+                "skips_pressure": self.spin_skips_pressure}
 
     def fileno(self) -> int:
         """The loop's epoll: readable when one of its own file descriptors is."""
@@ -311,6 +390,14 @@ class Reactor:
         keep-alive) costs no CPU, a quick one (or one that is quick once both ends spin)
         gets the full spin.  Sets ``_spun_out`` (the monotonic time the spin began) when
         it ran out, for :meth:`_after_wait`."""
+        if self._busy:
+            self._busy -= 1
+            self.spin_skips_depth += 1
+            return False
+        if self._depths:
+            if sum(depth() for depth in tuple(self._depths.values())) > SPIN_MAX_DEPTH:
+                self.spin_skips_depth += 1
+                return False
         if not self._spinning:
             self._spin_skips += 1
             if self._spin_skips < SPIN_PROBE_EVERY:
@@ -321,8 +408,9 @@ class Reactor:
         start = now()
         if start >= self._load_at:
             self._load_at = start + SPIN_LOAD_EVERY
-            self._crowded = _oversubscribed()
+            self._crowded = self._pressed()
         if self._crowded:
+            self.spin_skips_pressure += 1
             return False
         deadline = start + self.spin_us * 1e-6
         while True:
@@ -346,6 +434,14 @@ class Reactor:
                 self.spin_misses += 1
                 self._spun_out = start
                 return False
+
+    def _pressed(self) -> bool:
+        """The CPUs are under pressure (PSI above ``spin_load``); where the kernel has no
+        PSI, the machine is oversubscribed (load average).  ``spin_load`` 100: never."""
+        if self.spin_load >= 100.0:
+            return False
+        pressure = cpu_pressure()
+        return _oversubscribed() if pressure is None else pressure > self.spin_load
 
     def _after_wait(self) -> None:
         """After the wait that followed a spin that ran out: near or far miss."""

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 Buf = bytes | bytearray | memoryview
 
 _unpack_header = tcp_pdu.COMMON.unpack_from       # tcp_pdu.header, without the call
+_CAPSULE_CMD = tcp_pdu.CAPSULE_CMD
+_CAPSULE_RESP = tcp_pdu.CAPSULE_RESP
+_C2H_DATA, _DATA_SUCCESS = tcp_pdu.C2H_DATA, tcp_pdu.F_DATA_SUCCESS
 
 #: the staging buffer's first size: a connection that only connects costs this
 STAGING_START = 4096
@@ -153,7 +156,7 @@ class PduConnection:
             reactor.add_reader(self.sock.fileno(), self.on_readable)
             add_poller = getattr(reactor, "add_poller", None)
             if add_poller is not None:
-                add_poller(self.poll)
+                add_poller(self.poll, self.in_flight)
         reactor.call_sync(register)
 
     def _detach(self) -> None:
@@ -195,6 +198,11 @@ class PduConnection:
         """Whether the peer is due to send soon (a side overrides it): while so, the
         reactor polls the socket for up to its ``spin_us`` before it sleeps."""
         return False
+
+    def in_flight(self) -> int:
+        """Commands outstanding on this connection (a side overrides it): above
+        ``reactor.SPIN_MAX_DEPTH`` the reactor does not spin."""
+        return 0
 
     def _receive(self) -> bool:
         """One ``recv_into`` the staging buffer, every complete PDU in it handled, and what
@@ -261,6 +269,7 @@ class PduConnection:
         pos = 0
         limits = self.limits
         start = 0
+        capsules = 0                        # commands or answers: see note_arrivals
         try:
             if self._direct is not None:
                 pos = self._finish_direct(view, filled)
@@ -308,12 +317,19 @@ class PduConnection:
                     self.on_data_digest_error(ptype, flags, pdu, pdo, dlen)
                 else:
                     self.on_pdu(ptype, flags, pdu, pdo, dlen)
+                if ptype == _CAPSULE_CMD or ptype == _CAPSULE_RESP or \
+                        (ptype == _C2H_DATA and flags & _DATA_SUCCESS):
+                    capsules += 1           # a command, or an answer (a read's may be data)
                 limits = self.limits        # ICReq/ICResp change them
         except tcp_pdu.PduError as exc:
             exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN
                                                  - tcp_pdu.TERM_HLEN)])
             raise
         finally:
+            if capsules > 1:
+                note = getattr(self.reactor, "note_arrivals", None)
+                if note is not None:
+                    note(capsules)
             if not self.closed and pos:
                 rest = filled - pos
                 if rest:

@@ -161,6 +161,11 @@ class TcpHostQueue(PduConnection, HostQueue):
         """Commands in flight: their answers are due (the reactor spins for them)."""
         return len(self._free) < self.depth
 
+    def in_flight(self) -> int:
+        """I/O commands whose answers are due (the reactor's spin follows it); the admin
+        queue counts none: its Asynchronous Event Requests wait there for good."""
+        return self.depth - len(self._free) if self.qid else 0
+
     def _post(self, slot: Slot, length: int, locked: bool) -> int:
         view = slot.view
         addr, word = _SGL_WORDS.unpack_from(view, 24)

@@ -150,6 +150,11 @@ class TcpTargetQueue(PduConnection):
         return len(self._free) < len(self.commands) or \
             _monotonic() - self.rx_at < EXPECT_AFTER_RX
 
+    def in_flight(self) -> int:
+        """I/O commands not yet answered (the reactor's spin follows it); the admin queue
+        counts none: its Asynchronous Event Requests wait there for good."""
+        return len(self.commands) - len(self._free) if self.qid else 0
+
     @property
     def broken(self) -> bool:
         return self.closed

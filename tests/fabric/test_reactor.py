@@ -246,9 +246,11 @@ def test_a_device_served_by_two_reactors_nests_in_both():
 @pytest.fixture(autouse=True)
 def _machine_not_crowded(monkeypatch):
     """The spin tests below must not depend on this machine's load average (the reactor does
-    not spin on an oversubscribed machine: test_no_spin_on_a_crowded_machine)."""
+    not spin on an oversubscribed machine: test_no_spin_on_a_crowded_machine; nor under CPU
+    pressure: test_reactor_spin_guards.py)."""
     from blockfabric.fabric import reactor as mod
     monkeypatch.setattr(mod, "_oversubscribed", lambda: False)
+    monkeypatch.setattr(mod, "cpu_pressure", lambda path=None: None)
 
 
 def test_no_spin_on_a_crowded_machine(monkeypatch):

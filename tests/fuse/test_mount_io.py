@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import stat
 import subprocess
 import threading
@@ -64,7 +65,11 @@ def test_read_only_mount_option(make_mount):
     with pytest.raises(OSError) as exc:
         os.open(m.file("n1"), os.O_RDWR)
     assert exc.value.errno == errno.EROFS
-    assert "ro," in m.status()
+    status = m.status()
+    assert "ro," in status
+    # the mount's reactor spin and its counters (docs/operations.md, spin_us)
+    assert re.search(r"^spin +\d+ us: hits \d+, misses \d+, skipped for depth \d+, for CPU "
+                     r"pressure \d+ \(limit \d+ %\)$", status, re.M), status
 
 
 @pytest.mark.parametrize("options", ["", "cache", "binding=libfuse",

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -246,17 +247,32 @@ def silent_host_writing(socket_path: str, port: int, transport: str, kato: float
     ctrl = connect(addr_of(kind), NQN, port, **via(kind), hostnqn=HOSTNQN,
                    nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
                    ctrl_loss_tmo=0)
+    ns = ctrl.namespaces[1]
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                ns.write(0, b"k" * 4096)
+                time.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            failed.append(exc)
+
+    # the writes start at once: `status` below is a process of its own, and under TCG (the
+    # lab) its start alone took longer than KATO, so the controller had expired before the
+    # first write when they came after it
+    writer = threading.Thread(target=write)
+    writer.start()
     try:
         (c,) = status(socket_path)["controllers"]
         assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
-        ns = ctrl.namespaces[1]
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            ns.write(0, b"k" * 4096)
-            time.sleep(0.05)
+        writer.join()
+        assert not failed, failed
         assert ns.read(0, 4096) == b"k" * 4096
         yield
     finally:
+        writer.join()
         try:
             ctrl.close()
         except Exception:  # noqa: BLE001  (the target ended it: that is the point)

@@ -32,7 +32,7 @@ DEB_PKGS := python3-venv fuse3 libfuse3-3 fio python3-pyverbs rdma-core \
             nbdkit nbdkit-plugin-python libnbd-bin python3-libnbd python3-matplotlib nftables \
             ceph-mon ceph-osd ceph-common python3-rbd python3-rados
 
-.PHONY: all deps venv lint typecheck test test-reactors demo lab lab-auth lab-resv lab-systemd install install-venv install-units \
+.PHONY: all deps venv lint typecheck test test-reactors demo lab lab-auth lab-resv lab-suites lab-systemd install install-venv install-units \
         uninstall bench bench-cost bench-rdma bench-rdma-lab bench-verbs-lab soak fuzz clean help
 
 all: help
@@ -47,6 +47,7 @@ help:
 	@echo "make lab-auth   DH-HMAC-CHAP interop with the kernel (a guest with Debian's 6.12 kernel)"
 	@echo "make lab-resv   reservations seen by the kernel's host: nvme resv-* of three host NQNs (6.12 guest)"
 	@echo "make lab-systemd   the units under a real systemd (PID 1 in a lab guest), verbs on rxe0"
+	@echo "make lab-suites   the e2e, fault and hostile suites on verbs (rxe0), 1 and 2 reactors (slow)"
 	@echo "make install   (root) /opt/blockfabric, /usr/local/bin links, units, a default config"
 	@echo "make uninstall (root) the reverse; /etc/blockfabric and /var/lib/blockfabric stay"
 	@echo "make bench  fio side by side with nbdkit+nbdfuse, the Python floor and tmpfs -> benchmarks/results/"
@@ -256,6 +257,31 @@ lab-resv: venv
 	  LAB_HOME=$(LAB_AUTH_HOME) LAB_TIMEOUT=$(LAB_RESV_TIMEOUT) lab/run tests/lab/resv.sh 2>&1; } \
 	  | tee tests/lab/last-resv-run.txt; rc=$$?; \
 	echo "make lab-resv: rc=$$rc in $$(( $$(date +%s) - t0 )) s" | tee -a tests/lab/last-resv-run.txt; \
+	exit $$rc
+
+# lab-suites: the end-to-end, fault and hostile suites (issue 19) on verbs: in the lab guest,
+# tests/lab/suites.sh runs them with BLOCKFABRIC_TEST_TRANSPORTS=verbs (NVMe-oF over the verbs
+# provider on rxe0), once with one poll group and once with BLOCKFABRIC_TEST_REACTORS=2; the
+# tests that speak the soft provider's or NVMe/TCP's wire themselves are skipped, saying why.
+# Slow under TCG (tens of minutes): SUITES=..., PASSES="1" or "2", JOBS=n, SUITE_TIMEOUT=s
+# (per pass), START_TIMEOUT=s (BLOCKFABRIC_TEST_START_TIMEOUT) and LAB_SUITES_ARGS="-k ..."
+# (to pytest) narrow or tune it (handed to the script as arguments).  Output in
+# tests/lab/last-suites-run.txt.  Skips where make lab does.  NOT in .ci/run: it is not green
+# yet (the failures and their causes are listed in the last run's file and issue 19).
+LAB_SUITES_TIMEOUT ?= 7200
+LAB_SUITES_ARGS ?=
+LAB_SUITES_KNOBS = $(foreach v,SUITES PASSES JOBS SUITE_TIMEOUT START_TIMEOUT,\
+                     $(if $($(v)),'$(v)=$($(v))'))
+lab-suites: venv
+	@rc=0; lab/setup || rc=$$?; \
+	if [ $$rc = 77 ]; then echo "make lab-suites: SKIP: QEMU or the kernel cannot be installed here"; exit 0; fi; \
+	[ $$rc = 0 ] || exit $$rc; \
+	set -o pipefail; t0=$$(date +%s); \
+	{ echo "# lab/run tests/lab/suites.sh $(strip $(LAB_SUITES_KNOBS) $(LAB_SUITES_ARGS))  ($$(date -u +%F), $$(git rev-parse --short HEAD), Debian $$(cat $${LAB_HOME:-/var/lib/rdma-lab}/kver) guest under QEMU, rxe0 on labnet0)"; \
+	  LAB_TIMEOUT=$(LAB_SUITES_TIMEOUT) lab/run tests/lab/suites.sh $(LAB_SUITES_KNOBS) \
+	    $(LAB_SUITES_ARGS) 2>&1; } \
+	  | tee tests/lab/last-suites-run.txt; rc=$$?; \
+	echo "make lab-suites: rc=$$rc in $$(( $$(date +%s) - t0 )) s" | tee -a tests/lab/last-suites-run.txt; \
 	exit $$rc
 
 # bench: fio through blockfabric's FUSE mount (thread and poll progress) against nbdkit +

@@ -68,7 +68,9 @@ class QueueSetup(ControllerParts):
                 accept = cmid.connect(request.pack(), timeout=opts.connect_timeout)
             except ConnectionRejected as exc:
                 where = f"{traddr}:{trsvcid}"
-                if not exc.private_data:
+                # no NVMe-oF reject data: nothing, or (rdma_cm pads private data with zeros
+                # to its whole field) only zeros, as rxe's reject of a port nobody listens on
+                if not any(exc.private_data or b""):
                     # the peer's CM refused, not a target: the provider says why
                     raise ConnectionRefusedError(
                         f"connection to {where} refused ({_cause(exc)}): is a target "

@@ -192,20 +192,15 @@ def run(path: str | None, verbose: int) -> int:
         print(f"blockfabric-target: error: {shown}: {exc}", file=sys.stderr)
         return 1
     with target:
-        # Handlers only queue work for the reactor (a deque append and a byte to the wake
-        # pipe): the log lines, the drain and the reload run there.  A handler that logged
-        # itself could interrupt this thread inside a write to stderr and die of the
-        # reentrant write (RuntimeError: reentrant call inside BufferedWriter).
+        # Handlers only wake the reactor; the drain, the reload and their log lines run
+        # there (a handler that logs can lose its signal: see Target.request_stop).
         def stop(signum: int, _frame: object) -> None:
             name = signal.Signals(signum).name
-            target.reactor.call_soon_threadsafe(
-                lambda: log.info("%s: draining and stopping", name))
-            target.request_stop()
+            target.request_stop(lambda: log.info("%s: draining and stopping", name))
 
         def reload(_signum: int, _frame: object) -> None:
-            target.reactor.call_soon_threadsafe(
-                lambda: log.info("SIGHUP: reloading %s", shown))
-            target.request_reload(lambda: load_config(path)[0])
+            target.request_reload(lambda: load_config(path)[0],
+                                  lambda: log.info("SIGHUP: reloading %s", shown))
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)

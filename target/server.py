@@ -235,13 +235,27 @@ class Target:
         self.reactor.stop()
 
     # -- signals: only wake the reactor ------------------------------------------------
-    def request_stop(self) -> None:
-        """For a signal handler: drain and stop (a second request stops at once)."""
-        self.reactor.call_soon_threadsafe(self.drain)
+    def request_stop(self, announce: Callable[[], object] | None = None) -> None:
+        """For a signal handler: drain and stop (a second request stops at once).
+        ``announce`` (its log line) runs first, on the reactor: a signal handler must not
+        log itself.  The signal may land while this thread is inside a write to the same
+        stderr; the handler's write then raises 'reentrant call', out of the handler, and
+        the stop was lost (seen in the lab: a target that ignored its SIGTERM)."""
+        def stop() -> None:
+            if announce is not None:
+                announce()
+            self.drain()
+        self.reactor.call_soon_threadsafe(stop)
 
-    def request_reload(self, load: Callable[[], cfg.TargetConfig]) -> None:
-        """For a signal handler: reload with the configuration ``load()`` returns."""
-        self.reactor.call_soon_threadsafe(lambda: self.reload_from(load))
+    def request_reload(self, load: Callable[[], cfg.TargetConfig],
+                       announce: Callable[[], object] | None = None) -> None:
+        """For a signal handler: reload with the configuration ``load()`` returns
+        (``announce`` first, on the reactor, as for :meth:`request_stop`)."""
+        def reload() -> None:
+            if announce is not None:
+                announce()
+            self.reload_from(load)
+        self.reactor.call_soon_threadsafe(reload)
 
     def drain(self, timeout: float = DRAIN_TIMEOUT) -> None:
         """Stop accepting, let the commands in flight finish, flush, disconnect, stop

@@ -7,6 +7,8 @@ the test's reports); this hook, which runs where the reports are printed, collec
 
 from __future__ import annotations
 
+import pytest
+
 BYSTANDER_RATES: list[tuple] = []
 
 
@@ -27,3 +29,17 @@ def pytest_terminal_summary(terminalreporter):
     for test, attack, before, during, gap in BYSTANDER_RATES:
         terminalreporter.write_line(f"{(test + ' / ' + attack)[:72]:72} {before:9.0f} "
                                     f"{during:9.0f} {gap:9.2f}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked ``needs_transport(name, why)`` (they speak that transport's wire
+    themselves) when the run's BLOCKFABRIC_TEST_TRANSPORTS does not name it; ``make test``
+    runs rdma and tcp, so nothing is skipped there."""
+    from e2e.conftest import TRANSPORTS
+    for item in items:
+        for mark in item.iter_markers("needs_transport"):
+            name, why = mark.args
+            if name not in TRANSPORTS:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"only over {name} (BLOCKFABRIC_TEST_TRANSPORTS="
+                           f"{','.join(TRANSPORTS)}): {why}"))

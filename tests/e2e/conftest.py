@@ -52,6 +52,7 @@ class TargetProc:
         self._ready = threading.Event()
 
     def start(self, timeout: float = 20) -> TargetProc:
+        timeout = start_timeout(timeout)
         preexec = None
         if self.netns:
             name = self.netns
@@ -106,33 +107,84 @@ class TargetProc:
         return self.proc is not None and self.proc.poll() is None
 
 
-#: What the suites that run over every transport are parametrised with: NVMe-oF over the
-#: soft RDMA provider, and NVMe/TCP (issue 18).
-TRANSPORTS = ("rdma", "tcp")
+#: ``BLOCKFABRIC_TEST_TRANSPORTS`` (a comma list, default ``rdma,tcp``): what the suites that
+#: run over every transport are parametrised with.  ``rdma`` is NVMe-oF over the soft RDMA
+#: provider and ``tcp`` NVMe/TCP (issue 18), both on loopback; ``verbs`` is NVMe-oF over the
+#: verbs provider on ``BLOCKFABRIC_TEST_ADDR`` (an RDMA device's address: rxe0's in the lab,
+#: tests/lab/suites.sh).
+TRANSPORTS = tuple(name.strip() for name in
+                   os.environ.get("BLOCKFABRIC_TEST_TRANSPORTS", "rdma,tcp").split(",")
+                   if name.strip())
+KNOWN_TRANSPORTS = ("rdma", "tcp", "verbs")
+if not TRANSPORTS or set(TRANSPORTS) - set(KNOWN_TRANSPORTS):
+    raise ValueError(f"BLOCKFABRIC_TEST_TRANSPORTS={','.join(TRANSPORTS)!r}: "
+                     f"a comma list of {', '.join(KNOWN_TRANSPORTS)}")
+#: The RDMA transport of the tests that are not parametrised over transports (NVMe-oF over
+#: RDMA, whichever provider): the soft provider, unless the run names verbs and not rdma.
+RDMA = "verbs" if "verbs" in TRANSPORTS and "rdma" not in TRANSPORTS else "rdma"
+#: where a verbs listener listens and its hosts connect (an address an RDMA device owns)
+VERBS_ADDR = os.environ.get("BLOCKFABRIC_TEST_ADDR", "127.0.0.1")
 #: ... and with one poll group (one process) and two (a worker process beside the
 #: coordinator: NVMe/TCP and soft-RDMA I/O queues spread over both).
 REACTORS = (1, 2)
+#: ``BLOCKFABRIC_TEST_START_TIMEOUT`` (seconds): how long a fixture waits for a daemon it
+#: starts to say it is ready (default 20).  Under TCG (the lab) a start with pyverbs and a
+#: poll-group worker takes far longer than on the host.  It only lengthens waits for a
+#: daemon to come up, never a bound a test checks.
+START_TIMEOUT = float(os.environ.get("BLOCKFABRIC_TEST_START_TIMEOUT") or 20)
 
 
-def listener(port: int, address: str = "127.0.0.1", transport: str = "rdma"
+def start_timeout(default: float) -> float:
+    """A start/ready wait of ``default`` seconds, lengthened (never shortened) to
+    ``BLOCKFABRIC_TEST_START_TIMEOUT``."""
+    return max(default, START_TIMEOUT)
+
+
+def addr_of(transport: str | None = None) -> str:
+    """The address a listener of ``transport`` (default :data:`RDMA`) listens on, and its
+    hosts connect to: loopback, or ``BLOCKFABRIC_TEST_ADDR`` for verbs."""
+    return VERBS_ADDR if (transport or RDMA) == "verbs" else "127.0.0.1"
+
+
+def peer_addr(n: int, transport: str | None = None) -> str:
+    """Host address number ``n`` (1 is :func:`addr_of` itself) for a test that connects from
+    several source addresses: 127.0.0.n, or for verbs ``BLOCKFABRIC_TEST_ADDR`` with its last
+    octet n (tests/lab/suites.sh adds 10.99.0.2-9 to rxe0's netdev for them)."""
+    base = addr_of(transport)
+    return base.rsplit(".", 1)[0] + f".{n}"
+
+
+def provider_of(transport: str | None = None) -> str:
+    """The RDMA provider of an rdma or verbs ``transport`` (default :data:`RDMA`)."""
+    return "verbs" if (transport or RDMA) == "verbs" else "soft"
+
+
+def listener(port: int, address: str | None = None, transport: str | None = None
              ) -> dict[str, Any]:
-    """A listener of ``transport`` (rdma: the soft provider) in a target configuration."""
+    """A listener of ``transport`` (default :data:`RDMA`; rdma: the soft provider, verbs:
+    the verbs provider) in a target configuration, on :func:`addr_of` unless ``address``."""
+    transport = transport or RDMA
+    address = address or addr_of(transport)
     if transport == "tcp":
         return {"transport": "tcp", "address": address, "port": port}
-    return {"provider": "soft", "address": address, "port": port}
+    return {"provider": provider_of(transport), "address": address, "port": port}
 
 
-def via(transport: str = "rdma") -> dict[str, Any]:
+def via(transport: str | None = None) -> dict[str, Any]:
     """The ``connect()`` keywords that reach a :func:`listener` of ``transport``."""
-    return {"transport": "tcp"} if transport == "tcp" else {"provider": "soft"}
+    if (transport or RDMA) == "tcp":
+        return {"transport": "tcp"}
+    return {"provider": provider_of(transport)}
 
 
-def cli_via(transport: str = "rdma") -> list[str]:
+def cli_via(transport: str | None = None) -> list[str]:
     """The same as the host CLI's flags."""
-    return ["-t", "tcp"] if transport == "tcp" else ["--provider", "soft"]
+    if (transport or RDMA) == "tcp":
+        return ["-t", "tcp"]
+    return ["--provider", provider_of(transport)]
 
 
-def ram_config(port: int, address: str = "127.0.0.1", transport: str = "rdma",
+def ram_config(port: int, address: str | None = None, transport: str | None = None,
                reactors: int = 1, **subsystem: Any) -> dict[str, Any]:
     sub = {"nqn": NQN, "allow_any_host": True,
            "namespaces": [{"nsid": 1, "backend": "ramdisk", "size": "64MiB"}]}
@@ -162,11 +214,11 @@ def _stop_and_check(proc: TargetProc) -> None:
     assert "Traceback" not in proc.log, proc.log
 
 
-def _start_ram(start: Callable[[dict[str, Any]], TargetProc], transport: str = "rdma",
+def _start_ram(start: Callable[[dict[str, Any]], TargetProc], transport: str | None = None,
                reactors: int = 1) -> TargetProc:
     """A ramdisk target on a free port, started by ``start(config)``; ``proc.port``,
     ``proc.transport``, ``proc.reactors`` and ``proc.via`` (how to connect to it)."""
-    port = free_port()
+    port, transport = free_port(), transport or RDMA
     proc = start(ram_config(port, transport=transport, reactors=reactors))
     proc.port, proc.transport, proc.via = port, transport, via(transport)
     proc.reactors = reactors

@@ -18,8 +18,8 @@ from blockfabric.protocol import (FeatureId, Identify, IdentifyCNS, IOOpcode, Ke
                                   ReadWrite, SetFeatures, StatusCode)
 from blockfabric.protocol import auth
 
-from .conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config,
-                       via)
+from .conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, addr_of, cli_via, free_port, listener,
+                       ram_config, via)
 
 SECRET = auth.generate_secret(32, 1)
 CTRL_SECRET = auth.generate_secret(48, 2)
@@ -66,9 +66,9 @@ def _wait_more(target, needle: str, before: int, timeout: float = 5) -> bool:
     return False
 
 
-def _connect(target, transport: str = "rdma", **kw) -> Controller:
+def _connect(target, transport: str | None = None, **kw) -> Controller:
     kw.setdefault("hostnqn", HOSTNQN)
-    return connect("127.0.0.1", NQN, target.tcp_port if transport == "tcp" else target.port,
+    return connect(addr_of(transport), NQN, target.tcp_port if transport == "tcp" else target.port,
                    **via(transport), nr_io_queues=2, **kw)
 
 
@@ -161,10 +161,10 @@ def test_no_secret_is_refused_with_a_clear_error(auth_target):
         _connect(auth_target)
 
 
-def _admin_queue(target, transport: str = "rdma") -> tuple[Controller, object]:
+def _admin_queue(target, transport: str | None = None) -> tuple[Controller, object]:
     """A controller object with only its admin queue connected, not authenticated."""
     ctrl = Controller(ConnectOptions(
-        "127.0.0.1", NQN, target.tcp_port if transport == "tcp" else target.port,
+        addr_of(transport), NQN, target.tcp_port if transport == "tcp" else target.port,
         hostnqn=HOSTNQN, **via(transport), dhchap_secret=str(SECRET)))
     ctrl.reactor.start()
     queue = ctrl.open_queue(0, ADMIN_DEPTH)
@@ -266,8 +266,8 @@ def test_unauthenticated_io_queue_is_refused(auth_target, transport):
 
 def test_cli_connect_with_and_without_the_secret(auth_target):
     from .test_cli_and_identity import cli
-    base = ["connect", "-a", "127.0.0.1", "-s", str(auth_target.port), "-n", NQN,
-            "-q", HOSTNQN, "--provider", "soft", "-o", "json"]
+    base = ["connect", "-a", addr_of(), "-s", str(auth_target.port), "-n", NQN,
+            "-q", HOSTNQN, *cli_via(), "-o", "json"]
     ok = cli(*base, "--dhchap-secret", str(SECRET), "--dhchap-ctrl-secret", str(CTRL_SECRET))
     assert ok.returncode == 0, ok.stderr
     shown = json.loads(ok.stdout)

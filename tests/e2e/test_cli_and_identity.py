@@ -9,7 +9,7 @@ import threading
 
 from blockfabric.initiator.host import connect
 
-from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, addr_of, cli_via, free_port, ram_config, via
 from .workload import verify_workload
 
 
@@ -20,12 +20,12 @@ def cli(*argv: str) -> subprocess.CompletedProcess:
 
 def test_cli_discover_connect_identify(ram_target):
     port = str(ram_target.port)
-    common = ["-a", "127.0.0.1", "-s", port, "--provider", "soft", "-q", HOSTNQN]
+    common = ["-a", addr_of(), "-s", port, *cli_via(), "-q", HOSTNQN]
     res = cli("discover", *common, "-o", "json")
     assert res.returncode == 0, res.stderr
     records = json.loads(res.stdout)["records"]
     assert [(r["subnqn"], r["traddr"], r["trsvcid"]) for r in records] == \
-        [(NQN, "127.0.0.1", port)]
+        [(NQN, addr_of(), port)]
 
     res = cli("connect", *common, "-n", NQN, "-i", "3", "-Q", "64", "-o", "json")
     assert res.returncode == 0, res.stderr
@@ -34,7 +34,7 @@ def test_cli_discover_connect_identify(ram_target):
     assert info["namespaces"] == [{"nsid": 1, "size": 64 << 20, "block_size": 4096,
                                    "blocks": 16384, "read_only": False,
                                    "nguid": info["namespaces"][0]["nguid"]}]
-    assert info["paths"] == [f"127.0.0.1:{port}"]
+    assert info["paths"] == [f"{addr_of()}:{port}"]
     res = cli("connect", *common, "-n", NQN)
     assert res.returncode == 0 and "namespace 1: 64 MiB" in res.stdout, res.stdout
     assert "paths" not in res.stdout
@@ -43,7 +43,7 @@ def test_cli_discover_connect_identify(ram_target):
     res = cli("connect", *common, "-n", NQN, "--path", "[::1]", "--path", "127.0.0.2:4430")
     assert res.returncode == 0, res.stderr
     assert "paths (ANA state per namespace; * where I/O goes):" in res.stdout, res.stdout
-    assert f"+- 127.0.0.1:{port} live, controller " in res.stdout, res.stdout
+    assert f"+- {addr_of()}:{port} live, controller " in res.stdout, res.stdout
     assert "n1 optimized*" in res.stdout, res.stdout
     assert "+- 127.0.0.2:4430 reconnecting: n1 -" in res.stdout, res.stdout
     assert "re-ranked" not in res.stderr, res.stderr      # closing is no failover
@@ -57,11 +57,11 @@ def test_cli_discover_connect_identify(ram_target):
 
 
 def test_cli_errors_are_one_clear_line(ram_target):
-    common = ["-a", "127.0.0.1", "-s", str(ram_target.port), "--provider", "soft"]
+    common = ["-a", addr_of(), "-s", str(ram_target.port), *cli_via()]
     res = cli("connect", *common, "-n", "nqn.2026-12.io.blockfabric:nope")
     assert res.returncode == 1
     assert "CONNECT_INVALID_PARAM" in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    res = cli("connect", "-a", "127.0.0.1", "-s", str(free_port()), "--provider", "soft",
+    res = cli("connect", "-a", addr_of(), "-s", str(free_port()), *cli_via(),
               "-n", NQN)
     assert res.returncode == 1 and "refused" in res.stderr
 
@@ -74,7 +74,7 @@ def test_identity_is_stable_across_restarts(start_target, tmp_path):
     seen = []
     for _ in range(2):
         target = start_target(config)
-        with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN) as ctrl:
+        with connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN) as ctrl:
             seen.append((ctrl.identify.sn, ctrl.identify.mn,
                          {n: ns.nguid for n, ns in ctrl.namespaces.items()}))
         target.stop()
@@ -88,7 +88,7 @@ def test_write_zeroes_and_discard(start_target, tmp_path):
     start_target(ram_config(port, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(path), "size": "8MiB"},
         {"nsid": 2, "backend": "ramdisk", "size": "8MiB"}]))
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN) as ctrl:
+    with connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN) as ctrl:
         written = {}
         for nsid, ns in ctrl.namespaces.items():
             data = written[nsid] = os.urandom(1 << 20)
@@ -115,7 +115,7 @@ def test_several_hosts_at_once(ram_target):
 
     def host(hostnqn: str, seed: int, region: int) -> None:
         try:
-            with connect("127.0.0.1", NQN, ram_target.port, provider="soft",
+            with connect(addr_of(), NQN, ram_target.port, **via(),
                          hostnqn=hostnqn, nr_io_queues=2) as ctrl:
                 ns = ctrl.namespaces[1]
                 # each host in its own 16 MiB region of the shared namespace

@@ -16,7 +16,7 @@ from blockfabric.protocol import (SQE, CQE, KeyedSGL, OffsetSGL,
                                   StatusCode)
 from blockfabric.target.groupstate import ACTIVITY_LAG
 
-from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, addr_of, free_port, ram_config, via
 
 KATO_GRACE = 1.0  # seconds past KATO within which the target must notice (timer slack)
 
@@ -26,7 +26,7 @@ def test_keep_alive_expiry_tears_the_controller_down(ram_target):
     # a controller with a queue in a poll-group worker gets ACTIVITY_LAG more (the
     # worker's reports of its commands come every 0.5 s)
     grace = KATO_GRACE + (ACTIVITY_LAG if ram_target.config.get("reactors", 1) > 1 else 0)
-    ctrl = connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+    ctrl = connect(addr_of(), NQN, ram_target.port, **via(), hostnqn=HOSTNQN,
                    nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
                    ctrl_loss_tmo=0)     # 0: no reconnect, so I/O fails at once
     try:
@@ -43,8 +43,8 @@ def test_keep_alive_expiry_tears_the_controller_down(ram_target):
                 ctrl.namespaces[1].read(0, 4096)
                 time.sleep(0.05)
         # An I/O queue Connect naming the old controller is refused with 0x182 | DNR.
-        late = Controller(ConnectOptions(traddr="127.0.0.1", subnqn=NQN,
-                                         trsvcid=ram_target.port, provider="soft",
+        late = Controller(ConnectOptions(traddr=addr_of(), subnqn=NQN,
+                                         trsvcid=ram_target.port, **via(),
                                          hostnqn=HOSTNQN))
         late.reactor.start()
         try:
@@ -61,7 +61,7 @@ def test_keep_alive_expiry_tears_the_controller_down(ram_target):
 
 
 def test_keep_alive_sent_by_the_host_keeps_an_idle_controller(ram_target):
-    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, ram_target.port, **via(), hostnqn=HOSTNQN,
                  nr_io_queues=1, keep_alive_tmo=1.0) as ctrl:
         time.sleep(2.5)                                   # idle well past KATO
         ctrl.namespaces[1].write(0, b"a" * 4096)
@@ -78,14 +78,14 @@ def test_discovery_shows_a_host_only_what_it_may_use(start_target):
         "hosts": [OTHER_HOSTNQN],
         "namespaces": [{"nsid": 1, "backend": "null", "size": "1GiB"}]})
     start_target(config)
-    seen = {e.subnqn for e in discover("127.0.0.1", port, provider="soft", hostnqn=HOSTNQN)}
+    seen = {e.subnqn for e in discover(addr_of(), port, **via(), hostnqn=HOSTNQN)}
     assert seen == {NQN}
-    seen = {e.subnqn for e in discover("127.0.0.1", port, provider="soft",
+    seen = {e.subnqn for e in discover(addr_of(), port, **via(),
                                        hostnqn=OTHER_HOSTNQN)}
     assert seen == {NQN, "nqn.2026-12.io.blockfabric:private"}
-    entry = discover("127.0.0.1", port, provider="soft", hostnqn=HOSTNQN)[0]
+    entry = discover(addr_of(), port, **via(), hostnqn=HOSTNQN)[0]
     assert (entry.traddr, entry.trsvcid, entry.trtype, entry.adrfam) == \
-        ("127.0.0.1", str(port), 1, 1)
+        (addr_of(), str(port), 1, 1)
 
 
 def test_normal_shutdown_completes_and_flushes(start_target, tmp_path):
@@ -93,7 +93,7 @@ def test_normal_shutdown_completes_and_flushes(start_target, tmp_path):
     path = tmp_path / "v.img"
     target = start_target(ram_config(port, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(path), "size": "4MiB"}]))
-    ctrl = connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN)
+    ctrl = connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN)
     ctrl.namespaces[1].write(0, b"s" * 4096)
     ctrl.shutdown()
     assert (ctrl.property_get(0x1C, 4) >> 2) & 3 == 2        # CSTS.SHST = complete
@@ -105,7 +105,7 @@ def test_normal_shutdown_completes_and_flushes(start_target, tmp_path):
 def test_aer_limit(ram_target):
     """AERs stay outstanding; past the advertised limit (aerl + 1) the target answers 0x105."""
     from blockfabric.protocol import AsyncEventRequest
-    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, ram_target.port, **via(), hostnqn=HOSTNQN,
                  nr_io_queues=1) as ctrl:
         limit = ctrl.identify.aerl + 1
         answers = []
@@ -171,7 +171,7 @@ def fuzz_target(module_ram_target):
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.lists(capsules(), min_size=1, max_size=12))
 def test_random_command_streams_never_kill_the_target(fuzz_target, stream):
-    with connect("127.0.0.1", NQN, fuzz_target.port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, fuzz_target.port, **via(), hostnqn=HOSTNQN,
                  nr_io_queues=1, queue_size=16) as ctrl:
         for spec in stream:
             capsule, which = build(ctrl, spec)
@@ -189,7 +189,7 @@ def test_random_command_streams_never_kill_the_target(fuzz_target, stream):
             assert isinstance(cqe, CQE)
     assert fuzz_target.alive(), fuzz_target.log
     # Valid commands from a fresh connection still work.
-    with connect("127.0.0.1", NQN, fuzz_target.port, provider="soft",
+    with connect(addr_of(), NQN, fuzz_target.port, **via(),
                  hostnqn=HOSTNQN) as ctrl:
         data = os.urandom(8192)
         ctrl.namespaces[1].write(40960, data)

@@ -9,7 +9,7 @@ from blockfabric.initiator.host import (ConnectOptions, Controller, NvmeError, Q
 from blockfabric.protocol import (SQE, Identify, IdentifyCNS, IOOpcode, KeyedSGL, OffsetSGL,
                                   ReadWrite, StatusCode)
 
-from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, addr_of, free_port, ram_config, via
 
 SGL_TYPE_BYTE = 39  # SQE @24 + 15
 
@@ -17,7 +17,7 @@ SGL_TYPE_BYTE = 39  # SQE @24 + 15
 @pytest.fixture
 def ctrl(module_any_target):
     target = module_any_target
-    with connect("127.0.0.1", NQN, target.port, **target.via, hostnqn=HOSTNQN,
+    with connect(addr_of(target.transport), NQN, target.port, **target.via, hostnqn=HOSTNQN,
                  nr_io_queues=1) as c:
         yield c
 
@@ -98,7 +98,7 @@ def test_write_to_read_only_namespace(start_target):
     port = free_port()
     start_target(ram_config(port, namespaces=[
         {"nsid": 1, "backend": "ramdisk", "size": "8MiB", "read_only": True}]))
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN) as ctrl:
+    with connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN) as ctrl:
         ns = ctrl.namespaces[1]
         assert ns.read_only
         with pytest.raises(NvmeError) as err:
@@ -114,21 +114,21 @@ def test_unknown_nqn_and_host_not_allowed(start_target):
     port = free_port()
     target = start_target(ram_config(port, allow_any_host=False, hosts=[OTHER_HOSTNQN]))
     with pytest.raises(NvmeError) as err:
-        connect("127.0.0.1", NQN + "x", port, provider="soft", hostnqn=HOSTNQN)
+        connect(addr_of(), NQN + "x", port, **via(), hostnqn=HOSTNQN)
     assert (err.value.status, err.value.dnr) == (StatusCode.CONNECT_INVALID_PARAM, True)
     assert (err.value.sct, err.value.sc) == (1, 0x82)      # command specific
     assert err.value.result == (1 << 16 | 256)   # IATTR data, IPO subnqn: as nvmet reports
     with pytest.raises(NvmeError) as err:
-        connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN)
+        connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN)
     assert (err.value.status, err.value.dnr) == (StatusCode.CONNECT_INVALID_HOST, True)
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=OTHER_HOSTNQN) as ctrl:
+    with connect(addr_of(), NQN, port, **via(), hostnqn=OTHER_HOSTNQN) as ctrl:
         still_works(ctrl)
     assert "not allowed" in target.log
 
 
 def test_commands_before_connect_are_refused(ram_target):
-    ctrl = Controller(ConnectOptions(traddr="127.0.0.1", subnqn=NQN, trsvcid=ram_target.port,
-                                     provider="soft", hostnqn=HOSTNQN))
+    ctrl = Controller(ConnectOptions(traddr=addr_of(), subnqn=NQN, trsvcid=ram_target.port,
+                                     **via(), hostnqn=HOSTNQN))
     ctrl.reactor.start()
     try:
         queue = ctrl.open_queue(0, 32)
@@ -144,7 +144,7 @@ def test_commands_before_connect_are_refused(ram_target):
 
 
 def test_io_queue_connect_rules(ram_target):
-    with connect("127.0.0.1", NQN, ram_target.port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, ram_target.port, **via(), hostnqn=HOSTNQN,
                  nr_io_queues=1) as ctrl:
         # A second Connect for a qid that is already connected: command sequence error.
         dup = ctrl.open_queue(1, 16)
@@ -164,7 +164,7 @@ def test_io_queue_connect_rules(ram_target):
 def test_queue_dead_is_reported_not_hung(start_target):
     port = free_port()
     target = start_target(ram_config(port))
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN,
                  ctrl_loss_tmo=0) as ctrl:      # 0: no reconnect, fail at once
         target.stop()
         with pytest.raises((QueueDead, ConnectionError, NvmeError)):

@@ -10,7 +10,7 @@ from blockfabric.initiator.host import NvmeError, connect
 from blockfabric.protocol import StatusCode
 from blockfabric.protocol.io import DatasetManagement, DSMRange
 
-from .conftest import HOSTNQN, NQN, free_port, ram_config
+from .conftest import HOSTNQN, NQN, addr_of, free_port, ram_config, via
 
 PAGE = 4096
 
@@ -20,7 +20,7 @@ def ctrl(start_target):
     port = free_port()
     start_target(ram_config(port, namespaces=[
         {"nsid": 1, "backend": "ramdisk", "size": "4MiB", "block_size": 512}]))
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN,
                  nr_io_queues=1) as c:
         yield c
 

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -22,7 +23,8 @@ from blockfabric.target.backends import RamdiskBackend
 
 from helpers.targetstatus import settled, status
 
-from .conftest import BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port, listener, ram_config
+from .conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, RDMA, addr_of, free_port, listener,
+                       ram_config, via)
 from .workload import verify_workload
 
 CONFLICT = 0x083
@@ -33,7 +35,7 @@ THIRD_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:33333333-2222-3333-4444-5555555
 def two_groups(start_target, tmp_path):
     port = free_port()
     config = ram_config(port, transport="tcp", reactors=2)
-    config["listeners"].append(listener(free_port()))       # and the soft provider
+    config["listeners"].append(listener(free_port()))       # and RDMA (soft, or verbs)
     config["control_socket"] = str(tmp_path / "control.sock")
     config["metrics"] = {"port": free_port()}
     proc = start_target(config)
@@ -90,8 +92,8 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
                                     transport="tcp", hostnqn=HOSTNQN, nr_io_queues=1,
                                     keep_alive_tmo=1.0, reconnect_delay=0.3,
                                     ctrl_loss_tmo=30)).connect()
-    rdma = Controller(ConnectOptions(traddr="127.0.0.1", trsvcid=two_groups.rdma_port,
-                                     subnqn=NQN, provider="soft", hostnqn=OTHER_HOSTNQN,
+    rdma = Controller(ConnectOptions(traddr=addr_of(), trsvcid=two_groups.rdma_port,
+                                     subnqn=NQN, **via(), hostnqn=OTHER_HOSTNQN,
                                      nr_io_queues=1)).connect()
     try:
         payload = os.urandom(1 << 20)
@@ -114,15 +116,13 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
         assert after[HOSTNQN] != before[HOSTNQN]          # a new controller: reconnected
         assert st["groups"][1]["alive"] and st["groups"][1]["pid"] != old
         # the new worker takes new queues, over either transport
-        for via in ({"transport": "tcp", "port": two_groups.port},
-                    {"provider": "soft", "port": two_groups.rdma_port}):
-            port = via.pop("port")
-            with connect("127.0.0.1", NQN, port, **via, hostnqn=THIRD_HOSTNQN,
+        for kind, port in (("tcp", two_groups.port), (RDMA, two_groups.rdma_port)):
+            with connect(addr_of(kind), NQN, port, **via(kind), hostnqn=THIRD_HOSTNQN,
                          nr_io_queues=2) as third:
                 verify_workload(third.namespaces[1], seed=7, ops=50, inflight=8)
                 st = status(two_groups.socket)
             (c,) = [c for c in st["controllers"] if c["hostnqn"] == THIRD_HOSTNQN]
-            assert 1 in [q["group"] for q in c["queues"]], (via, c)
+            assert 1 in [q["group"] for q in c["queues"]], (kind, c)
         assert "exited" in two_groups.log
     finally:
         tcp.close()
@@ -251,21 +251,38 @@ def silent_host_writing(socket_path: str, port: int, transport: str, kato: float
                         seconds: float):
     """A host that sends no Keep Alive (``kato``) but writes on its I/O queue, which is in
     the worker, every 50 ms for ``seconds``; then silent (the caller waits for the expiry).
-    Closed at the end, whatever the target did to it meanwhile."""
-    ctrl = connect("127.0.0.1", NQN, port, transport=transport, hostnqn=HOSTNQN,
+    Closed at the end, whatever the target did to it meanwhile.  ``transport`` rdma is the
+    run's RDMA transport (:data:`RDMA`: soft, or verbs)."""
+    kind = RDMA if transport == "rdma" else transport
+    ctrl = connect(addr_of(kind), NQN, port, **via(kind), hostnqn=HOSTNQN,
                    nr_io_queues=1, keep_alive_tmo=kato, send_keep_alive=False,
                    ctrl_loss_tmo=0)
+    ns = ctrl.namespaces[1]
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                ns.write(0, b"k" * 4096)
+                time.sleep(0.05)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            failed.append(exc)
+
+    # the writes start at once: `status` below is a process of its own, and under TCG (the
+    # lab) its start alone took longer than KATO, so the controller had expired before the
+    # first write when they came after it
+    writer = threading.Thread(target=write)
+    writer.start()
     try:
         (c,) = status(socket_path)["controllers"]
         assert {q["qid"]: q["group"] for q in c["queues"]} == {0: 0, 1: 1}
-        ns = ctrl.namespaces[1]
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            ns.write(0, b"k" * 4096)
-            time.sleep(0.05)
+        writer.join()
+        assert not failed, failed
         assert ns.read(0, 4096) == b"k" * 4096
         yield
     finally:
+        writer.join()
         try:
             ctrl.close()
         except Exception:  # noqa: BLE001  (the target ended it: that is the point)

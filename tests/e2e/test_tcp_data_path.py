@@ -16,6 +16,9 @@ from blockfabric.protocol import tcp_pdu as tp
 
 from .conftest import HOSTNQN, NQN, free_port, ram_config
 
+pytestmark = pytest.mark.needs_transport(
+    "tcp", "the NVMe/TCP data path (C2HData, R2T, H2CData PDUs)")
+
 #: one C2HData PDU, and several (MAXH2CDATA is 128 KiB)
 SIZES = (4096, 1 << 20)
 

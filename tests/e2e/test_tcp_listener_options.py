@@ -14,7 +14,7 @@ import yaml
 from blockfabric.initiator.host import NvmeError, connect
 from blockfabric.protocol import StatusCode
 
-from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, free_port, ram_config, via
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, addr_of, free_port, ram_config, via
 
 #: sizes that go in the capsule (4 KiB), in one R2T, and in several R2Ts (8 x 128 KiB)
 SIZES = (4096, 64 << 10, 1 << 20)
@@ -65,18 +65,18 @@ def test_listener_max_connections(start_target, transport):
     Connect is refused with Controller Busy while the first carries on, and is served once
     the first has gone."""
     target = _limited_target(start_target, transport, max_connections=2)
-    with connect("127.0.0.1", NQN, target.port, **via(transport), hostnqn=HOSTNQN,
+    with connect(addr_of(transport), NQN, target.port, **via(transport), hostnqn=HOSTNQN,
                  nr_io_queues=1) as first:
         ns = first.namespaces[1]
         with pytest.raises(NvmeError) as info:
-            connect("127.0.0.1", NQN, target.port, **via(transport), hostnqn=OTHER_HOSTNQN,
+            connect(addr_of(transport), NQN, target.port, **via(transport), hostnqn=OTHER_HOSTNQN,
                     nr_io_queues=1, connect_timeout=5.0)
         assert info.value.status == StatusCode.CONNECT_CTRL_BUSY, info.value
         data = os.urandom(8192)
         ns.write(0, data)
         assert ns.read(0, 8192) == data
     assert target.wait_log("its max_connections is 2", 5), target.log
-    with connect("127.0.0.1", NQN, target.port, **via(transport), hostnqn=OTHER_HOSTNQN,
+    with connect(addr_of(transport), NQN, target.port, **via(transport), hostnqn=OTHER_HOSTNQN,
                  nr_io_queues=1) as second:
         assert second.namespaces[1].read(0, 8192) == data
 
@@ -87,10 +87,10 @@ def test_listener_io_queues_and_depth(start_target, transport):
     deeper than 32 is refused with Connect Invalid Parameters naming the field, and the
     host's queues carry on."""
     target = _limited_target(start_target, transport, max_io_queues=2, queue_size=32)
-    with connect("127.0.0.1", NQN, target.port, **via(transport), hostnqn=HOSTNQN,
+    with connect(addr_of(transport), NQN, target.port, **via(transport), hostnqn=HOSTNQN,
                  nr_io_queues=4, queue_size=64) as ctrl:
         assert [q.depth for q in ctrl.io_queues] == [32, 32]
-    with connect("127.0.0.1", NQN, target.port, **via(transport), hostnqn=HOSTNQN,
+    with connect(addr_of(transport), NQN, target.port, **via(transport), hostnqn=HOSTNQN,
                  nr_io_queues=2) as ctrl:
         ctrl.io_queues.pop().close()        # qid 2 is free again (once the target saw it)
         assert _wait_line(target, f"ctrl {ctrl.cntlid} hostnqn=", " qid=2: ", "disconnected")

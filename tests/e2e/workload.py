@@ -11,6 +11,8 @@ import sys
 
 from blockfabric.initiator.host import HostNamespace, connect
 
+from .conftest import via
+
 
 def verify_workload(ns: HostNamespace, seed: int, ops: int = 300, max_blocks: int = 64,
                     inflight: int = 32, span_blocks: int | None = None) -> dict:
@@ -69,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ops", type=int, default=200)
     p.add_argument("--netns")
-    p.add_argument("--transport", choices=("rdma", "tcp"), default="rdma")
+    p.add_argument("--transport", choices=("rdma", "tcp", "verbs"), default="rdma")
     args = p.parse_args(argv)
     if args.netns:
         from blockfabric.net import enter_netns
         enter_netns(args.netns)
-    how = {"transport": "tcp"} if args.transport == "tcp" else {"provider": "soft"}
+    how = via(args.transport)
     with connect(args.traddr, args.nqn, args.trsvcid, **how,
                  hostnqn=args.hostnqn, nr_io_queues=2) as ctrl:
         summary = verify_workload(ctrl.namespaces[1], args.seed, args.ops)

@@ -11,21 +11,21 @@ import pytest
 
 from blockfabric.initiator.host import ConnectOptions, Controller
 
-from e2e.conftest import (HOSTNQN, NQN, REACTORS, TargetProc, free_port, ram_config,  # noqa: F401
-                          reactors, start_target, transport, via)
+from e2e.conftest import (HOSTNQN, NQN, REACTORS, TargetProc, addr_of,  # noqa: F401
+                          free_port, listener, ram_config, reactors, start_target, transport,
+                          via)
 from helpers.netns import netns_pair  # noqa: F401
 
 FAST = dict(keep_alive_tmo=1.0, reconnect_delay=0.5, connect_timeout=1.0)
 
 
-def file_config(port: int, volume: pathlib.Path, address: str = "127.0.0.1",
-                extra_ports: tuple[int, ...] = (), transport: str = "rdma",
+def file_config(port: int, volume: pathlib.Path, address: str | None = None,
+                extra_ports: tuple[int, ...] = (), transport: str | None = None,
                 reactors: int = 1) -> dict[str, Any]:
     """One file-backed namespace (it survives SIGKILL: the data is in the file)."""
     config = ram_config(port, address, transport, reactors, namespaces=[
         {"nsid": 1, "backend": "file", "path": str(volume), "size": "32MiB"}])
-    config["listeners"] += [{"provider": "soft", "address": address, "port": p}
-                            for p in extra_ports]
+    config["listeners"] += [listener(p, address, transport) for p in extra_ports]
     return config
 
 
@@ -88,7 +88,7 @@ def any_file_target(tmp_path, transport, reactors):
 
 
 def host(port: int, **kw: Any) -> Controller:
-    opts = dict(FAST, provider="soft", hostnqn=HOSTNQN, nr_io_queues=2, ctrl_loss_tmo=15.0)
+    opts = dict(FAST, **via(), hostnqn=HOSTNQN, nr_io_queues=2, ctrl_loss_tmo=15.0)
     opts.update(kw)
-    return Controller(ConnectOptions(traddr="127.0.0.1", trsvcid=port, subnqn=NQN,
+    return Controller(ConnectOptions(traddr=addr_of(), trsvcid=port, subnqn=NQN,
                                      **opts)).connect()

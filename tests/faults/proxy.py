@@ -8,6 +8,15 @@ import socket
 import threading
 import time
 
+import pytest
+
+#: A test with a :class:`TcpProxy` in the host's path: what it forwards are the soft
+#: provider's (or NVMe/TCP's) bytes; verbs traffic passes through no socket to cut.
+THROUGH_A_PROXY = pytest.mark.needs_transport(
+    "rdma", "a TCP proxy in the host's path cuts or delays its connections: verbs traffic "
+    "passes through no socket (on verbs, a target SIGKILL, a pause and ctrl_loss_tmo are "
+    "the faults these suites inject)")
+
 
 class TcpProxy:
     """Forward 127.0.0.1:``port`` to ``target``; one thread per direction per connection."""

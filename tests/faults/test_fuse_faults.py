@@ -17,8 +17,10 @@ import pytest
 from fuse.conftest import NQN as FUSE_NQN
 from fuse.conftest import BIN, Mount, mounted_at
 
+from e2e.conftest import addr_of, start_timeout
+
 from .conftest import Restartable, file_config, free_port
-from .proxy import TcpProxy
+from .proxy import THROUGH_A_PROXY, TcpProxy
 
 pytestmark = pytest.mark.timeout(90)
 if shutil.which("fio") is None:
@@ -31,11 +33,11 @@ class FaultMount(Mount):
     (entered with nsenter: only the network, so the mount is seen from here)."""
 
     def __init__(self, target, base, loss_tmo: int, extra: tuple[str, ...] = (),
-                 traddr: str = "127.0.0.1", netns: str | None = None) -> None:
+                 traddr: str | None = None, netns: str | None = None) -> None:
         super().__init__(target, base)
         self.loss_tmo = loss_tmo
         self.extra = list(extra)
-        self.traddr, self.netns = traddr, netns
+        self.traddr, self.netns = traddr or addr_of(), netns
 
     def argv(self) -> list[str]:
         argv = super().argv()
@@ -50,7 +52,8 @@ class FaultMount(Mount):
         self.proc = subprocess.Popen([*pre, str(BIN / "blockfabric"), *self.argv()[:-1], "-f", "-v",
                                       self.argv()[-1]], stdout=self.logf, stderr=self.logf,
                                      env=self.env, stdin=subprocess.DEVNULL)
-        for _ in range(300):
+        deadline = time.monotonic() + start_timeout(30)
+        while time.monotonic() < deadline:
             if mounted_at(self.path) or self.proc.poll() is not None:
                 break
             time.sleep(0.1)
@@ -227,6 +230,7 @@ def fails_over(mount: FaultMount, target: Restartable, fault, first: str, second
     return rec
 
 
+@THROUGH_A_PROXY
 def test_mount_fails_over_to_the_listener_given_with_path(tmp_path):
     """One target, two listeners; the mount reaches the first through a TCP proxy and is
     told of the second with --path.  The proxy then cuts every connection and refuses new
@@ -249,6 +253,8 @@ def test_mount_fails_over_to_the_listener_given_with_path(tmp_path):
 @pytest.mark.netns
 @pytest.mark.skipif(shutil.which("nft") is None or shutil.which("nsenter") is None,
                     reason="needs nft (Debian nftables) and nsenter (util-linux)")
+@pytest.mark.needs_transport("rdma", "network namespaces joined by veth: the lab's rxe0 is in "
+                             "the guest's root namespace")
 def test_mount_fails_over_from_ipv4_to_ipv6_between_namespaces(netns_pair, tmp_path):
     """The target in namespace B listens on B's IPv4 and IPv6 addresses; the mount runs in
     A with -a IPV4 --path [IPV6].  nftables in B then resets every IPv4 packet to the port

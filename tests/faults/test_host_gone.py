@@ -16,6 +16,8 @@ import pytest
 
 from helpers.targetstatus import settled, status
 
+from e2e.conftest import addr_of, cli_via
+
 from .conftest import HOSTNQN, NQN, REACTORS, TargetProc, file_config, free_port
 
 BIN = pathlib.Path(sys.executable).parent
@@ -54,7 +56,7 @@ def target(tmp_path, request):
 
 def start_host(port: int, seconds: float) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(LOAD), "--traddr", "127.0.0.1", "--port", str(port),
+        [sys.executable, str(LOAD), "--traddr", addr_of(), *cli_via(), "--port", str(port),
          "--nqn", NQN, "--hostnqn", HOSTNQN, "--seconds", str(seconds), "--threads", "8",
          "--queues", "2", "--kato", "1", "--ctrl-loss-tmo", "20", "--region-blocks", "128"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

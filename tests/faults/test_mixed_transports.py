@@ -13,11 +13,11 @@ import threading
 import pytest
 
 from blockfabric.initiator.host import ConnectOptions, Controller, HostMemory
-from e2e.conftest import listener
+from e2e.conftest import addr_of, cli_via, listener, via
 from fuse.conftest import NQN as FUSE_NQN
 
 from .conftest import Restartable, file_config, free_port
-from .proxy import TcpProxy
+from .proxy import THROUGH_A_PROXY, TcpProxy
 from .test_fuse_faults import FaultMount, fio_verify, recovery
 
 pytestmark = pytest.mark.timeout(90)
@@ -36,7 +36,8 @@ def paths_of(status: str) -> dict[str, str]:
 
 
 def two_transports(tmp_path) -> tuple[Restartable, dict[str, int]]:
-    """A target with one file-backed namespace behind a soft-RDMA and an NVMe/TCP listener."""
+    """A target with one file-backed namespace behind an RDMA listener (soft, or verbs in a
+    verbs run) and an NVMe/TCP listener."""
     ports = {"rdma": free_port(), "tcp": free_port()}
     config = file_config(ports["rdma"], tmp_path / "vol.img")
     config["subsystems"][0]["nqn"] = FUSE_NQN
@@ -50,9 +51,9 @@ def test_registered_memory_moves_over_both_transports(tmp_path):
     carrying it; the data reads back whole, and deregistering drops the keys the TCP path
     resolves."""
     target, ports = two_transports(tmp_path)
-    opts = ConnectOptions(traddr="127.0.0.1", subnqn=FUSE_NQN, trsvcid=ports["rdma"],
-                          provider="soft", nr_io_queues=1,
-                          paths=[("127.0.0.1", ports["tcp"], "tcp")])
+    opts = ConnectOptions(traddr=addr_of(), subnqn=FUSE_NQN, trsvcid=ports["rdma"],
+                          **via(), nr_io_queues=1,
+                          paths=[(addr_of("tcp"), ports["tcp"], "tcp")])
     try:
         with Controller(opts).connect() as ctrl:
             assert [pc.opts.transport for pc in ctrl.path_ctrls] == ["rdma", "tcp"]
@@ -88,6 +89,7 @@ def test_registered_memory_moves_over_both_transports(tmp_path):
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is missing (Debian package fio)")
 @pytest.mark.parametrize("cut", ["rdma", "tcp"])
+@THROUGH_A_PROXY
 def test_fio_verify_survives_losing_either_transport(cut, tmp_path):
     """The path over ``cut`` goes through a proxy (the mount's -a/-s and -t); the other
     transport's listener is reached directly with --path.  Both serve; the proxy then
@@ -99,7 +101,7 @@ def test_fio_verify_survives_losing_either_transport(cut, tmp_path):
     first = f"{cut}://127.0.0.1:{proxy.port}"
     second = f"{other}://127.0.0.1:{ports[other]}"
     mount = FaultMount(target, tmp_path, loss_tmo=20,
-                       extra=("--path", second, "--provider", "soft"))
+                       extra=("--path", second, *cli_via()))
     mount.transport = cut
     try:
         mount.start()

@@ -16,7 +16,8 @@ import pytest
 
 from .conftest import HOSTNQN, NQN, Restartable, file_config, free_port
 
-pytestmark = [pytest.mark.netns, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(90), pytest.mark.needs_transport(
+    "rdma", "network namespaces joined by veth: the lab's rxe0 is in the guest's root namespace")]
 LOAD = pathlib.Path(__file__).with_name("verifyload.py")
 
 

@@ -16,8 +16,10 @@ import pytest
 
 from blockfabric.initiator.host import ControllerLost, CtrlState
 
+from e2e.conftest import cli_via
+
 from .conftest import host
-from .proxy import TcpProxy
+from .proxy import THROUGH_A_PROXY, TcpProxy
 from .verifyload import verify_load
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,7 +76,9 @@ def test_target_paused_past_keep_alive_then_resumed(file_target):
             or "RETRY_EXC" in result["recovery"]["last_reason"], result["recovery"]
 
 
-def test_connections_cut_by_a_proxy(any_file_target):
+def test_connections_cut_by_a_proxy(any_file_target, transport):
+    if transport == "verbs":
+        pytest.skip(THROUGH_A_PROXY.args[1])
     proxy = TcpProxy(("127.0.0.1", any_file_target.port))
     try:
         with host(proxy.port, **any_file_target.via) as ctrl:
@@ -84,6 +88,7 @@ def test_connections_cut_by_a_proxy(any_file_target):
         proxy.close()
 
 
+@THROUGH_A_PROXY
 def test_delay_slows_but_never_fails(file_target):
     """5 ms added to every chunk each way: slower, no loss detected, no errors."""
     proxy = TcpProxy(("127.0.0.1", file_target.port), delay=0.005)
@@ -97,6 +102,7 @@ def test_delay_slows_but_never_fails(file_target):
         proxy.close()
 
 
+@THROUGH_A_PROXY
 def test_multipath_fails_over_to_the_second_listener(tmp_path, start_target):
     from .conftest import file_config, free_port
     port_a, port_b = free_port(), free_port()
@@ -112,6 +118,7 @@ def test_multipath_fails_over_to_the_second_listener(tmp_path, start_target):
         proxy.close()
 
 
+@THROUGH_A_PROXY
 def test_bench_cli_fails_over_to_the_listener_given_with_path(tmp_path, start_target):
     """``blockfabric bench -a A -s P1 --path A:P2`` with a crc32c verify load; P1 (a proxy)
     is then taken away for good.  The bench exits 0 with no error, every block verified,
@@ -122,7 +129,7 @@ def test_bench_cli_fails_over_to_the_listener_given_with_path(tmp_path, start_ta
     proxy = TcpProxy(("127.0.0.1", port_a))
     bench = subprocess.Popen(
         [str(BIN / "blockfabric"), "bench", "-a", "127.0.0.1", "-s", str(proxy.port),
-         "--path", f"127.0.0.1:{port_b}", "-n", NQN, "-q", HOSTNQN, "--provider", "soft",
+         "--path", f"127.0.0.1:{port_b}", "-n", NQN, "-q", HOSTNQN, *cli_via(),
          "-k", "1", "-c", "1", "-l", "20", "--rw", "randrw", "--verify", "crc32c",
          "--size", "8m", "--iodepth", "8", "--runtime", "4", "-o", "json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -197,6 +204,7 @@ def test_an_idle_host_reconnects_by_itself(file_target):
         assert ctrl.recovery.held == 0, ctrl.recovery          # nothing was in flight
 
 
+@THROUGH_A_PROXY
 def test_multipath_holds_io_until_ctrl_loss_tmo_when_no_path_is_left(tmp_path, start_target):
     """Two paths (two proxies in front of one target's two listeners), and both taken
     down: I/O has nowhere to go.  It is held, not failed: when a path is back within

@@ -133,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--region-blocks", type=int, default=256)
     p.add_argument("--first-block", type=int, default=0)
     p.add_argument("--netns", help="enter this network namespace first")
+    p.add_argument("--provider", default="soft", help="the RDMA provider (soft or verbs)")
     args = p.parse_args(argv)
     if args.netns:
         from blockfabric.net import enter_netns
         enter_netns(args.netns)
     paths = [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in args.path]
     opts = ConnectOptions(traddr=args.traddr, trsvcid=args.port, subnqn=args.nqn,
-                          hostnqn=args.hostnqn, provider="soft", nr_io_queues=args.queues,
+                          hostnqn=args.hostnqn, provider=args.provider, nr_io_queues=args.queues,
                           keep_alive_tmo=args.kato, reconnect_delay=args.reconnect_delay,
                           ctrl_loss_tmo=args.ctrl_loss_tmo,
                           connect_timeout=args.connect_timeout, paths=paths)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from e2e.conftest import TargetProc, free_port
+from e2e.conftest import TargetProc, addr_of, cli_via, free_port
 
 BIN = pathlib.Path(sys.executable).parent
 NQN = "nqn.2026-12.io.blockfabric:fuse"
@@ -50,7 +50,7 @@ class Mount:
     """One ``blockfabric mount`` (daemonised) of the module's target."""
 
     def __init__(self, target: TargetProc, base: pathlib.Path, options: str = "",
-                 name: str = "mnt", transport: str = "rdma",
+                 name: str = "mnt", transport: str | None = None,
                  flags: tuple[str, ...] = ()) -> None:
         self.target = target
         self.flags = list(flags)
@@ -62,9 +62,9 @@ class Mount:
 
     def argv(self) -> list[str]:
         tcp = self.transport == "tcp"
-        argv = ["mount", "-a", "127.0.0.1", "-s",
+        argv = ["mount", "-a", addr_of(self.transport), "-s",
                 str(self.target.tcp_port if tcp else self.target.port), "-n", NQN,
-                *(["-t", "tcp"] if tcp else ["--provider", "soft"]), "-q", FUSE_HOSTNQN]
+                *cli_via(self.transport), "-q", FUSE_HOSTNQN]
         if self.options:
             argv += ["-o", self.options]
         return argv + self.flags + [self.path]

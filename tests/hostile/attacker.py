@@ -1,5 +1,6 @@
-"""A host library controller that attacks from another source address (127.0.0.2, so that
-the bystander's per-address limits and back-offs are not its own) and sends Connects and
+"""A host library controller that attacks from another source address (127.0.0.2, or on
+verbs the lab's second address: so that the bystander's per-address limits and back-offs are
+not its own) and sends Connects and
 authentication messages by hand."""
 
 from __future__ import annotations
@@ -7,7 +8,9 @@ from __future__ import annotations
 from blockfabric.initiator.host import ADMIN_DEPTH, ConnectOptions, Controller, NvmeError
 from blockfabric.protocol import ConnectCommand, ConnectData
 
-ATTACKER = "127.0.0.2"
+from e2e.conftest import addr_of, peer_addr, via
+
+ATTACKER = peer_addr(2)
 
 
 class _FromSource:
@@ -34,8 +37,8 @@ def attacker(port: int, subnqn: str, hostnqn: str, *, source: str = ATTACKER,
     reactor started unless ``start`` is false: then call its ``connect()``); ``options`` as
     ConnectOptions (e.g. dhchap_secret)."""
     options.setdefault("ctrl_loss_tmo", 0)
-    ctrl = Controller(ConnectOptions("127.0.0.1", subnqn, port, hostnqn=hostnqn,
-                                     provider="soft", **options))
+    ctrl = Controller(ConnectOptions(addr_of(), subnqn, port, hostnqn=hostnqn,
+                                     **via(), **options))
     ctrl.provider = _FromSource(ctrl.provider, source)
     if start:
         ctrl.reactor.start()

@@ -12,8 +12,8 @@ import pytest
 
 from blockfabric.initiator.host import connect
 
-from e2e.conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, free_port,  # noqa: F401
-                          listener, ram_config, start_target, transport, via)
+from e2e.conftest import (BIN, HOSTNQN, NQN, OTHER_HOSTNQN, RDMA, addr_of,  # noqa: F401
+                          free_port, listener, ram_config, start_target, transport, via)
 from faults.verifyload import verify_load
 
 MAX_CONN = 6
@@ -59,16 +59,17 @@ def target(start_target, request, tmp_path, target_reactors):
 
 
 class Bystander:
-    """A well-behaved host on 127.0.0.1 verifying its data in a thread while an attack runs;
-    :meth:`finish` returns its counts, which must show no error and no mismatch.
+    """A well-behaved host (at :func:`addr_of`: 127.0.0.1, but on verbs) verifying its data
+    in a thread while an attack runs; :meth:`finish` returns its counts, which must show no
+    error and no mismatch.
 
     Every completed I/O is time-stamped, so a test can say how fast the bystander went
     before and during an attack (:meth:`attack`) and that it never stood still
     (:meth:`max_gap`)."""
 
-    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN, transport: str = "rdma"
+    def __init__(self, port: int, hostnqn: str = OTHER_HOSTNQN, transport: str | None = None
                  ) -> None:
-        self.ctrl = connect("127.0.0.1", NQN, port, **via(transport), hostnqn=hostnqn,
+        self.ctrl = connect(addr_of(transport), NQN, port, **via(transport), hostnqn=hostnqn,
                             nr_io_queues=1, keep_alive_tmo=2.0)
         self.stop = threading.Event()
         self.result: dict = {}
@@ -127,7 +128,7 @@ def bystander(target, request):
     """A host verifying its data over the test's ``transport`` (rdma unless the test takes
     that fixture)."""
     kind = request.getfixturevalue("transport") if "transport" in request.fixturenames \
-        else "rdma"
+        else RDMA
     b = Bystander(target.tcp_port if kind == "tcp" else target.port, transport=kind)
     yield b
     if b.thread.is_alive():
@@ -190,7 +191,7 @@ class TargetProbe:
 
 def assert_accepts_new_host(port: int, hostnqn: str = HOSTNQN) -> None:
     """After an attack, a new host can connect, write and read back."""
-    with connect("127.0.0.1", NQN, port, provider="soft", hostnqn=hostnqn,
+    with connect(addr_of(), NQN, port, **via(), hostnqn=hostnqn,
                  nr_io_queues=1, connect_timeout=5.0) as ctrl:
         ns = ctrl.namespaces[1]
         data = os.urandom(ns.block_size)
@@ -199,12 +200,12 @@ def assert_accepts_new_host(port: int, hostnqn: str = HOSTNQN) -> None:
 
 
 @contextlib.contextmanager
-def attacker_of(target, bystander: Bystander, name: str, transport: str = "rdma"):
+def attacker_of(target, bystander: Bystander, name: str, transport: str | None = None):
     """A connected attacker (one I/O queue, over ``transport``) for the duration of attack
     ``name``."""
     port = target.tcp_port if transport == "tcp" else target.port
     with bystander.attack(name), \
-            connect("127.0.0.1", NQN, port, **via(transport), hostnqn=HOSTNQN,
+            connect(addr_of(transport), NQN, port, **via(transport), hostnqn=HOSTNQN,
                     nr_io_queues=1) as attacker:
         yield attacker
 

@@ -29,7 +29,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
-from e2e.conftest import BIN, TargetProc, free_port, ram_config
+from e2e.conftest import RDMA, BIN, TargetProc, free_port, listener, ram_config
 
 from blockfabric.protocol import CMConnectRequest
 from blockfabric.rdma.soft.wire import Frame
@@ -87,10 +87,14 @@ class Harness:
     def _start_target(self) -> None:
         port = free_port()
         config = ram_config(port)
+        # sync() needs the soft provider's wire: in a verbs run, a soft listener beside
+        sync_port = port if RDMA == "rdma" else free_port()
+        if sync_port != port:
+            config["listeners"].append(listener(sync_port, transport="rdma"))
         config["limits"] = self.limits
         self.target = TargetProc(config, self.tmp, command=[
             "prlimit", f"--as={TARGET_AS}", "--", str(BIN / "blockfabric-target")]).start()
-        self.target.port = port
+        self.target.port, self.target.sync_port = port, sync_port
         self._start_bystander()
         time.sleep(WARMUP)          # the bystander's rate before any attack, for the summary
         self.base = self.sample()
@@ -178,10 +182,12 @@ class Harness:
 
     def sync(self) -> None:
         """Return once the target has handled what came before: it logs the acceptance of
-        a new connection (from 127.0.0.4, a source no attacker uses) in its own order."""
+        a new connection (from 127.0.0.4, a source no attacker uses) in its own order.  The
+        connection is the soft provider's, on loopback: in a verbs run on a soft listener of
+        its own (its accept is served by the same event loop as the verbs listener's)."""
         lines = self.target.lines
         start = len(lines)
-        peer = RawPeer(("127.0.0.1", self.target.port), source=SYNC_SOURCE)
+        peer = RawPeer(("127.0.0.1", self.target.sync_port), source=SYNC_SOURCE)
         try:
             where = f"accepted ({SYNC_SOURCE!r}, {peer.sock.getsockname()[1]})"
             kind, _ = peer.connect_cm(SYNC_CM)

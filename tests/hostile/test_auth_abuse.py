@@ -23,7 +23,7 @@ from blockfabric.protocol import (ConnectData, FeatureId, GetFeatures, Property,
                                   StatusCode)
 from blockfabric.protocol import auth
 
-from e2e.conftest import BIN
+from e2e.conftest import BIN, addr_of, via
 from .attacker import ATTACKER, admin_queue, attacker, raw_connect
 from .conftest import (HOSTNQN, MAX_CONN, NQN, OTHER_HOSTNQN, TargetProbe,
                        assert_accepts_new_host, assert_undisturbed, free_port, ram_config)
@@ -199,7 +199,7 @@ def test_failed_authentications_from_one_address_are_backed_off(target, bystande
             with pytest.raises(NvmeError) as err:
                 guess(secret)
             assert (err.value.status, err.value.dnr) == (StatusCode.CONNECT_CTRL_BUSY, False)
-        with guess(SECRET, source="127.0.0.1"):         # another address: unaffected
+        with guess(SECRET, source=addr_of()):         # another address: unaffected
             pass
         with attacker(target.port, NQN, KEEPER, start=False, nr_io_queues=1).connect():
             pass                                        # no authentication: unaffected
@@ -272,7 +272,7 @@ def test_keep_alive_timeout_is_capped_in_connect(target, bystander, kato):
     assert wait_lines(target, f"keep-alive timeout kato_ms={KATO_CAP_MS}", 1)
     assert_undisturbed(bystander.finish(), bystander)
     probe.assert_bounded()
-    with connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=KEEPER,
+    with connect(addr_of(), NQN, target.port, **via(), hostnqn=KEEPER,
                  nr_io_queues=1) as ok:                 # KATO 5 s (Linux's default) is kept
         assert ok.wait(ok.admin, GetFeatures(fid=FeatureId.KATO).to_sqe(),
                        "Get Features")[0].result & 0xFFFFFFFF == 3000

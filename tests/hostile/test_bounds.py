@@ -20,9 +20,14 @@ from blockfabric.protocol.opcodes import LogPageId
 from blockfabric.rdma.soft import wire
 from blockfabric.rdma.soft.wire import Frame
 
-from .conftest import (HOSTNQN, NQN, TargetProbe, assert_accepts_new_host,
-                       assert_undisturbed)
+from .conftest import (HOSTNQN, NQN, TargetProbe, addr_of, assert_accepts_new_host,
+                       assert_undisturbed, via)
 from .rawpeer import RawPeer
+
+#: the tests whose peers send half or bare soft-provider connection requests by hand
+SOFT_WIRE = pytest.mark.needs_transport(
+    "rdma", "its peers send half or bare soft-provider connection requests by hand; on verbs "
+    "connection requests are rdma_cm's, made by the kernel")
 
 ADMIN_QUEUE_REQ = CMConnectRequest(recfmt=0, qid=0, hrqsize=32, hsqsize=31, cntlid=0).pack()
 MiB = 1 << 20
@@ -109,6 +114,7 @@ NOFILE = 160
 # descriptors, not the pending cap, run out first
 @pytest.mark.parametrize("target", [{"nofile": NOFILE, "max_pending_requests": 4096,
                                      "request_timeout": 60}], indirect=True)
+@SOFT_WIRE
 def test_fd_exhaustion_by_half_sent_requests_is_shed_not_spun(target, bystander):
     """Half-sent connect requests from 2.5 x RLIMIT_NOFILE source addresses: the target runs
     out of descriptors, sheds (logged once an episode) instead of spinning on EMFILE,
@@ -144,6 +150,7 @@ REQUEST_TIMEOUT = 3
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", [{"max_pending_requests": PENDING,
                                      "request_timeout": REQUEST_TIMEOUT}], indirect=True)
+@SOFT_WIRE
 def test_half_sent_requests_are_capped_and_time_out(target, bystander):
     """More half-sent requests than ``limits.max_pending_requests``: the oldest are dropped
     for the newest at once, the rest after ``limits.request_timeout``; a whole request
@@ -183,6 +190,7 @@ IO_QUEUE_REQ = CMConnectRequest(recfmt=0, qid=1, hrqsize=128, hsqsize=127, cntli
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", [{"max_unconnected_queues": UNCONNECTED,
                                      "connect_timeout": 30}], indirect=True)
+@SOFT_WIRE
 def test_unconnected_queues_are_capped_across_addresses_and_cost_little(target, bystander):
     """Bare CM connects of full-depth I/O queues, one per source address (so the per-host
     limit never applies): ``limits.max_unconnected_queues`` are accepted, each costing
@@ -251,7 +259,7 @@ def test_lengths_are_checked_before_allocation(target, bystander):
     probe = TargetProbe(target)
     peak = vm(target.proc.pid, "VmHWM")
     with bystander.attack("lengths beyond SGL and MDTS"), \
-            connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=HOSTNQN,
+            connect(addr_of(), NQN, target.port, **via(), hostnqn=HOSTNQN,
                     nr_io_queues=1) as attacker:
         queues = {"admin": attacker.admin, "io": attacker.io_queues[0]}
         for _ in range(5):

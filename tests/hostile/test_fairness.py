@@ -32,6 +32,10 @@ from .conftest import (NQN, TargetProbe, assert_accepts_new_host,
                        assert_undisturbed)
 from .rawpeer import RawPeer
 
+pytestmark = pytest.mark.needs_transport(
+    "rdma", "the hoarder is a raw soft-wire peer that never acknowledges RDMA READ/WRITE; an RC "
+    "NIC acknowledges them itself, so on verbs a host cannot hold bounce buffers this way")
+
 MiB = 1 << 20
 BS = 4096
 HOLD = 2                        # limits.buffer_hold_timeout in these tests, seconds

@@ -23,7 +23,7 @@ from blockfabric.initiator.host import connect
 from blockfabric.protocol import (SQE, AsyncEventRequest, ConnectCommand, KeyedSGL,
                                   OffsetSGL)
 
-from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN
+from .conftest import HOSTNQN, NQN, OTHER_HOSTNQN, addr_of, via
 from .fuzzkit import harness, replay, run_fuzzer  # noqa: F401  (harness: a fixture)
 
 #: seconds a command may take; a live connection silent for longer is a failure
@@ -100,7 +100,7 @@ class CapsuleMachine(RuleBasedStateMachine):
         send on a dead queue, so commands after a break are the target's next ones)."""
         if self.ctrl is not None:
             self.ctrl.close()
-        self.ctrl = connect("127.0.0.1", NQN, self.h.port, provider="soft", hostnqn=HOSTNQN,
+        self.ctrl = connect(addr_of(), NQN, self.h.port, **via(), hostnqn=HOSTNQN,
                             nr_io_queues=1, queue_size=QUEUE_SIZE, ctrl_loss_tmo=0,
                             keep_alive_tmo=5.0)
         self.offset, _ = self.ctrl.arena.alloc(SLICE)

@@ -31,6 +31,10 @@ from .conftest import NQN
 from .fuzzkit import harness, replay, run_fuzzer  # noqa: F401  (harness: a fixture)
 from .rawpeer import RawPeer
 
+pytestmark = pytest.mark.needs_transport(
+    "rdma", "fuzzes the soft provider's wire frames; verbs has no wire a process can forge "
+    "(tests/hostile/test_fuzz_capsules.py fuzzes capsules on verbs)")
+
 SOURCES = ("127.0.0.2", "127.0.0.3")
 MAX_PEERS = 4
 ATTACKER_NQN = "nqn.2014-08.org.nvmexpress:uuid:66666666-2222-3333-4444-555555555555"

@@ -22,6 +22,9 @@ from blockfabric.fabric.reactor import Reactor
 from blockfabric.rdma import SGE, Access, QPCap, RecvWR, SendFlags, SendWR, WcStatus, WrOpcode
 from blockfabric.rdma.soft import SoftProvider
 
+pytestmark = pytest.mark.needs_transport(
+    "rdma", "the hostile target is a bare soft-provider QP driven by the test in this process")
+
 DEPTH = 4
 CQE = struct.Struct("<QHHHH")
 SQE_SIZE = 64

@@ -11,8 +11,8 @@ import pytest
 from blockfabric.initiator.host import QueueDead, connect
 from blockfabric.protocol import IOOpcode, KeyedSGL, OffsetSGL, ReadWrite, StatusCode
 
-from .conftest import (HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_answers,
-                       assert_undisturbed, attacker_of)
+from .conftest import (HOSTNQN, MAX_CONN, NQN, TargetProbe, addr_of, assert_answers,
+                       assert_undisturbed, attacker_of, via)
 
 MiB = 1 << 20
 BS = 4096
@@ -70,7 +70,7 @@ def test_malformed_capsules_get_their_status(target, transport, bystander):
 def test_forged_key_costs_only_the_attackers_queue(target, bystander):
     """A write whose SGL names a key the attacker never registered: the target's RDMA READ
     fails with a remote access error, and that queue (only) is torn down."""
-    with connect("127.0.0.1", NQN, target.port, provider="soft", hostnqn=HOSTNQN,
+    with connect(addr_of(), NQN, target.port, **via(), hostnqn=HOSTNQN,
                  nr_io_queues=1, ctrl_loss_tmo=0) as attacker:
         queue = attacker.io_queues[0]
         forged = attacker.arena.mr.rkey ^ 0x5A5A5A
@@ -92,7 +92,7 @@ def test_controller_flood_is_refused_past_the_per_host_limit(target, bystander):
     try:
         with pytest.raises(ConnectionRefusedError, match="NO_RESOURCES"):
             for _ in range(MAX_CONN):
-                ctrls.append(connect("127.0.0.1", NQN, target.port, provider="soft",
+                ctrls.append(connect(addr_of(), NQN, target.port, **via(),
                                      hostnqn=HOSTNQN, nr_io_queues=1, ctrl_loss_tmo=0))
         # the bystander holds 2 of the 6 connections, so exactly 2 controllers fit
         assert len(ctrls) == (MAX_CONN - 2) // 2, len(ctrls)

@@ -18,6 +18,11 @@ from blockfabric.rdma.soft.wire import Frame
 from .conftest import MAX_CONN, assert_undisturbed
 from .rawpeer import RawPeer
 
+pytestmark = pytest.mark.needs_transport(
+    "rdma", "a raw peer forges the soft provider's frames (rkeys, lengths, bare connections); on "
+    "verbs rxe checks rkeys and bounds itself (REM_ACCESS_ERR: the verbs contract suite, "
+    "tests/rdma)")
+
 QUEUE_REQ = CMConnectRequest(recfmt=0, qid=0, hrqsize=32, hsqsize=31, cntlid=0).pack()
 
 

@@ -21,6 +21,11 @@ from .conftest import (HOSTNQN, MAX_CONN, NQN, OTHER_HOSTNQN, TargetProbe,
                        assert_accepts_new_host, assert_undisturbed, free_port)
 from .rawpeer import RawPeer
 
+pytestmark = pytest.mark.needs_transport(
+    "rdma", "its peers forge the soft provider's frames by hand; on verbs the NIC builds and "
+    "checks them (the verbs contract suite, tests/rdma, covers the provider's side on "
+    "rxe)")
+
 QUEUE_REQ = CMConnectRequest(recfmt=0, qid=0, hrqsize=32, hsqsize=31, cntlid=0).pack()
 FLOOD = 640 << 10           # bytes of bad frames per attack, as reported
 MiB = 1 << 20

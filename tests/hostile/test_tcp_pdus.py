@@ -22,6 +22,9 @@ from blockfabric.protocol.tcp_pdu import Fes
 
 from .conftest import HOSTNQN, MAX_CONN, NQN, TargetProbe, assert_undisturbed
 
+pytestmark = pytest.mark.needs_transport(
+    "tcp", "forges NVMe/TCP PDUs; nothing of it goes over RDMA")
+
 
 @pytest.fixture(params=(1, 2), ids=lambda n: f"{n}r")
 def target_reactors(request) -> int:

@@ -115,7 +115,7 @@ def refused() -> None:
     print(f"     rejected: {exc!r}", flush=True)
     check(isinstance(exc, ConnectionRejected) and exc.private_data[:4]
           == CMReject(sts=CMRejectStatus.NO_RESOURCES).pack(), "target's reject data kept")
-    from initiator.connection import _reject_text
+    from blockfabric.initiator.connection import _reject_text
     text = _reject_text(exc.private_data, 1) if isinstance(exc, ConnectionRejected) else ""
     print(f"     the host says: {text}", flush=True)
     check("NO_RESOURCES" in text, "the host names the reject status")

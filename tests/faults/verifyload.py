@@ -37,7 +37,7 @@ def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int
     stop = stop or threading.Event()
     lock = threading.Lock()
     out = {"ios": 0, "bytes_verified": 0, "errors": 0, "mismatches": 0,
-           "error_times": [], "error_samples": []}
+           "error_times": [], "error_samples": [], "mismatch_samples": []}
 
     def note_error(exc: BaseException) -> None:
         with lock:
@@ -57,8 +57,13 @@ def verify_load(ctrl: Controller, seconds: float, *, threads: int = 4, seed: int
             bad = 0
             for i in range(len(data) // bs):
                 want = model.get(first + i)
-                if want is not None and crc32c(data[i * bs:(i + 1) * bs]) not in want:
+                block = data[i * bs:(i + 1) * bs]
+                if want is not None and crc32c(block) not in want:
                     bad += 1
+                    with lock:      # which block, and what it held instead (its first bytes)
+                        if len(out["mismatch_samples"]) < 5:
+                            out["mismatch_samples"].append(
+                                f"block {first + i}: {bytes(block[:16]).hex()}...")
             return bad
 
         while time.monotonic() < deadline and not stop.is_set():

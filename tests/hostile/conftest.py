@@ -223,7 +223,9 @@ def assert_answers(attacker, attacks, rounds: int) -> None:
 def assert_undisturbed(result: dict, bystander: Bystander | None = None) -> None:
     """No error, no mismatch, no reconnect; with ``bystander``, also never a gap of
     MAX_GAP seconds without a completed I/O during any attack window."""
-    assert result["errors"] == 0 and result["mismatches"] == 0, result
+    assert result["errors"] == 0 and result["mismatches"] == 0, (
+        f"{result['errors']} error(s) {result.get('error_samples')}, {result['mismatches']} "
+        f"mismatch(es) {result.get('mismatch_samples')} in {result['ios']} I/Os")
     assert result["ios"] > 0 and result["recovery"]["losses"] == 0, result
     if bystander is not None:
         for name, before, during, gap in bystander.report():

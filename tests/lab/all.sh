@@ -9,6 +9,8 @@
 #                              on one RBD image (Ceph in the guest): ANA paths, failover, failback
 #   5. tests/lab/pollgroups.sh poll groups (reactors: 2) on verbs: queues in the worker, the
 #                              kernel host and ours, worker kill, stop, provider: auto
+#   6. tests/lab/verbsfix.sh   the verbs provider's teardown order, refusals, stale connect
+#                              requests and one PD per device (issue 19), about 1 min
 # Exit status 0 only when all passed; each part's own summary says what failed.
 set -u
 [ -f tests/lab/interop.sh ] || { echo "all.sh: run from the project root" >&2; exit 2; }
@@ -27,5 +29,8 @@ bash tests/lab/gateways.sh || rc=1
 t4=$EPOCHREALTIME
 echo "##### gateways.sh done in $(awk -v a="$t3" -v b="$t4" 'BEGIN{printf "%.0f", b-a}') s; rc=$rc"
 bash tests/lab/pollgroups.sh || rc=1
-echo "##### pollgroups.sh done in $(awk -v a="$t4" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
+t5=$EPOCHREALTIME
+echo "##### pollgroups.sh done in $(awk -v a="$t4" -v b="$t5" 'BEGIN{printf "%.0f", b-a}') s; rc=$rc"
+bash tests/lab/verbsfix.sh || rc=1
+echo "##### verbsfix.sh done in $(awk -v a="$t5" -v b="$EPOCHREALTIME" 'BEGIN{printf "%.0f", b-a}') s; all.sh rc=$rc"
 exit $rc

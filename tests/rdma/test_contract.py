@@ -281,6 +281,22 @@ def test_write_with_immediate_consumes_a_receive(pair):
     assert b.digest(dst) == a.digest(src)
 
 
+def test_write_with_immediate_waits_out_rnr(pair):
+    """No receive posted yet: the responder answers RNR NAK, and the WRITE with immediate
+    is retried until one is (the soft provider read the flags from the wrong header byte
+    and cut the connection: "RNR NAK for PSN 0, which consumes no receive")."""
+    a, b = pair
+    src, dst, rbuf = a.reg(100, LOCAL, seed=13), b.reg(100, RW), b.reg(16, LOCAL)
+    a.send(wr(WrOpcode.RDMA_WRITE_WITH_IMM, 1, [src.sge()], dst, imm_data=78))
+    assert a.poll(timeout=0.3) == []          # held back by RNR, not failed
+    b.recv(recv_wr(4, rbuf.sge()))
+    assert one(a.poll())["status"] == OK
+    w = one(b.poll("recv"))
+    assert (w["wr_id"], w["opcode"], w["imm_data"]) == (4, WcOpcode.RECV_RDMA_WITH_IMM, 78)
+    assert b.digest(dst) == a.digest(src)
+    assert a.state() == QPState.RTS and b.state() == QPState.RTS
+
+
 def test_write_then_send_data_visible_at_recv(pair):
     a, b = pair
     src, dst = a.reg(MiB, LOCAL, seed=13), b.reg(MiB, RW)

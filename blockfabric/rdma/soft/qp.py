@@ -1149,7 +1149,7 @@ class SoftQP(QP):
     def _on_rnr(self, psn: int) -> None:
         e = self._answered(psn, "RNR NAK")
         if e.opcode == _WC_READ or (e.opcode == _WC_WRITE
-                                              and not e.frame[0][6] & _F_IMM):
+                                    and not e.frame[0][wire.FLAGS_AT] & _F_IMM):
             raise wire.WireError(f"RNR NAK for PSN {psn}, which consumes no receive")
         e.rnr += 1
         if self.rnr_retry != 7 and e.rnr > self.rnr_retry:

@@ -18,6 +18,7 @@ PSN_MASK = 0xFFFFFFFF
 #: addr u64
 HEADER = struct.Struct("<BBBBIIIIIQ")
 HEADER_SIZE = HEADER.size  # 32
+FLAGS_AT = 3               # where a header's flags byte is
 
 #: Version 1 (until this one): b"BFRD", version u8, type u8, flags u16, psn, length, key,
 #: extra (u32 each), addr u64.  Kept only to recognise such a peer and to refuse it in a

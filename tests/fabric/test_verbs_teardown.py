@@ -39,6 +39,17 @@ class Recorded:
             raise self.fail
 
 
+class RecordedId(Recorded):
+    """A pyverbs CMID: reject and disconnect are written to ``log`` too (on a destroyed id,
+    pyverbs hands librdmacm a NULL id: a SIGSEGV of the process, never an exception)."""
+
+    def reject(self, data: bytes = b"") -> None:
+        self.log.append(f"{self.name}.reject")
+
+    def disconnect(self) -> None:
+        self.log.append(f"{self.name}.disconnect")
+
+
 def _channel(log: list[str]) -> _Channel:
     ch = _Channel.__new__(_Channel)
     ch._pv = types.SimpleNamespace(PyverbsError=RuntimeError)
@@ -60,7 +71,7 @@ def _cmid(channel: _Channel, log: list[str], name: str, *, qp_fail=None, cm_fail
           request: RawEvent | None = None) -> VerbsCMId:
     cmid = VerbsCMId.__new__(VerbsCMId)
     cmid._pv = types.SimpleNamespace(PyverbsError=RuntimeError)
-    cmid._cm = Recorded(log, f"{name}.id", cm_fail)
+    cmid._cm = RecordedId(log, f"{name}.id", cm_fail)
     cmid.qp = Recorded(log, f"{name}.qp", qp_fail)     # type: ignore[assignment]
     cmid.context = Recorded(log, f"{name}.context")    # type: ignore[assignment]
     cmid._request = request
@@ -141,6 +152,47 @@ def test_at_exit_children_then_the_listener_then_the_channel():
     cm._close_all()
     assert log == ["child.qp", "child.id", "child.context", "listener.id", "channel"]
     assert listener._closed
+
+
+def test_a_closed_id_is_never_handed_to_librdmacm_again():
+    """A failed accept closes the queue (and its id), then the listener rejects the
+    request: that reject, and a disconnect, must not reach pyverbs' destroyed id."""
+    log: list[str] = []
+    cmid = _cmid(_channel(log), log, "a")
+    cmid._disconnected = False
+    cmid.close()
+    with pytest.raises(RdmaError, match="closed") as exc:
+        cmid.reject(b"")
+    assert exc.value.errno == errno.EBADF
+    cmid.disconnect()                          # the connection is over already: nothing
+    assert not any(step.endswith((".reject", ".disconnect")) for step in log), log
+
+
+def test_at_exit_a_request_nobody_took_is_not_rejected_after_its_close():
+    log: list[str] = []
+    channel = _channel(log)
+    listener = _listener(channel, log)
+    listener._events.append(_cmid(channel, log, "pending"))   # queued, never taken
+    cm._close_all()                            # children first: "pending" is closed
+    assert "pending.id.reject" not in log
+    assert log[-2:] == ["listener.id", "channel"] and listener._closed
+
+
+def test_an_id_whose_setup_failed_goes_before_its_channel(monkeypatch):
+    """create_id: the pyverbs id exists, then our object cannot be made (no descriptor
+    for its waker): the id is destroyed first, and then the channel."""
+    import blockfabric.rdma.verbs as verbs
+    log: list[str] = []
+    channel = _channel(log)
+    channel.new_id = lambda: RecordedId(log, "new.id")      # type: ignore[method-assign]
+    monkeypatch.setattr(verbs, "_Channel", lambda: channel)
+
+    def no_waker(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(verbs, "VerbsCMId", no_waker)
+    with pytest.raises(OSError, match="Too many"):
+        verbs.VerbsProvider.create_id(object.__new__(verbs.VerbsProvider))
+    assert log == ["new.id", "channel"]
 
 
 def _request(abandoned_by: CMEventType | None) -> tuple[VerbsCMId, list[RawEvent]]:

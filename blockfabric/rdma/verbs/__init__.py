@@ -20,7 +20,7 @@ from blockfabric.errors import ProviderUnavailable, RdmaError
 from blockfabric.rdma import base
 from blockfabric.rdma.base import DeviceInfo
 from blockfabric.rdma.verbs import _native
-from blockfabric.rdma.verbs.cm import VerbsCMId, VerbsListener, _Channel
+from blockfabric.rdma.verbs.cm import VerbsCMId, VerbsListener, _Channel, _destroy_id
 from blockfabric.rdma.verbs.resources import Device
 
 __all__ = ["VerbsProvider"]
@@ -103,9 +103,17 @@ class VerbsProvider(base.Provider):
     def create_id(self) -> VerbsCMId:
         channel = _Channel()
         try:
-            cmid = VerbsCMId(self, channel, channel.new_id())
+            raw = channel.new_id()
         except BaseException:
             channel.release(None)       # no id on it: destroyed now, not by a finalizer
+            raise
+        try:
+            cmid = VerbsCMId(self, channel, raw)
+        except BaseException:
+            # the id first, then its channel (an id outliving its channel is a use after
+            # free in librdmacm); an id that cannot be destroyed keeps the channel
+            if _destroy_id(raw, "a new CM id"):
+                channel.release(None)
             raise
         channel.default = cmid
         return cmid

@@ -254,6 +254,7 @@ class VerbsCMId(_Endpoint, base.CMId):
 
     context: VerbsContext           # (None until bound to a device: see _set_device)
     _accepted = False               # (passive) rdma_accept done
+    _closed = False                 # close() ran: the pyverbs id is destroyed (see _live)
     _abandoned: str | None = None   # (passive) why the host gave up before the accept
 
     def __init__(self, provider: "VerbsProvider", channel: _Channel, cmid, *,
@@ -278,6 +279,14 @@ class VerbsCMId(_Endpoint, base.CMId):
             self._bind_ptr(id_ptr)
 
     # ------------------------------------------------------------------ plumbing
+    def _live(self):
+        """The pyverbs CM id, or RdmaError (EBADF) once closed: pyverbs leaves a destroyed
+        id's pointer NULL and librdmacm would dereference it (rdma_reject after a failed
+        accept closed the queue was a SIGSEGV of the whole target)."""
+        if self._closed:
+            raise RdmaError(f"the CM id of {self.peer_address} is closed", errno=errno.EBADF)
+        return self._cm
+
     def _bind_ptr(self, id_ptr: int) -> None:
         self._ptr = id_ptr
         with self._channel.lock:
@@ -285,7 +294,7 @@ class VerbsCMId(_Endpoint, base.CMId):
 
     def _set_device(self) -> None:
         """Called once the id is bound to a device: share that device's context."""
-        self.context = VerbsContext(self._provider._device(self._cm.dev_name))
+        self.context = VerbsContext(self._provider._device(self._live().dev_name))
         self.local_address, self.peer_address = _native.id_addresses(
             self._ptr)  # type: ignore[arg-type]  # (bound to a device: it has its pointer)
 
@@ -315,7 +324,7 @@ class VerbsCMId(_Endpoint, base.CMId):
                     type(exc).__name__, exc)
         self._disconnected = True
         try:
-            self._cm.disconnect()
+            self._live().disconnect()
         except Exception:  # noqa: BLE001  (already gone, most likely)
             pass
         try:
@@ -330,7 +339,7 @@ class VerbsCMId(_Endpoint, base.CMId):
     def _disconnect_now(self) -> None:
         self._disconnected = True
         try:
-            self._cm.disconnect()
+            self._live().disconnect()
         except self._pv.PyverbsError as exc:
             # EINVAL: not connected (any more); the QP still goes to ERR below
             if abs(getattr(exc, "error_code", 0) or 0) != 22:
@@ -352,7 +361,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         """(QPAttr, mask) of the transition to ``state``, from rdma_init_qp_attr."""
         e = self._pv.e
         try:
-            attr, mask = self._cm.init_qp_attr(state)
+            attr, mask = self._live().init_qp_attr(state)
         except self._pv.PyverbsError as exc:
             raise rdma_error(f"rdma_init_qp_attr({what}) failed", exc) from exc
         if state == e.IBV_QPS_RTS:
@@ -420,7 +429,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         try:
             ai = self._pv.cmid.AddrInfo(src=source, dst=address, dst_service=str(port),
                                         port_space=ce.RDMA_PS_TCP)
-            self._cm.resolve_addr(ai, ms)
+            self._live().resolve_addr(ai, ms)
         except self._pv.PyverbsError as exc:
             raise rdma_error(f"rdma_resolve_addr({address}:{port}) failed", exc) from exc
         raw = self._expect(CMEventType.ADDR_RESOLVED, deadline, f"resolve {address}")
@@ -446,7 +455,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         depth = self.context._device.max_rd_atom
         param = self._conn_param(private_data, depth, depth, retry_count, rnr_retry_count)
         try:
-            self._cm.connect(param)
+            self._live().connect(param)
         except self._pv.PyverbsError as exc:
             raise rdma_error("rdma_connect failed", exc) from exc
         raw = self._next(_remaining(deadline))
@@ -471,7 +480,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
         self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
         try:
-            self._cm.establish()
+            self._live().establish()
         except self._pv.PyverbsError as exc:
             raise rdma_error("rdma_establish failed", exc) from exc
         self.private_data = raw.private_data
@@ -500,7 +509,7 @@ class VerbsCMId(_Endpoint, base.CMId):
             self._qp_to(self._pv.e.IBV_QPS_RTR, "RTR")
             self._qp_to(self._pv.e.IBV_QPS_RTS, "RTS")
             try:
-                self._cm.accept(self._conn_param(private_data, resources, depth))
+                self._live().accept(self._conn_param(private_data, resources, depth))
             except self._pv.PyverbsError as exc:
                 raise rdma_error("rdma_accept failed", exc) from exc
         self._checked("accept", accept)
@@ -527,7 +536,7 @@ class VerbsCMId(_Endpoint, base.CMId):
 
         def accept() -> None:
             try:
-                self._cm.accept(self._conn_param(private_data, resources, depth,
+                self._live().accept(self._conn_param(private_data, resources, depth,
                                                  qp_num=qp_num))
             except self._pv.PyverbsError as exc:
                 raise rdma_error("rdma_accept failed", exc) from exc
@@ -537,7 +546,7 @@ class VerbsCMId(_Endpoint, base.CMId):
     def reject(self, private_data: bytes = b"") -> None:
         data = bytes(private_data)
         try:
-            self._cm.reject(data)
+            self._live().reject(data)
         except self._pv.PyverbsError as exc:
             raise rdma_error("rdma_reject failed", exc) from exc
 
@@ -547,7 +556,7 @@ class VerbsCMId(_Endpoint, base.CMId):
         rdma_cm reports it only when the peer answers, which needs the peer's process to
         read its events; the connection is over from this side's view already.
         """
-        if self._disconnected:
+        if self._disconnected or self._closed:
             return
         with self._channel.lock:
             self._disconnect_now()

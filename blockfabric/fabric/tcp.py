@@ -128,6 +128,7 @@ class PduConnection:
         self._filled = 0
         self._out: list[Buf] = []
         self._out_bytes = 0
+        self._sent_total = 0            # bytes written since the start (send()'s marks)
         #: given to :meth:`released` once what was queued before them is written or
         #: copied (the memory it referenced may then be reused)
         self._after: list[Any] = []
@@ -432,10 +433,11 @@ class PduConnection:
         self.on_lost(f"protocol error: {exc} (termination request sent, FES {exc.fes:#x})")
 
     # -- sending -------------------------------------------------------------------
-    def send(self, bufs: Sequence[Buf], after: Any = None) -> None:
+    def send(self, bufs: Sequence[Buf], after: Any = None) -> int:
         """Queue ``bufs`` to go out with the rest of this pass: at the end of the receive
         whose PDUs are being handled, else in the reactor's next pass (``after``: given
-        to :meth:`released` once they are written or copied)."""
+        to :meth:`released` once they are written or copied).  Returns their end in the
+        stream, for :meth:`detach_unsent`."""
         with self._send_lock:
             out = self._out
             for b in bufs:
@@ -443,28 +445,40 @@ class PduConnection:
                 self._out_bytes += len(b)
             if after is not None:
                 self._after.append(after)
+            mark = self._sent_total + self._out_bytes
             if self._in_pass or self._flush_queued or self.reactor is None:
-                return
+                return mark
             self._flush_queued = True
         reactor = self.reactor
         if reactor.ident == threading.get_ident():
             reactor.call_soon(self.flush)
         else:
             reactor.call_soon_threadsafe(self.flush)
+        return mark
+
+    def detach_unsent(self, mark: int) -> None:
+        """What was queued up to ``mark`` (a :meth:`send`'s) and is not written yet is
+        copied: its owner may reuse that memory now (a side whose queue holds views of its
+        owners' memory, ``copy_unsent`` False, calls this when it tells an owner early)."""
+        with self._send_lock:
+            if self._sent_total < mark and self._out:
+                self._out = [bytes(b) for b in self._out]
 
     def released(self, item: Any) -> None:
         """What was queued with ``after=item`` is written (or copied): ``item()`` unless a
         side says otherwise."""
         item()
 
-    def send_now(self, bufs: Sequence[Buf]) -> None:
+    def send_now(self, bufs: Sequence[Buf]) -> int:
         """From a thread that is not the reactor's: write ``bufs`` at once (after what is
-        queued), the rest when the socket takes it."""
+        queued), the rest when the socket takes it.  Returns their end, as :meth:`send`."""
         with self._send_lock:
             for b in bufs:
                 self._out.append(b)
                 self._out_bytes += len(b)
+            mark = self._sent_total + self._out_bytes
             self._write()
+            return mark
 
     def flush(self) -> None:
         with self._send_lock:
@@ -488,6 +502,7 @@ class PduConnection:
                     self.reactor.call_soon_threadsafe(lambda: self.on_lost(reason))
                 break
             self._out_bytes -= sent
+            self._sent_total += sent
             i = 0
             while i < len(out) and sent >= len(out[i]):
                 sent -= len(out[i])

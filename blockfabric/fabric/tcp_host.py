@@ -59,6 +59,7 @@ MAX_DATA = 8 << 20
 MAXR2T = 7
 #: the status word (CQE byte 14) of Data Transfer Error, for a data digest mismatch
 _DATA_TRANSFER_ERROR = StatusCode.DATA_TRANSFER_ERROR << 1
+_NO_MARK = 1 << 62              # a slot's data mark while its send() is under way
 
 
 def open_connection(address: str, port: int, *, hdgst: bool, ddgst: bool,
@@ -112,8 +113,9 @@ class TcpHostQueue(PduConnection, HostQueue):
     to_controller = False
     #: what a host queues stays valid until the controller has read it: fresh headers, and
     #: a command's data, which its owner keeps until the command completes (which takes
-    #: the controller's answer, so after the data was read): no copy of a 1 MiB write's
-    #: H2CData when the socket is full
+    #: the controller's answer, normally after the data was read): no copy of a 1 MiB
+    #: write's H2CData when the socket is full.  An answer that comes before its data was
+    #: written copies what is left first (``_marks``, :meth:`detach_unsent`).
     copy_unsent = False
     pd: SoftPD[_LocalKeys]          # (local memory only: blockfabric.fabric.tcp.local_pd)
 
@@ -136,6 +138,10 @@ class TcpHostQueue(PduConnection, HostQueue):
                           for i in range(depth)])
         #: per slot, the data the transport moves: [view, length, moved, to host, bad]
         self._data: list[list[Any] | None] = [None] * depth
+        #: per slot, where the last of the data it queued by reference (in-capsule data,
+        #: H2CData: views of its owner's memory) ends in the stream: an answer that comes
+        #: before that is written has the rest copied (the owner reuses the memory)
+        self._marks = [0] * depth
         #: the C2HData precheck passed last: (cccid, its slot's data, the end it reaches)
         self._checked: tuple[int, Any, int] = (0, None, 0)
 
@@ -206,10 +212,15 @@ class TcpHostQueue(PduConnection, HostQueue):
         if self.closed:
             self._free_slot(slot, locked)
             raise ConnectionError(self.dead_reason or f"{self.name}: closed")
-        if locked:
-            self.send_now(out)
-        else:
-            self.send(out)
+        if kind != TYPE_KEYED or not data_len:
+            self._marks[index] = 0
+            if locked:
+                self.send_now(out)
+            else:
+                self.send(out)
+        else:       # (until its mark is known, an answer copies whatever is unsent)
+            self._marks[index] = _NO_MARK
+            self._marks[index] = self.send_now(out) if locked else self.send(out)
         return slot.cid
 
     # -- PDUs from the controller ------------------------------------------------------
@@ -268,9 +279,18 @@ class TcpHostQueue(PduConnection, HostQueue):
             raw = _CQE_RAW.unpack_from(pdu, 8)
             slot = self._slot_for(raw[3])
             if slot is not None:
-                data = self._data[slot.index]
-                if data is not None and data[4] and not raw[4] & 0xFFFE:
+                index = slot.index
+                data = self._data[index]
+                # a success that moved less than all of a read's data (no C2HData, or not
+                # to the end): the buffer holds no answer, so neither does the command
+                if data is not None and not raw[4] & 0xFFFE and (
+                        data[4] or (data[3] and data[2] != data[1])):
                     raw = raw[:4] + (_DATA_TRANSFER_ERROR,)
+                if self._marks[index] > self._sent_total:
+                    # answered before its data was all written (a hostile controller, or
+                    # an early error): what is still queued must not follow the owner's
+                    # memory once the owner has it back
+                    self.detach_unsent(self._marks[index])
             self._on_cqe(raw)
         elif ptype == tcp_pdu.C2H_DATA:
             self._c2h(flags, pdu, pdo, dlen, False)
@@ -302,7 +322,8 @@ class TcpHostQueue(PduConnection, HostQueue):
     def _r2t(self, pdu: memoryview) -> None:
         cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(pdu)
         # precheck made sure of the slot and its data
-        data: list[Any] = self._data[self._slot_for(cccid).index]  # type: ignore[union-attr, assignment]
+        index: int = self._slot_for(cccid).index  # type: ignore[union-attr]
+        data: list[Any] = self._data[index]       # type: ignore[assignment]
         mem = data[0]
         end = offset + length
         out: list[Buf] = []
@@ -318,7 +339,7 @@ class TcpHostQueue(PduConnection, HostQueue):
                 out.append(tcp_pdu.pack_digest(tcp_pdu.digest(piece)))
             offset += n
         data[2] = end
-        self.send(out)
+        self._marks[index] = self.send(out)
 
     def on_lost(self, reason: str) -> None:
         if not self.closed:

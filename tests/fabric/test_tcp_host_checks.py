@@ -165,6 +165,71 @@ def test_what_no_controller_may_send_fails_the_queue(reactor, name, answer, reas
     assert queue.dead_reason and data == bytes(4096), name   # nothing landed
 
 
+def test_a_success_without_the_reads_data_is_a_transfer_error(reactor):
+    """A CapsuleResp with status 0 for a read no C2HData (or not all of it) answered: the
+    buffer holds what it held before, which is no answer."""
+    answers = iter([lambda c, cid: c.sendall(resp(cid)),
+                    lambda c, cid: c.sendall(c2h(cid, b"\x03" * 1024) + resp(cid))])
+    fake = FakeController(lambda c, cid: next(answers)(c, cid))
+    (none, short), _, queue = read_through(fake, reactor, reads=2)
+    assert none[1] is None and none[0].status == StatusCode.DATA_TRANSFER_ERROR
+    assert short[1] is None and short[0].status == StatusCode.DATA_TRANSFER_ERROR
+
+
+def test_a_write_answered_before_its_data_went_does_not_send_reused_memory(reactor):
+    """A controller asks (R2T) for all of a 12 MiB write, answers it at once and reads
+    nothing for a while: the command completes, its owner writes other data into the
+    buffer, and what the host still had queued for the write must be the write's data, not
+    the buffer's new contents (the queue held views of it)."""
+    size, got, go = 12 << 20, bytearray(), threading.Event()
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+
+    def controller() -> None:
+        conn, _ = server.accept()
+        with conn:
+            fake = FakeController.__new__(FakeController)
+            fake.rest = b""
+            fake.recv_pdu(conn)                                     # ICReq
+            conn.sendall(tcp_pdu.ICResp(maxh2cdata=1 << 20).pack())
+            cid = struct.unpack_from("<H", fake.recv_pdu(conn), 10)[0]
+            conn.sendall(bytes(tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, 1, 0, size, False,
+                                                   False)) + resp(cid))
+            go.wait(10)
+            while len(got) < size:
+                pdu = fake.recv_pdu(conn)
+                if not pdu:
+                    break
+                got.extend(pdu[24:])
+
+    thread = threading.Thread(target=controller, daemon=True)
+    thread.start()
+    pd = local_pd()
+    mem = bytearray(b"A" * size)
+    mr = pd.reg_mr(mem)
+    sock, icresp = open_connection("127.0.0.1", server.getsockname()[1], hdgst=False,
+                                   ddgst=False, timeout=5)
+    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
+    queue.attach(reactor)
+    try:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        sqe = ReadWrite(IOOpcode.WRITE, 1, 0, size // 4096 - 1).to_sqe(
+            sgl=KeyedSGL(mr.addr, size, mr.rkey))
+        queue.submit(sqe, lambda cqe, err: fut.set_result((cqe, err)))
+        cqe, err = fut.result(10)
+        assert err is None and cqe.status == StatusCode.SUCCESS
+        assert queue.unsent > 0                  # the case under test: data still queued
+        mem[:] = b"S" * size                     # the owner reuses its memory
+        go.set()
+        thread.join(20)
+        assert len(got) == size and got.count(b"S") == 0
+    finally:
+        queue.close()
+        mr.close()
+        pd.close()
+        server.close()
+
+
 def test_an_icresp_that_differs_from_the_request_is_refused():
     fake = FakeController(lambda c, cid: None,
                           icresp=tcp_pdu.ICResp(hdgst=True, maxh2cdata=65536).pack())

@@ -185,8 +185,8 @@ def test_eio_only_after_ctrl_loss_tmo(target, tmp_path, fuse_workers):
         fd = os.open(mount.file("n1"), os.O_RDWR)
         try:
             os.pwrite(fd, b"q" * 4096, 0)
+            lost = time.monotonic()     # before: the host may see the loss while kill() waits
             target.kill()
-            lost = time.monotonic()
             with pytest.raises(OSError) as err:
                 for _ in range(100):
                     os.pread(fd, 4096, 0)

@@ -161,7 +161,10 @@ class Limits(Model):
     #: Seconds a command may keep a shared bounce buffer waiting on its host (an RDMA READ
     #: of the host's data not answered, an answer not acknowledged) before the target
     #: disconnects that queue and tears its controller down, so that no host can hoard the
-    #: buffers the other hosts' file-backed I/O needs.  Far above any real transfer.
+    #: buffers the other hosts' file-backed I/O needs.  On NVMe/TCP also how long a host
+    #: may owe the data of an R2T without sending any before that queue is cut (the
+    #: command holds the volume's memory and its in-flight count).  Far above any real
+    #: transfer.
     buffer_hold_timeout: int = setting(Int(1, 3600, unit="seconds"), 30)
     #: Seconds a queue that must authenticate (DH-HMAC-CHAP) may take from its Connect to a
     #: finished exchange, and a failed exchange to be answered, before its controller ends.

@@ -318,6 +318,7 @@ class Listeners:
             max_depth=lambda qid: ADMIN_MAX_DEPTH if qid == 0 else limits.queue_size,
             name=f"{peer[0]} tcp", cpda=self.now(lconf).cpda)
         queue.max_unsent = limits.unsent_limit(limits.queue_size, limits.inline_data_size)
+        queue.data_timeout = lambda: float(self._config().limits.buffer_hold_timeout)
         session.queue = queue
         queue.attach(self.reactor)
         self._admitted(session, limits.connect_timeout)

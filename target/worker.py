@@ -424,6 +424,7 @@ class Worker:
         queue.r2t_max = meta["r2t_max"]
         queue.qid, queue.depth = qid, depth
         queue.max_unsent = meta["max_unsent"]
+        queue.data_timeout = lambda: float(self.config.limits.buffer_hold_timeout)
         queue.post_more_receives()
         queue.sq_flow = meta["sq_flow"]
         queue.sqhd = meta["sqhd"]

@@ -106,8 +106,14 @@ class TcpTargetQueue(PduConnection):
         self.recv_views: list[memoryview] = []
         self._free: list[int] = []
         #: per command slot, a transfer the host owes (R2Ts sent): [dest, got, total, bad,
-        #: asked (the end of the last R2T sent)]
+        #: asked (the end of the last R2T sent), when the host last sent some of it]
         self._xfer: list[list[Any] | None] = []
+        #: seconds a host may leave an R2T's data owed without sending any of it (read when
+        #: checked, so a reload applies at once; None: no bound): the command holds the
+        #: volume's memory and its in-flight count (a resize, a Preempt and Abort wait for
+        #: it) until then.  The target sets limits.buffer_hold_timeout.
+        self.data_timeout: Callable[[], float] | None = None
+        self._hold_timer: Any = None
         self._cqes: list[bytearray] = []
         self._grow_slots(1)
         self.limits = tcp_pdu.Limits(max_capsule_data=self.inline_size)
@@ -160,6 +166,9 @@ class TcpTargetQueue(PduConnection):
         return self.closed
 
     def close(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         # a transfer cut short holds a view of the memory it was landing in (a volume's
         # mapping, which must not stay exported once the queue is gone)
         xfer = self._xfer
@@ -297,6 +306,7 @@ class TcpTargetQueue(PduConnection):
         # precheck made sure of it, and put the data in place
         xfer: list[Any] = self._xfer[ttag]  # type: ignore[assignment]
         end = xfer[1] = offset + length
+        xfer[5] = _monotonic()
         if bad_digest:
             xfer[3] = True
         if end < xfer[2]:
@@ -335,16 +345,45 @@ class TcpTargetQueue(PduConnection):
         cid, index, hd = cmd.cid, cmd.index, self.hdgst
         if length <= MAXH2CDATA:
             self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False,
-                                 length]
+                                 length, _monotonic()]
             cmd.on_fetched = done
+            if self._hold_timer is None:
+                self._watch_data()
             self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, index, 0, length, hd, False)])
             return
         asked = min(length, self.r2t_max * MAXH2CDATA)
-        self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False, asked]
+        self._xfer[index] = [resolve(self.pd, addr, length, lkey), 0, length, False, asked,
+                             _monotonic()]
         cmd.on_fetched = done
+        if self._hold_timer is None:
+            self._watch_data()
         self.send([tcp_pdu.data_header(tcp_pdu.R2T, 0, cid, index, off,
                                        min(MAXH2CDATA, asked - off), hd, False)
                    for off in range(0, asked, MAXH2CDATA)])
+
+    def _watch_data(self, delay: float | None = None) -> None:
+        """Check the data owed against ``data_timeout`` in ``delay`` seconds (the bound)."""
+        bound = self.data_timeout
+        if bound is not None and self.reactor is not None and not self.closed:
+            self._hold_timer = self.reactor.call_later(
+                bound() if delay is None else delay, self._check_data)
+
+    def _check_data(self) -> None:
+        """A host that owes an R2T's data and sent none of it for ``data_timeout`` seconds
+        loses the queue (its commands are undone: the volume's memory, in-flight counts);
+        the kernel's nvmet has no such bound."""
+        self._hold_timer = None
+        if self.closed or self.data_timeout is None:
+            return
+        bound, now, idle = self.data_timeout(), _monotonic(), -1.0
+        for x in self._xfer:
+            if x is not None:
+                idle = max(idle, now - x[5])
+        if idle >= bound:
+            self.on_lost(f"the host owed an R2T's data and sent none for {idle:.0f} s "
+                         f"(limits.buffer_hold_timeout {bound:g} s)")
+        elif idle >= 0:
+            self._watch_data(bound - idle)
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
                 result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:

@@ -544,3 +544,38 @@ def test_pdo_checked_against_the_listeners_cpda(target, transport, bystander):
         peer.close()
     assert_undisturbed(bystander.finish(), bystander)
     assert target.alive() and "Traceback" not in target.log
+
+
+HOLD = 2        # limits.buffer_hold_timeout of the next test, seconds
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target", [{"buffer_hold_timeout": HOLD}], indirect=True)
+def test_a_host_that_never_sends_an_r2ts_data_loses_the_queue(target, transport, bystander):
+    """A Write's R2T answered by nothing: the command holds the volume's memory and its
+    in-flight count (a resize or a Preempt and Abort would wait on it for ever; nvmet has
+    no bound).  After limits.buffer_hold_timeout without any of the data the queue is cut
+    and its command undone; the controller's admin queue and the bystander carry on."""
+    probe = TargetProbe(target)
+    session = RawSession(target.tcp_port)
+    try:
+        peer = session.io_queue()
+        peer.capsule(write_sqe(5, 64, 64 << 10))
+        _r2t(peer.read_pdu())
+        started = time.monotonic()
+        assert not _closed_within(peer.sock, HOLD * 0.7), "cut before the bound"
+        assert _closed_within(peer.sock, HOLD + 4), "the queue was kept"
+        waited = time.monotonic() - started
+        assert HOLD * 0.7 <= waited < HOLD + 4, waited
+        assert target.wait_log("owed an R2T's data and sent none", 2), target.log
+        peer.close()
+        # the controller stays: its admin queue still answers
+        sqe = bytearray(PropertyGet(attrib=0, offset=Property.CSTS).to_sqe(cid=9).pack())
+        struct.pack_into("<QQ", sqe, 24, 0, tcp_pdu.SGL_TRANSPORT << 56)
+        session.admin.capsule(bytes(sqe))
+        assert status_of(session.admin.read_pdu()) == 0
+    finally:
+        session.close()
+    assert_undisturbed(bystander.finish(), bystander)
+    assert target.alive() and "Traceback" not in target.log
+    probe.assert_bounded()

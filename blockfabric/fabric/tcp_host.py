@@ -34,6 +34,7 @@ import time
 from threading import get_ident as _get_ident
 from typing import TYPE_CHECKING, Any
 
+from blockfabric.errors import QueueDead
 from blockfabric.fabric.host_side import HostQueue, Slot
 from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
@@ -340,6 +341,18 @@ class TcpHostQueue(PduConnection, HostQueue):
             offset += n
         data[2] = end
         self._marks[index] = self.send(out)
+
+    def fail(self, reason: str | QueueDead, *, expected: bool = False) -> None:
+        """:meth:`HostQueue.fail`, once nothing more of this connection can land in or go
+        out of the commands' memory, which their owners have back the moment they hear:
+        on the reactor (where PDUs are read) the connection ends first (a C2HData half in
+        would go on landing in a failed read's buffer); elsewhere, what is queued to go
+        out is copied."""
+        if self.reactor is not None and self.reactor.ident == _get_ident():
+            PduConnection.close(self)
+        else:
+            self.detach_unsent(_NO_MARK)
+        HostQueue.fail(self, reason, expected=expected)
 
     def on_lost(self, reason: str) -> None:
         if not self.closed:

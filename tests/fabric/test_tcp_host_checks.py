@@ -10,6 +10,7 @@ import concurrent.futures
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -228,6 +229,52 @@ def test_a_write_answered_before_its_data_went_does_not_send_reused_memory(react
         mr.close()
         pd.close()
         server.close()
+
+
+def test_nothing_lands_in_a_failed_reads_memory(reactor):
+    """The queue is failed (keep-alive, recovery) while a read's C2HData is half in: its
+    owner has the memory back at once, so the rest of that PDU must land nowhere."""
+    half, sent_rest, rest = 32 << 10, threading.Event(), threading.Event()
+
+    def script(conn, cid: int) -> None:
+        whole = c2h(cid, b"\xab" * (2 * half))
+        conn.sendall(whole[:len(whole) - half])         # the header and half the data
+        rest.wait(10)
+        try:
+            conn.sendall(whole[len(whole) - half:] + resp(cid))
+        except OSError:
+            pass                                        # the host closed: its right
+        sent_rest.set()
+
+    fake = FakeController(script, rounds=1)
+    pd = local_pd()
+    mem = bytearray(2 * half)
+    mr = pd.reg_mr(mem)
+    sock, icresp = open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=False,
+                                   timeout=5)
+    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
+    queue.attach(reactor)
+    try:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        sqe = ReadWrite(IOOpcode.READ, 1, 0, 2 * half // 4096 - 1).to_sqe(
+            sgl=KeyedSGL(mr.addr, 2 * half, mr.rkey))
+        queue.submit(sqe, lambda cqe, err: fut.set_result((cqe, err)))
+        deadline = time.monotonic() + 5
+        while mem[half - 1] != 0xAB and time.monotonic() < deadline:   # half of it landed
+            time.sleep(0.01)
+        assert mem[:half] == b"\xab" * half
+        reactor.call_sync(lambda: queue.fail("keep-alive timed out", expected=True))
+        cqe, err = fut.result(5)
+        assert isinstance(err, QueueDead)
+        mem[:] = bytes(2 * half)                        # the owner reuses its memory
+        rest.set()
+        sent_rest.wait(10)
+        time.sleep(0.3)                                 # the reactor's next reads
+        assert mem == bytes(2 * half), "the failed read's data kept landing"
+    finally:
+        queue.close()
+        mr.close()
+        pd.close()
 
 
 def test_an_icresp_that_differs_from_the_request_is_refused():

@@ -54,6 +54,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_CHANGED_NS_SIZE = len(logpages.ChangedNamespaceList(nsids=()).pack())
+_RESV_NOTIFY_SIZE = len(resv.NotificationLog(0, 0, 0, 0).pack())
+
+
+def _check_offset(lpo: int, size: int) -> None:
+    """A log page offset past the page's ``size`` bytes: Invalid Field."""
+    if lpo > size:
+        raise ProtocolError(f"log page offset {lpo} beyond {size} bytes",
+                            StatusCode.INVALID_FIELD)
+
+
 NVME_VERSION = VS(ter=0, mnr=3, mjr=1).to_int()  # NVMe 1.3, as nvmet reports
 AERL = 3  # 0-based: four outstanding AERs at most (nvmet's value)
 DISCOVERY_KATO_MS = 120_000  # a discovery controller connected with kato 0 (as nvmet)
@@ -395,6 +406,8 @@ class Controller(AuthGate, IoCommands):
                                host_reads=io.ops[READ], host_writes=io.ops[WRITE],
                                temperature=300).pack()
         elif lid == LogPageId.CHANGED_NS:
+            # reading it clears it: only a read that will be answered does
+            _check_offset(glp.lpo, _CHANGED_NS_SIZE)
             nsids = sorted(self.changed_nsids)
             self.changed_nsids.clear()
             page = logpages.ChangedNamespaceList(nsids=tuple(nsids[:1024])).pack()
@@ -404,12 +417,11 @@ class Controller(AuthGate, IoCommands):
             page = self.owner.ana.log_page(self, rgo=bool(glp.lsp & logpages.ANA_LSP_RGO),
                                             retain=glp.rae)
         elif lid == LogPageId.RESV_NOTIFY:
+            _check_offset(glp.lpo, _RESV_NOTIFY_SIZE)       # (a read takes an entry)
             page = self.resv.next_page()
         else:
             raise ProtocolError(f"log page {lid:#x} not supported", StatusCode.INVALID_LOG_PAGE)
-        if glp.lpo > len(page):
-            raise ProtocolError(f"log page offset {glp.lpo} beyond {len(page)} bytes",
-                                StatusCode.INVALID_FIELD)
+        _check_offset(glp.lpo, len(page))
         self.send_data(cmd, page[glp.lpo:glp.lpo + glp.length], glp.length)
 
     # Features -----------------------------------------------------------------------------

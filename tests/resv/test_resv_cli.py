@@ -13,6 +13,8 @@ import pytest
 from blockfabric.initiator import resv
 from blockfabric.initiator.cli import main
 from blockfabric.initiator.host import ConnectOptions, Controller
+from blockfabric.protocol import KeyedSGL, StatusCode
+from blockfabric.protocol.admin import GetLogPage
 
 from e2e.conftest import (NQN, TargetProc, free_port, listener, ram_config, transport,  # noqa: F401
                           via)
@@ -79,6 +81,32 @@ def test_cli_report_json_conflict_preempt(module_ram_target, cli):
         assert "rtype     : 2 (exclusive-access)" in text and "regctl    : 1" in text
         assert f"hostid     : {uuid.UUID(CLI_HOST).hex}" in text and "rkey       : c1" in text
         assert resv.notification_log(ctrl).log_type == 1        # the holder was preempted
+    finally:
+        resv.register(holder, nrkey=0xEE, rrega=2, iekey=True)
+        resv.release(holder, crkey=0xEE, rrela=1)               # clear: as it was
+        ctrl.close()
+
+
+def test_a_refused_log_read_does_not_take_the_notification(module_ram_target, cli):
+    """Get Log Page 0x80 with an offset past its 64 bytes is Invalid Field, and the entry
+    it would have taken is still there for the next read (it was popped before the offset
+    was checked, and lost)."""
+    target = module_ram_target
+    ctrl = Controller(ConnectOptions(
+        traddr="127.0.0.1", trsvcid=target.port, subnqn=NQN, provider="soft",
+        hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{HOLDER}", hostid=HOLDER.bytes)).connect()
+    holder = ctrl.namespaces[1]
+    try:
+        resv.register(holder, nrkey=0xA1)
+        resv.acquire(holder, crkey=0xA1, rtype=1)
+        cli(target, "register", "-n", "1", "-k", "0xc1", "-o", "json")
+        cli(target, "acquire", "-n", "1", "-c", "0xc1", "-p", "0xa1", "-t", "2", "-a", "1")
+        mr = ctrl.arena.mr
+        sqe = GetLogPage(lid=0x80, numd=15, lpo=128).to_sqe(
+            sgl=KeyedSGL(mr.addr, 64, mr.rkey)).pack()
+        cqe = ctrl.raw(ctrl.admin, sqe)
+        assert cqe.status == StatusCode.INVALID_FIELD, cqe
+        assert resv.notification_log(ctrl).log_type == 1        # still there
     finally:
         resv.register(holder, nrkey=0xEE, rrega=2, iekey=True)
         resv.release(holder, crkey=0xEE, rrela=1)               # clear: as it was

@@ -393,14 +393,27 @@ class Worker:
         self.reactor.stop()
 
     # -- queues -------------------------------------------------------------------------
+    def _controller(self, meta: dict) -> WorkerController | None:
+        """The controller here that ``meta`` (a handed-over queue's) belongs to, if any: the
+        same cntlid, host (NQN and host id) and subsystem.  A controller kept here after
+        its last queue went (commands still in flight) may meet a new one whose cntlid
+        wrapped around to it: that one must not inherit its subsystem, and with it another
+        subsystem's namespaces."""
+        ctrl = self.controllers.get(meta["cntlid"])
+        if ctrl is None or ctrl.dead or ctrl.hostid != meta["hostid"] \
+                or ctrl.hostnqn != meta["hostnqn"] \
+                or ctrl.subsystem is not self.subsystems.get(meta["subnqn"]):
+            return None
+        return ctrl
+
     def take_queue(self, meta: dict, fd: int) -> None:
         """A connected NVMe/TCP I/O queue from the coordinator: its socket, the state of
         its connection (ICReq done, Connect read and checked), the bytes read past the
         Connect; answer the Connect and serve it."""
         sock = socket.socket(fileno=fd)
         sub = self.subsystems.get(meta["subnqn"])
-        ctrl = self.controllers.get(meta["cntlid"])
-        if ctrl is None or ctrl.hostid != meta["hostid"]:
+        ctrl = self._controller(meta)
+        if ctrl is None:
             ctrl = WorkerController(self.resources, self.owner, meta, sub)
             self.controllers[ctrl.cntlid] = ctrl
         qid = meta["qid"]
@@ -527,12 +540,12 @@ class Worker:
             code, dnr, result = info
             cmd.respond(code, dnr=dnr, result=result)
             return
-        ctrl = self.controllers.get(info["cntlid"])
-        if ctrl is None or ctrl.hostid != info["hostid"]:
+        ctrl = self._controller(info)
+        if ctrl is None:
             ctrl = WorkerController(self.resources, self.owner, info,
                                     self.subsystems.get(info["subnqn"]))
-            ctrl.auth_policy = info["auth_policy"]
             self.controllers[ctrl.cntlid] = ctrl
+        ctrl.auth_policy = info["auth_policy"]
         session.controller = session.ctrl = ctrl
         ctrl.queues[session.qid] = queue
         self.sessions[ctrl.cntlid, session.qid] = session

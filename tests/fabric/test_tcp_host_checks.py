@@ -91,6 +91,17 @@ def reactor():
     r.close()
 
 
+def queue_on(port: int, reactor, mem: bytearray):
+    """A queue to the controller at ``port`` (no digests), ``mem`` registered:
+    (queue, pd, mr)."""
+    pd = local_pd()
+    mr = pd.reg_mr(mem)
+    sock, icresp = open_connection("127.0.0.1", port, hdgst=False, ddgst=False, timeout=5)
+    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
+    queue.attach(reactor)
+    return queue, pd, mr
+
+
 def read_through(fake: FakeController, reactor, reads: int = 1, ddgst: bool = False,
                  hpda: int = 0):
     """Connect, send ``reads`` 4 KiB reads into registered memory; (results, memory)."""
@@ -247,13 +258,8 @@ def test_nothing_lands_in_a_failed_reads_memory(reactor):
         sent_rest.set()
 
     fake = FakeController(script, rounds=1)
-    pd = local_pd()
     mem = bytearray(2 * half)
-    mr = pd.reg_mr(mem)
-    sock, icresp = open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=False,
-                                   timeout=5)
-    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
-    queue.attach(reactor)
+    queue, pd, mr = queue_on(fake.port, reactor, mem)
     try:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         sqe = ReadWrite(IOOpcode.READ, 1, 0, 2 * half // 4096 - 1).to_sqe(
@@ -438,13 +444,8 @@ def write_with_r2ts(reactor, r2ts, cpda: int = 0):
             conn.sendall(resp(holder["cid"]))
     fake = FakeController(script, icresp=tcp_pdu.ICResp(cpda=cpda, maxh2cdata=65536).pack(),
                           rounds=3)
-    pd = local_pd()
     mem = bytearray(data)
-    mr = pd.reg_mr(mem)
-    sock, icresp = open_connection("127.0.0.1", fake.port, hdgst=False, ddgst=False,
-                                   timeout=5)
-    queue = TcpHostQueue(sock, pd, icresp, qid=1, depth=4, inline_size=0, name="t")
-    queue.attach(reactor)
+    queue, pd, mr = queue_on(fake.port, reactor, mem)
     try:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         queue.submit(write_sqe(KeyedSGL(mr.addr, len(data), mr.rkey)),

@@ -4,9 +4,11 @@ installed ``blockfabric`` command itself is run by tests/fuse and tests/hostcli.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from dataclasses import dataclass
+from typing import Iterator
 
 import pytest
 
@@ -58,11 +60,32 @@ def cli(capsys):
     return run
 
 
-def test_cli_report_json_conflict_preempt(module_ram_target, cli):
-    target = module_ram_target
-    ctrl = Controller(ConnectOptions(
+def holder_controller(target) -> Controller:
+    """The HOLDER host's controller on ``target`` (soft provider)."""
+    return Controller(ConnectOptions(
         traddr="127.0.0.1", trsvcid=target.port, subnqn=NQN, provider="soft",
         hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{HOLDER}", hostid=HOLDER.bytes)).connect()
+
+
+@contextlib.contextmanager
+def holding(target) -> Iterator[Controller]:
+    """HOLDER's controller, registered with key 0xA1 and holding a Write Exclusive
+    reservation on namespace 1; cleared again (as the module's tests expect) after."""
+    ctrl = holder_controller(target)
+    holder = ctrl.namespaces[1]
+    try:
+        resv.register(holder, nrkey=0xA1)
+        resv.acquire(holder, crkey=0xA1, rtype=1)
+        yield ctrl
+    finally:
+        resv.register(holder, nrkey=0xEE, rrega=2, iekey=True)
+        resv.release(holder, crkey=0xEE, rrela=1)               # clear: as it was
+        ctrl.close()
+
+
+def test_cli_report_json_conflict_preempt(module_ram_target, cli):
+    target = module_ram_target
+    ctrl = holder_controller(target)
     holder = ctrl.namespaces[1]
     try:
         resv.register(holder, nrkey=0xA1)
@@ -92,13 +115,7 @@ def test_a_refused_log_read_does_not_take_the_notification(module_ram_target, cl
     it would have taken is still there for the next read (it was popped before the offset
     was checked, and lost)."""
     target = module_ram_target
-    ctrl = Controller(ConnectOptions(
-        traddr="127.0.0.1", trsvcid=target.port, subnqn=NQN, provider="soft",
-        hostnqn=f"nqn.2014-08.org.nvmexpress:uuid:{HOLDER}", hostid=HOLDER.bytes)).connect()
-    holder = ctrl.namespaces[1]
-    try:
-        resv.register(holder, nrkey=0xA1)
-        resv.acquire(holder, crkey=0xA1, rtype=1)
+    with holding(target) as ctrl:
         cli(target, "register", "-n", "1", "-k", "0xc1", "-o", "json")
         cli(target, "acquire", "-n", "1", "-c", "0xc1", "-p", "0xa1", "-t", "2", "-a", "1")
         mr = ctrl.arena.mr
@@ -107,10 +124,6 @@ def test_a_refused_log_read_does_not_take_the_notification(module_ram_target, cl
         cqe = ctrl.raw(ctrl.admin, sqe)
         assert cqe.status == StatusCode.INVALID_FIELD, cqe
         assert resv.notification_log(ctrl).log_type == 1        # still there
-    finally:
-        resv.register(holder, nrkey=0xEE, rrega=2, iekey=True)
-        resv.release(holder, crkey=0xEE, rrela=1)               # clear: as it was
-        ctrl.close()
 
 
 def test_identify_features_and_mask(module_ram_target, transport):

@@ -113,6 +113,8 @@ class PduConnection:
     #: valid until the peer has read them)
     copy_unsent = True
     to_controller = True
+    #: the PDU types :meth:`precheck` looks at (a side that overrides it names them)
+    prechecked: frozenset[int] = frozenset()
 
     def __init__(self, sock: socket.socket, name: str) -> None:
         tune(sock)
@@ -121,6 +123,9 @@ class PduConnection:
         self.closed = False
         self.initialized = False
         self.limits = tcp_pdu.Limits(max_capsule_data=tcp_pdu.ADMIN_CCSZ)
+        #: the PDU types whose plain headers _parse takes without check_header's call (see
+        #: negotiated): type -> (hlen, flags not allowed, most data bytes, may carry none)
+        self._plain: dict[int, tuple[int, int, int, bool]] = {}
         self.hdgst = self.ddgst = False
         self.tx_align = 4
         self._staging = bytearray(STAGING_START)
@@ -269,6 +274,8 @@ class PduConnection:
         filled = self._filled
         pos = 0
         limits = self.limits
+        plain = self._plain
+        prechecked = self.prechecked
         start = 0
         capsules = 0                        # commands or answers: see note_arrivals
         try:
@@ -282,9 +289,15 @@ class PduConnection:
                 if avail < tcp_pdu.COMMON_SIZE:
                     break
                 ptype, flags, hlen, pdo, plen = _unpack_header(view, pos)
-                dlen = tcp_pdu.check_header(ptype, flags, hlen, pdo, plen,
-                                       to_controller=self.to_controller,
-                                       initialized=self.initialized, limits=limits)
+                shape = plain.get(ptype)
+                if shape is not None and hlen == shape[0] and not flags & shape[1] and (
+                        (pdo == hlen and 0 < plen - hlen <= shape[2])
+                        or (shape[3] and not pdo and plen == hlen)):
+                    dlen = plen - hlen if pdo else 0
+                else:
+                    dlen = tcp_pdu.check_header(ptype, flags, hlen, pdo, plen,
+                                                to_controller=self.to_controller,
+                                                initialized=self.initialized, limits=limits)
                 digested = limits.hdgst and ptype > tcp_pdu.C2H_TERM
                 head = hlen + (tcp_pdu.DIGEST_SIZE if digested else 0)
                 if avail < head:
@@ -297,7 +310,8 @@ class PduConnection:
                         tcp_pdu.unpack_digest(view, pos + hlen)[0]:
                     raise tcp_pdu.PduError("header digest mismatch", tcp_pdu.Fes.HEADER_DIGEST,
                                            hlen)
-                dest = self.precheck(ptype, flags, view[pos:pos + hlen], dlen)
+                dest = self.precheck(ptype, flags, view[pos:pos + hlen], dlen) \
+                    if ptype in prechecked else None
                 if avail < plen:
                     if dest is not None and dlen >= DIRECT_MIN and pdo <= avail < pdo + dlen:
                         pos = self._start_direct(ptype, flags, view, pos, filled, pdo, dlen,
@@ -322,6 +336,7 @@ class PduConnection:
                         (ptype == _C2H_DATA and flags & _DATA_SUCCESS):
                     capsules += 1           # a command, or an answer (a read's may be data)
                 limits = self.limits        # ICReq/ICResp change them
+                plain = self._plain
         except tcp_pdu.PduError as exc:
             exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN
                                                  - tcp_pdu.TERM_HLEN)])
@@ -415,8 +430,22 @@ class PduConnection:
         self.initialized = True
         self.hdgst, self.ddgst = hdgst, ddgst
         self.tx_align = tcp_pdu.align_of(tx_pda)
-        self.limits = tcp_pdu.Limits(hdgst, ddgst, max_capsule_data, max_data,
-                                tcp_pdu.align_of(rx_pda))
+        self.limits = limits = tcp_pdu.Limits(hdgst, ddgst, max_capsule_data, max_data,
+                                              tcp_pdu.align_of(rx_pda))
+        # Without digests and with data right after the header, the PDUs of the data path
+        # have one plain shape each; _parse checks a header of that shape inline, which
+        # accepts a subset of what check_header accepts (anything else is checked there).
+        plain: dict[int, tuple[int, int, int, bool]] = {}
+        if not hdgst and not ddgst and limits.align == 4:
+            if self.to_controller:
+                plain[tcp_pdu.CAPSULE_CMD] = (72, 0xFF, max_capsule_data, True)
+                plain[tcp_pdu.H2C_DATA] = (24, 0xFF & ~tcp_pdu.F_DATA_LAST, max_data, False)
+            else:
+                plain[tcp_pdu.CAPSULE_RESP] = (24, 0xFF, 0, True)
+                plain[tcp_pdu.R2T] = (24, 0xFF, 0, True)
+                plain[tcp_pdu.C2H_DATA] = (24, 0xFF & ~(tcp_pdu.F_DATA_LAST | _DATA_SUCCESS),
+                                           max_data, False)
+        self._plain = plain
 
     def terminate(self, exc: tcp_pdu.PduError) -> None:
         """Send a termination request for ``exc`` (FES, FEI, the offending header) after

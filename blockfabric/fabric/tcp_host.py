@@ -39,6 +39,8 @@ from blockfabric.fabric.host_side import HostQueue, Slot
 from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu
+from blockfabric.protocol.capsule import PSDT_SGL
+from blockfabric.protocol.rw import TCP_CAPSULE_RW
 from blockfabric.protocol.sgl import TYPE_KEYED
 from blockfabric.rdma import SGE, SendFlags, SendWR, WrOpcode
 
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 
 _SGL_WORDS = struct.Struct("<QQ")
 _CQE_RAW = struct.Struct("<QHHHH")
+_pack_capsule_rw = TCP_CAPSULE_RW.pack_into
+_unpack_data_fields = tcp_pdu.DATA_FIELDS.unpack_from
+_CAPSULE_CMD = tcp_pdu.CAPSULE_CMD
+_C2H_DATA, _R2T = tcp_pdu.C2H_DATA, tcp_pdu.R2T
 _TRANSPORT_WORD = tcp_pdu.SGL_TRANSPORT << 56
 _INCAPSULE_WORD = tcp_pdu.SGL_INCAPSULE << 56
 #: the largest data PDU a host takes (its commands are at most 8 MiB: Controller.max_transfer)
@@ -164,6 +170,56 @@ class TcpHostQueue(PduConnection, HostQueue):
         return self._submit_with(owner, lambda slot, locked: self._post_rw(
             slot, opcode, nsid, slba, nlb, addr, length, rkey, data, locked), None)
 
+    def _post_rw(self, slot: Slot, opcode: int, nsid: int, slba: int, nlb: int, addr: int,
+                 length: int, rkey: int, data: Any, locked: bool) -> int:
+        """The data path's Read or Write as one CapsuleCmd PDU packed in one go (the
+        reactor's own submission, no digests, data right after the header): what
+        HostQueue._post_rw and :meth:`_post` do, without the SQE packed into the slot and
+        read back, or the header built apart.  Anything else, or memory that is not all in
+        one region of the queue's PD, goes their way (which refuses it, saying why)."""
+        if locked or self.hdgst or self.ddgst or self.tx_align != 4 or length <= 0 \
+                or self.closed:
+            return HostQueue._post_rw(self, slot, opcode, nsid, slba, nlb, addr, length, rkey,
+                                      data, locked)
+        index = slot.index
+        write = opcode & 3 == 1
+        if data is not None and length <= self.inline_size:     # in the capsule, as given
+            if len(data) != length:
+                return HostQueue._post_rw(self, slot, opcode, nsid, slba, nlb, addr, length,
+                                          rkey, data, locked)
+        else:
+            pd = self.pd
+            keys = pd.ctx
+            mr = keys.lkeys.get(rkey) or keys.rkeys.get(rkey)
+            start = addr - mr.addr if mr is not None else -1
+            if mr is None or mr.pd is not pd or mr.closed or start < 0 \
+                    or start + length > mr.length:
+                return HostQueue._post_rw(self, slot, opcode, nsid, slba, nlb, addr, length,
+                                          rkey, data, locked)
+            if write and length <= self.capsule_data:
+                data = mr.buf[start:start + length]
+            else:
+                data = None
+                self._data[index] = [mr.buf[start:start + length], length, 0, not write, False]
+        pdu = bytearray(72)
+        if data is None:        # the data moves in C2HData or H2CData PDUs
+            _pack_capsule_rw(pdu, 0, _CAPSULE_CMD, 0, 72, 0, 72, opcode, PSDT_SGL, slot.cid,
+                             nsid, 0, 0, 0, length | _TRANSPORT_WORD, slba, nlb, 0, 0, 0)
+            self._count(slot, False)
+            slot.sent = True
+            self._marks[index] = 0
+            self.send((pdu,))
+        else:                   # in the capsule, by reference (see _marks)
+            self._data[index] = None
+            _pack_capsule_rw(pdu, 0, _CAPSULE_CMD, 0, 72, 72, 72 + length, opcode, PSDT_SGL,
+                             slot.cid, nsid, 0, 0, 0, length | _INCAPSULE_WORD, slba, nlb, 0,
+                             0, 0)
+            self._count(slot, False)
+            slot.sent = True
+            self._marks[index] = _NO_MARK
+            self._marks[index] = self.send((pdu, data))
+        return slot.cid
+
     def expecting(self) -> bool:
         """Commands in flight: their answers are due (the reactor spins for them)."""
         return len(self._free) < self.depth
@@ -234,15 +290,19 @@ class TcpHostQueue(PduConnection, HostQueue):
             return None
         return slot
 
+    prechecked = frozenset((tcp_pdu.C2H_DATA, tcp_pdu.R2T))
+
     def precheck(self, ptype: int, flags: int, header: memoryview,
                  dlen: int) -> memoryview | None:
         """C2HData and R2T against the command they name; a C2HData's data goes straight
         to the command's memory (returned)."""
-        if ptype != tcp_pdu.C2H_DATA and ptype != tcp_pdu.R2T:
+        if ptype != _C2H_DATA and ptype != _R2T:
             return None
-        cccid, _ttag, offset, length = tcp_pdu.unpack_data_fields(header)
-        slot = self._slot_for(cccid)
-        data = self._data[slot.index] if slot is not None else None
+        cccid, _ttag, offset, length = _unpack_data_fields(header, 8)
+        index = cccid & 0xFFF           # _slot_for, inline
+        slot = self.slots[index] if index < self.depth else None
+        data = self._data[index] if slot is not None and slot.busy and slot.cid == cccid \
+            and slot.raw is None else None
         if data is None:
             raise tcp_pdu.PduError(f"PDU type {ptype:#x} for cid {cccid:#x}, which moves no data",
                                    tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
@@ -276,7 +336,9 @@ class TcpHostQueue(PduConnection, HostQueue):
             return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
-        if ptype == tcp_pdu.CAPSULE_RESP:
+        if ptype == _C2H_DATA:                  # a read's data (and answer, with SUCCESS)
+            self._c2h(flags, pdu, pdo, dlen, False)
+        elif ptype == tcp_pdu.CAPSULE_RESP:
             raw = _CQE_RAW.unpack_from(pdu, 8)
             slot = self._slot_for(raw[3])
             if slot is not None:
@@ -293,8 +355,6 @@ class TcpHostQueue(PduConnection, HostQueue):
                     # memory once the owner has it back
                     self.detach_unsent(self._marks[index])
             self._on_cqe(raw)
-        elif ptype == tcp_pdu.C2H_DATA:
-            self._c2h(flags, pdu, pdo, dlen, False)
         elif ptype == tcp_pdu.R2T:
             self._r2t(pdu)
         elif ptype == tcp_pdu.C2H_TERM:
@@ -318,7 +378,14 @@ class TcpHostQueue(PduConnection, HostQueue):
         if bad:
             data[4] = True
         if flags & tcp_pdu.F_DATA_SUCCESS:       # no CapsuleResp follows: success, unless bad
-            self._on_cqe((0, 0xFFFF, self.qid, cccid, _DATA_TRANSFER_ERROR if data[4] else 0))
+            raw = (0, 0xFFFF, self.qid, cccid, _DATA_TRANSFER_ERROR if data[4] else 0)
+            slot = self.slots[cccid & 0xFFF]
+            if slot.busy and slot.cid == cccid and slot.raw is None:   # precheck's, still
+                slot.raw = raw
+                if slot.sent:
+                    self._complete(slot)
+            else:
+                self._on_cqe(raw)               # (which drops it, saying why)
 
     def _r2t(self, pdu: memoryview) -> None:
         cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(pdu)

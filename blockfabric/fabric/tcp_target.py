@@ -64,6 +64,9 @@ _CONNECT_SIZES = struct.Struct("<HH")       # SQE @42 qid, @44 sqsize
 _KEYED_WORD = TYPE_KEYED << 56
 _NOT_RDMA = object()         # a Command's send_wr: never armed with RDMA work requests
 _LAST_SUCCESS = tcp_pdu.F_DATA_LAST | tcp_pdu.F_DATA_SUCCESS
+_TRANSPORT = tcp_pdu.SGL_TRANSPORT
+_C2H_DATA = tcp_pdu.C2H_DATA
+_pack_h24_into = tcp_pdu.pack_h24_into
 
 
 class TcpHandler(Handler, Protocol):
@@ -207,6 +210,8 @@ class TcpTargetQueue(PduConnection):
         else:
             self._h2c_data(flags, pdu, pdo, dlen, True)
 
+    prechecked = frozenset((tcp_pdu.H2C_DATA,))
+
     def precheck(self, ptype: int, flags: int, header: memoryview,
                  dlen: int) -> memoryview | None:
         """An H2CData's fields, before its data is read (nvmet's checks: a transfer the
@@ -253,7 +258,14 @@ class TcpTargetQueue(PduConnection):
         slot[:SQE_SIZE] = pdu[8:8 + SQE_SIZE]
         if dlen:
             slot[SQE_SIZE:SQE_SIZE + dlen] = pdu[pdo:pdo + dlen]
-        status = self._transport_sgl(slot, dlen)
+        word = _SGL_WORDS.unpack_from(slot, 24)[1]
+        if word >> 56 == _TRANSPORT and not dlen and word & 0xFFFFFFFF <= KEYED_MAX_LENGTH:
+            # the data path's command (data in C2HData/H2CData PDUs): _transport_sgl's
+            # rewrite, inline
+            _SGL_WORDS.pack_into(slot, 24, 0, (word & 0xFFFFFFFF) | _KEYED_WORD)
+            status = None
+        else:
+            status = self._transport_sgl(slot, dlen)
         if status is None and bad_digest:
             status = TRANSIENT_TRANSPORT_ERROR
         if status is None and not self.connected:
@@ -431,6 +443,11 @@ class TcpTargetQueue(PduConnection):
                                                    self.tx_align),
                                resolve(self.pd, addr, length, lkey),
                                tcp_pdu.capsule_resp(cqe, hd)], cmd)
+                elif not hd and self.tx_align == 4:     # data_header's plain case, inline
+                    head = bytearray(24)
+                    _pack_h24_into(head, 0, _C2H_DATA, _LAST_SUCCESS, 24, 24, 24 + length,
+                                   cmd.cid, 0, 0, length)
+                    self.send((head, resolve(self.pd, addr, length, lkey)), cmd)
                 else:
                     self.send([tcp_pdu.data_header(tcp_pdu.C2H_DATA, _LAST_SUCCESS, cmd.cid, 0, 0,
                                                    length, hd, False, self.tx_align),

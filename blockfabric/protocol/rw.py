@@ -22,6 +22,9 @@ from blockfabric.protocol.sgl import TYPE_KEYED, TYPE_KEYED_INVALIDATE, TYPE_OFF
 #: the whole 64-byte SQE of a Read/Write: opcode, flags, cid, nsid, cdw2|cdw3, mptr,
 #: SGL addr, SGL word, SLBA, cdw12, cdw13, cdw14, cdw15
 RW_SQE = struct.Struct("<BBHIQQQQQIIII")
+#: an NVMe/TCP CapsuleCmd's first 72 bytes with a Read/Write SQE: the common header (type,
+#: flags, hlen, pdo, plen), then the SQE's fields as RW_SQE has them (one pack per command)
+TCP_CAPSULE_RW = struct.Struct("<BBBBI" + RW_SQE.format[1:])
 #: what the target reads of one: opcode, flags, cid, nsid, SGL addr, SGL word, SLBA, cdw12
 RW_FIELDS = struct.Struct("<BBHI16xQQQI")
 _pack_into = RW_SQE.pack_into

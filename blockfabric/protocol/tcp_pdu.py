@@ -326,6 +326,10 @@ _unpack_h24 = _H24.unpack_from
 H24 = _H24.size
 
 
+#: (cccid, ttag, data offset, data length) @8 of an H2CData, C2HData or R2T header
+DATA_FIELDS = struct.Struct("<HHII")
+
+
 def unpack_data_fields(buf: Buffer, offset: int = 0) -> tuple[int, int, int, int]:
     """(cccid, ttag, data offset, data length) of an H2CData, C2HData or R2T header."""
     return _unpack_h24(buf, offset)[5:]

@@ -263,6 +263,8 @@ def test_a_connection_is_the_reactors_poller_while_attached():
 class Placing(Recorder):
     """Names memory for each H2CData's data, as a target does for a transfer it asked for."""
 
+    prechecked = frozenset((tcp_pdu.H2C_DATA,))
+
     def __init__(self, sock, size: int) -> None:
         super().__init__(sock)
         self.memory = bytearray(size)

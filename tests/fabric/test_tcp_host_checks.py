@@ -71,6 +71,14 @@ def resp(cid: int, status: int = 0) -> bytes:
     return bytes(tcp_pdu.capsule_resp(CQE.pack(0, 1, 1, cid, status << 1), False))
 
 
+def _reshape(pdu: bytes, **fields: int) -> bytes:
+    """``pdu`` with some of its common header's fields (flags, pdo, plen) replaced."""
+    ptype, flags, hlen, pdo, plen = tcp_pdu.COMMON.unpack_from(pdu)
+    values = {"flags": flags, "pdo": pdo, "plen": plen, **fields}
+    return tcp_pdu.COMMON.pack(ptype, values["flags"], hlen, values["pdo"],
+                               values["plen"]) + pdu[8:]
+
+
 def c2h(cid: int, data: bytes, flags: int = tcp_pdu.F_DATA_LAST, offset: int = 0,
         ddgst: bool = False, bad: bool = False) -> bytes:
     out = bytes(tcp_pdu.data_header(tcp_pdu.C2H_DATA, flags, cid, 0, offset, len(data), False,
@@ -168,6 +176,22 @@ def test_a_data_digest_mismatch_fails_only_its_command(reactor):
         bytes(64), 0, False, False)), "is not one a host receives"),
     ("a termination request", lambda cid: tcp_pdu.term_req(tcp_pdu.C2H_TERM, 2, 0),
      "terminated the connection (FES 0x2"),
+    # next to the plain shapes the receive path takes without check_header's call
+    # (PduConnection.negotiated): each must still be refused, by check_header
+    ("a response with the LAST flag", lambda cid: _reshape(resp(cid), flags=tcp_pdu.F_DATA_LAST),
+     "flags 0x4"),
+    ("a response with pdo 24", lambda cid: _reshape(resp(cid), pdo=24), "carries no data"),
+    ("a response with data", lambda cid: _reshape(resp(cid) + bytes(4), plen=28),
+     "carries no data"),
+    ("an R2T with data", lambda cid: _reshape(bytes(tcp_pdu.data_header(
+        tcp_pdu.R2T, 0, cid, 0, 0, 4096, False, False)) + bytes(4), pdo=24, plen=28),
+     "carries no data"),
+    ("C2HData with pdo 24 and no data", lambda cid: _reshape(c2h(cid, b""), pdo=24),
+     "a data PDU without data"),
+    ("C2HData with pdo 0", lambda cid: _reshape(c2h(cid, bytes(4096)), pdo=0),
+     "the data must start at 24"),
+    ("C2HData with a data digest flag", lambda cid: _reshape(c2h(cid, bytes(4096)), flags=(
+        tcp_pdu.F_DATA_LAST | tcp_pdu.F_DDGST)), "data digest flag set"),
 ])
 def test_what_no_controller_may_send_fails_the_queue(reactor, name, answer, reason):
     fake = FakeController(lambda c, cid: c.sendall(answer(cid)))

@@ -246,6 +246,20 @@ FATAL = [
         1, t, 0, bytes(1024), length=1000)), Fes.INVALID_HEADER_FIELD),
     ("the last H2CData without LAST", lambda p: _h2c_after_r2t(p, lambda t: h2c(
         1, t, 0, bytes(1024), flags=0)), Fes.INVALID_HEADER_FIELD),
+    # next to the plain shapes the receive path takes without check_header's call
+    # (PduConnection.negotiated): each must still be refused, by check_header
+    ("capsule with pdo 72 and no data", lambda p: _then(RawTcp(p), _raw_header(
+        4, 0, 72, 72, 72, 72)), Fes.INVALID_HEADER_FIELD),
+    ("capsule without data, data digest flag", lambda p: _then(RawTcp(p), _raw_header(
+        4, tcp_pdu.F_DDGST, 72, 0, 72, 72)), Fes.INVALID_HEADER_FIELD),
+    ("capsule with the LAST flag", lambda p: _then(RawTcp(p), _raw_header(
+        4, tcp_pdu.F_DATA_LAST, 72, 0, 72, 72)), Fes.INVALID_HEADER_FIELD),
+    ("H2CData with pdo 24 and no data", lambda p: _h2c_after_r2t(p, lambda t: common(
+        tcp_pdu.H2C_DATA, tcp_pdu.F_DATA_LAST, 24, 24, 24) + struct.pack(
+        "<HHII4x", 1, t, 0, 0)), Fes.INVALID_HEADER_FIELD),
+    ("H2CData with the SUCCESS flag", lambda p: _h2c_after_r2t(p, lambda t: h2c(
+        1, t, 0, bytes(1024), flags=tcp_pdu.F_DATA_LAST | tcp_pdu.F_DATA_SUCCESS)),
+     Fes.INVALID_HEADER_FIELD),
 ]
 
 

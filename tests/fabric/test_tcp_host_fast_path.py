@@ -1,0 +1,92 @@
+"""The NVMe/TCP host's Read/Write fast path (``TcpHostQueue._post_rw`` on the reactor's own
+submission) puts on the wire exactly the bytes of the general path (``HostQueue._post_rw``
+and ``_post``, taken when the caller holds the queue lock), for each kind of data the data
+path moves: a read's C2HData, a write's R2T, a write in the capsule from a keyed buffer and
+from a view the caller gives; and memory outside the PD's regions is refused as before."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from blockfabric.fabric.tcp import local_pd
+from blockfabric.fabric.tcp_host import TcpHostQueue
+from blockfabric.protocol import tcp_pdu
+
+INLINE = 8192
+
+
+@pytest.fixture
+def pair():
+    """A host I/O queue on one end of a loopback connection (its reactor: none, so what it
+    queues goes out on flush), the other end, and 64 KiB of registered memory."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    pd = local_pd()
+    mem = bytearray(range(256)) * 256          # 64 KiB, every byte known
+    mr = pd.reg_mr(mem)
+    queue = TcpHostQueue(a, pd, tcp_pdu.ICResp(maxh2cdata=1 << 17), qid=1, depth=4,
+                         inline_size=INLINE, name="fast")
+    b.settimeout(5)
+    yield queue, b, mr
+    queue.close()
+    b.close()
+    mr.close()
+    pd.close()
+
+
+def wire(queue: TcpHostQueue, peer: socket.socket, locked: bool, *args) -> bytes:
+    """What one command puts on the wire: ``_post_rw`` through the fast path (locked False:
+    the reactor's submission) or the general one (True); the slot given back after."""
+    slot = queue._take(queue._free.pop(), None)
+    cid = queue._post_rw(slot, *args, locked)
+    if not locked:
+        queue.flush()
+    pdu = b""
+    while len(pdu) < 8 or len(pdu) < tcp_pdu.COMMON.unpack_from(pdu)[4]:
+        pdu += peer.recv(1 << 20)
+    queue._free_slot(slot)
+    assert cid == slot.cid
+    # the cid differs from slot to slot: compare the rest
+    return pdu[:10] + pdu[12:]
+
+
+@pytest.mark.parametrize("what", ["read", "write by R2T", "write in the capsule, keyed",
+                                  "write in the capsule, given"])
+def test_the_fast_path_sends_what_the_general_path_sends(pair, what):
+    queue, peer, mr = pair
+    read = what == "read"
+    length = 4096 if "capsule" in what or read else 16384
+    addr = mr.addr + 8192
+    data = memoryview(mr.buf)[8192:8192 + length] if "given" in what else None
+    args = (0x02 if read else 0x01, 1, 77, length // 512 - 1, addr, length, mr.rkey, data)
+    fast, general = wire(queue, peer, False, *args), wire(queue, peer, True, *args)
+    assert fast == general, what
+    assert fast[0] == tcp_pdu.CAPSULE_CMD
+    if "capsule" in what:
+        assert fast[-length:] == bytes(mr.buf[8192:8192 + length])
+    else:
+        assert len(fast) == 70          # the command alone: its data moves later
+
+
+def test_memory_outside_the_pd_is_refused_on_the_fast_path_too(pair):
+    queue, peer, mr = pair
+    slot = queue._take(queue._free.pop(), None)
+    with pytest.raises(ValueError, match="outside the region"):
+        queue._post_rw(slot, 0x02, 1, 0, 7, mr.addr + 65536 - 2048, 4096, mr.rkey, None,
+                       False)
+    assert not slot.busy                # given back, nothing sent
+
+
+def test_in_capsule_data_of_another_length_is_refused_not_sent(pair):
+    queue, peer, mr = pair
+    slot = queue._take(queue._free.pop(), None)
+    with pytest.raises(ValueError):
+        queue._post_rw(slot, 0x01, 1, 0, 7, mr.addr, 4096, mr.rkey,
+                       memoryview(mr.buf)[:2048], False)
+    queue.flush()
+    peer.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        peer.recv(1)                    # nothing went out

@@ -527,6 +527,13 @@ class Reactor:
                 finally:
                     self._after_wait()
                 return
+        if self._waiter is None and not _pass_hooks:    # _wait_and_serve's plain case, inline
+            try:
+                ready = self._ep.poll(-1 if timeout is None else timeout)
+            except InterruptedError:
+                ready = ()
+            self._serve(ready)
+            return
         self._wait_and_serve(timeout)
 
     def _wait_and_serve(self, timeout: float | None) -> None:
@@ -621,7 +628,11 @@ class Reactor:
         # completions than its share of a pass) runs in the next pass, not in a loop here.
         calls = self._calls
         for _ in range(len(calls)):
-            self._run(calls.popleft())
+            call = calls.popleft()
+            try:                        # self._run, inline
+                call()
+            except Exception:  # noqa: BLE001
+                log.exception("%s: unhandled error in %r", self.name, call)
 
     def _run_all(self, callbacks: list[Callable[[], object]]) -> None:
         for callback in tuple(callbacks):

@@ -530,8 +530,12 @@ class PduConnection:
                 if self.reactor is not None:
                     self.reactor.call_soon_threadsafe(lambda: self.on_lost(reason))
                 break
-            self._out_bytes -= sent
+            total = self._out_bytes
+            self._out_bytes = total - sent
             self._sent_total += sent
+            if sent == total:               # all of it (the common case): no walk
+                out.clear()
+                break
             i = 0
             while i < len(out) and sent >= len(out[i]):
                 sent -= len(out[i])
@@ -550,7 +554,8 @@ class PduConnection:
             break
         if self._after:
             self._release_after("after send")
-        self._pause_if_full()
+        if self._paused or self._out_bytes > self.max_unsent:
+            self._pause_if_full()
 
     def _release_after(self, when: str) -> None:
         after, self._after = self._after, []

@@ -35,7 +35,7 @@ from threading import get_ident as _get_ident
 from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import QueueDead
-from blockfabric.fabric.host_side import HostQueue, Slot
+from blockfabric.fabric.host_side import GEN_MASK, SLOT_BITS, HostQueue, Slot
 from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu
@@ -164,9 +164,17 @@ class TcpHostQueue(PduConnection, HostQueue):
         :meth:`_post` (the CapsuleCmd PDU, and the data's transport SGL)."""
         free = self._free
         if free and _get_ident() == self._loop_ident and self.dead_reason is None:
-            # the reactor's own submission (the mount's): no lock, no closure
-            return self._post_rw(self._take(free.pop(), owner), opcode, nsid, slba, nlb,
-                                 addr, length, rkey, data, False)
+            # the reactor's own submission (the mount's): no lock, no closure; _take inline
+            slot = self.slots[free.pop()]
+            gen = (slot.gen + 1) & GEN_MASK
+            slot.gen = gen
+            slot.cid = gen << SLOT_BITS | slot.index
+            slot.owner = owner
+            slot.sent = False
+            slot.raw = None
+            slot.busy = True
+            return self._post_rw(slot, opcode, nsid, slba, nlb, addr, length, rkey, data,
+                                 False)
         return self._submit_with(owner, lambda slot, locked: self._post_rw(
             slot, opcode, nsid, slba, nlb, addr, length, rkey, data, locked), None)
 
@@ -202,11 +210,16 @@ class TcpHostQueue(PduConnection, HostQueue):
                 data = None
                 self._data[index] = [mr.buf[start:start + length], length, 0, not write, False]
         pdu = bytearray(72)
+        stats = self.stats                  # _count, inline
+        slot.seq = stats.submitted_loop + stats.submitted_other
+        stats.submitted_loop += 1
+        inflight = self.depth - len(self._free)
+        if inflight > stats.max_inflight:
+            stats.max_inflight = inflight
+        slot.sent = True
         if data is None:        # the data moves in C2HData or H2CData PDUs
             _pack_capsule_rw(pdu, 0, _CAPSULE_CMD, 0, 72, 0, 72, opcode, PSDT_SGL, slot.cid,
                              nsid, 0, 0, 0, length | _TRANSPORT_WORD, slba, nlb, 0, 0, 0)
-            self._count(slot, False)
-            slot.sent = True
             self._marks[index] = 0
             self.send((pdu,))
         else:                   # in the capsule, by reference (see _marks)
@@ -214,8 +227,6 @@ class TcpHostQueue(PduConnection, HostQueue):
             _pack_capsule_rw(pdu, 0, _CAPSULE_CMD, 0, 72, 72, 72 + length, opcode, PSDT_SGL,
                              slot.cid, nsid, 0, 0, 0, length | _INCAPSULE_WORD, slba, nlb, 0,
                              0, 0)
-            self._count(slot, False)
-            slot.sent = True
             self._marks[index] = _NO_MARK
             self._marks[index] = self.send((pdu, data))
         return slot.cid

@@ -12,8 +12,8 @@ import pytest
 from blockfabric.initiator.host import ConnectOptions, Controller
 
 from e2e.conftest import (HOSTNQN, NQN, REACTORS, TargetProc, addr_of,  # noqa: F401
-                          free_port, listener, ram_config, reactors, start_target, transport,
-                          via)
+                          free_port, listener, ram_config, reactors, start_target,
+                          start_timeout, transport, via)
 from helpers.netns import netns_pair  # noqa: F401
 
 FAST = dict(keep_alive_tmo=1.0, reconnect_delay=0.5, connect_timeout=1.0)
@@ -88,7 +88,11 @@ def any_file_target(tmp_path, transport, reactors):
 
 
 def host(port: int, **kw: Any) -> Controller:
-    opts = dict(FAST, **via(), hostnqn=HOSTNQN, nr_io_queues=2, ctrl_loss_tmo=15.0)
+    # ctrl_loss_tmo: how long the host waits for a restarted target to come back, a wait
+    # for a daemon to come up (lengthened as BLOCKFABRIC_TEST_START_TIMEOUT says); the
+    # tests of the bound itself give their own
+    opts = dict(FAST, **via(), hostnqn=HOSTNQN, nr_io_queues=2,
+                ctrl_loss_tmo=start_timeout(15.0))
     opts.update(kw)
     return Controller(ConnectOptions(traddr=addr_of(), trsvcid=port, subnqn=NQN,
                                      **opts)).connect()

@@ -166,8 +166,12 @@ def test_io_fails_only_after_ctrl_loss_tmo(file_target):
     with host(file_target.port, ctrl_loss_tmo=loss_tmo) as ctrl:
         ns = ctrl.namespaces[1]
         ns.write(0, b"x" * 4096)
+        # the clock starts before the kill: the host may see the connection go while kill()
+        # still waits for the process to end (slow under TCG), and its ctrl_loss_tmo runs
+        # from then
+        lost_at = time.monotonic()
         file_target.kill()
-        rec = assert_lost_after_tmo(ctrl, loss_tmo, time.monotonic())
+        rec = assert_lost_after_tmo(ctrl, loss_tmo, lost_at)
         assert rec["held"] >= 1 and rec["reconnects"] == 0, rec
 
 
@@ -235,8 +239,9 @@ def test_multipath_holds_io_until_ctrl_loss_tmo_when_no_path_is_left(tmp_path, s
             rec = ctrl.recovery_stats()
             assert rec["state"] == "live" and rec["failed"] == 0 and rec["held"] >= 1, rec
             # -- both down for good: EIO after ctrl_loss_tmo, not before ------------------
+            lost_at = time.monotonic()          # (before: as above)
             proxies[1].down()
-            assert_lost_after_tmo(ctrl, loss_tmo, time.monotonic())
+            assert_lost_after_tmo(ctrl, loss_tmo, lost_at)
             assert [p["state"] for p in ctrl.paths_view()] == ["failed", "failed"]
     finally:
         for proxy in proxies:

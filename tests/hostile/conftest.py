@@ -157,20 +157,24 @@ VOLUME_BYTES = 64 << 20         # the size of ram_config's namespace
 
 
 def volume_rss(pid: int, size: int = VOLUME_BYTES) -> int:
-    """Resident bytes of ``pid``'s mappings of the volume (those of exactly ``size``).  They
-    are the hosts' data, not memory a peer made the target allocate, and they grow on
-    their own: on verbs, registering the volume with the first I/O queue a process serves
-    pins (faults in) every page of it."""
+    """Resident bytes of ``pid``'s mapping of the volume, at most ``size``.  They are the
+    hosts' data, not memory a peer made the target allocate, and they grow on their own:
+    on verbs, registering the volume with the first I/O queue a process serves pins
+    (faults in) every page of it.  The volume is in a mapping of at least ``size`` bytes:
+    a private anonymous one (one poll group) may have been merged with its anonymous
+    neighbours into a larger one, so the resident bytes of every mapping that large count,
+    up to ``size`` (what an attacker might make the target allocate beyond that still
+    shows)."""
     rss, in_volume = 0, False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split(maxsplit=1)[0]
             if "-" in head and not head.endswith(":"):          # a mapping's first line
                 start, end = head.split("-")
-                in_volume = int(end, 16) - int(start, 16) == size
+                in_volume = int(end, 16) - int(start, 16) >= size
             elif in_volume and head == "Rss:":
                 rss += int(line.split()[1]) * 1024
-    return rss
+    return min(rss, size)
 
 
 class TargetProbe:

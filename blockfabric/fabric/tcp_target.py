@@ -24,6 +24,10 @@ moves differs:
 
 The queue's qid and depth come from the Fabrics Connect (TCP has no CM private data): the
 queue has one command slot until then, like an RDMA queue's one receive.
+
+Longer than ~500 lines because the per-I/O steps (a read's C2HData, a capsule's transport
+SGL) are also written out inline, next to the general forms they shortcut: a Python call
+costs more on that path than the lines it would save here.
 """
 
 from __future__ import annotations

@@ -528,6 +528,7 @@ class Reactor:
                     self._after_wait()
                 return
         if self._waiter is None and not _pass_hooks:    # _wait_and_serve's plain case, inline
+            ready: _Ready
             try:
                 ready = self._ep.poll(-1 if timeout is None else timeout)
             except InterruptedError:

@@ -109,6 +109,10 @@ class Slot:
         self.sge = wr.sg_list[0]    # length changes
 
 
+def inline_mismatch(data: Any, length: int) -> str:
+    return f"{len(data)} bytes of in-capsule data for a command of {length}"
+
+
 class QueueStats:
     """Counters a caller can read to see what the queue did.  Each is written by one
     thread only (the reactor, or a submitter holding the queue lock), so none is lost."""
@@ -206,6 +210,8 @@ class HostQueue(Endpoint):
         travels in the capsule.  ``owner.complete(raw, error)`` runs once, on the reactor.
         Returns the cid.  Nothing is allocated for it: the SQE is packed into the slot's
         send buffer and the slot's own SEND is posted again."""
+        if data is not None and length <= self.inline_size and len(data) != length:
+            raise ValueError(inline_mismatch(data, length))    # (before a slot is taken)
         if _get_ident() != self._loop_ident:
             with self._lock:
                 slot = self._take_locked(owner, None)

@@ -35,7 +35,7 @@ from threading import get_ident as _get_ident
 from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import QueueDead
-from blockfabric.fabric.host_side import GEN_MASK, SLOT_BITS, HostQueue, Slot
+from blockfabric.fabric.host_side import GEN_MASK, SLOT_BITS, HostQueue, Slot, inline_mismatch
 from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu
@@ -162,6 +162,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         """:meth:`HostQueue.submit_rw` without the RDMA queue's reactor fast path, which
         posts the slot's SEND work request itself: here every command goes out through
         :meth:`_post` (the CapsuleCmd PDU, and the data's transport SGL)."""
+        if data is not None and length <= self.inline_size and len(data) != length:
+            raise ValueError(inline_mismatch(data, length))    # (before a slot is taken)
         free = self._free
         if free and _get_ident() == self._loop_ident and self.dead_reason is None:
             # the reactor's own submission (the mount's): no lock, no closure; _take inline

@@ -237,3 +237,33 @@ def test_a_full_queue_on_the_reactor_thread_raises_instead_of_waiting_for_itself
             assert queue.stats.max_inflight == queue.depth
         finally:
             mem.close()
+
+
+def test_in_capsule_data_of_the_wrong_length_is_refused_before_a_slot_is_taken(any_target):
+    """A write whose in-capsule data is not the command's length is a caller's error: it
+    raises, on the reactor thread and off it, and leaves every command slot free (it used
+    to keep the slot it had taken)."""
+    with connect(addr_of(any_target.transport), NQN, any_target.port, **any_target.via,
+                 hostnqn=HOSTNQN, nr_io_queues=1, queue_size=4) as ctrl:
+        queue = ctrl.io_queues[0]
+        if not queue.inline_size:
+            pytest.skip("this queue takes no in-capsule data")
+        mem = HostMemory(ctrl.pd, 4096)
+        outcome: list = []
+
+        def submit() -> None:
+            try:
+                queue.submit_rw(None, IOOpcode.WRITE, 1, 0, 0, mem.addr, 4096, mem.rkey,
+                                mem.view[:2048])
+            except ValueError as exc:
+                outcome.append(exc)
+        try:
+            submit()                                # off the reactor thread
+            ctrl.reactor.call_sync(submit)          # on it
+            assert len(outcome) == 2 and all("2048 bytes" in str(e) for e in outcome), outcome
+            assert len(queue._free) == queue.depth
+            ns = ctrl.namespaces[1]
+            ns.write(0, b"\x5a" * 4096)             # the queue still serves
+            assert ns.read(0, 4096) == b"\x5a" * 4096
+        finally:
+            mem.close()

@@ -266,8 +266,8 @@ lab-resv: venv
 # Slow under TCG (tens of minutes): SUITES=..., PASSES="1" or "2", JOBS=n, SUITE_TIMEOUT=s
 # (per pass), START_TIMEOUT=s (BLOCKFABRIC_TEST_START_TIMEOUT) and LAB_SUITES_ARGS="-k ..."
 # (to pytest) narrow or tune it (handed to the script as arguments).  Output in
-# tests/lab/last-suites-run.txt.  Skips where make lab does.  NOT in .ci/run: it is not green
-# yet (the failures and their causes are listed in the last run's file and issue 19).
+# tests/lab/last-suites-run.txt.  Skips where make lab does.  .ci/run runs pass 2 (every
+# target with 2 poll groups, about 20 minutes under TCG); both passes take about 50.
 LAB_SUITES_TIMEOUT ?= 7200
 LAB_SUITES_ARGS ?=
 LAB_SUITES_KNOBS = $(foreach v,SUITES PASSES JOBS SUITE_TIMEOUT START_TIMEOUT,\

@@ -405,7 +405,8 @@ class PduConnection:
         :class:`~blockfabric.protocol.tcp_pdu.PduError` if it must not be read on.  For a
         data PDU, return the ``dlen`` bytes of memory its data goes to: the connection
         puts it there (received straight into it when large) before :meth:`on_pdu`,
-        whose ``pdu`` may then hold only the header."""
+        whose ``pdu`` may then hold only the header.  It is called only for the types in
+        :attr:`prechecked`."""
         return None
 
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:

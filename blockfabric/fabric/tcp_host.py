@@ -193,11 +193,9 @@ class TcpHostQueue(PduConnection, HostQueue):
                                       data, locked)
         index = slot.index
         write = opcode & 3 == 1
-        if data is not None and length <= self.inline_size:     # in the capsule, as given
-            if len(data) != length:
-                return HostQueue._post_rw(self, slot, opcode, nsid, slba, nlb, addr, length,
-                                          rkey, data, locked)
-        else:
+        # data given that fits goes in the capsule as it is (submit_rw made sure that it is
+        # ``length`` bytes); otherwise the memory at ``addr``:
+        if data is None or length > self.inline_size:
             pd = self.pd
             keys = pd.ctx
             mr = keys.lkeys.get(rkey) or keys.rkeys.get(rkey)
@@ -308,9 +306,8 @@ class TcpHostQueue(PduConnection, HostQueue):
     def precheck(self, ptype: int, flags: int, header: memoryview,
                  dlen: int) -> memoryview | None:
         """C2HData and R2T against the command they name; a C2HData's data goes straight
-        to the command's memory (returned)."""
-        if ptype != _C2H_DATA and ptype != _R2T:
-            return None
+        to the command's memory (returned).  (_parse calls it for those two only:
+        ``prechecked``.)"""
         cccid, _ttag, offset, length = _unpack_data_fields(header, 8)
         index = cccid & 0xFFF           # _slot_for, inline
         slot = self.slots[index] if index < self.depth else None

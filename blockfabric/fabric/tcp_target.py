@@ -220,9 +220,8 @@ class TcpTargetQueue(PduConnection):
                  dlen: int) -> memoryview | None:
         """An H2CData's fields, before its data is read (nvmet's checks: a transfer the
         controller asked for, in order, within what it asked); its data goes straight to
-        the memory the transfer lands in (returned)."""
-        if ptype != tcp_pdu.H2C_DATA:
-            return None
+        the memory the transfer lands in (returned).  (_parse calls it for H2CData only:
+        ``prechecked``.)"""
         cccid, ttag, offset, length = tcp_pdu.unpack_data_fields(header)
         xfer = self._xfer[ttag] if ttag < len(self._xfer) else None
         if xfer is None:

@@ -322,7 +322,6 @@ class ICResp:
 
 _H24 = struct.Struct("<BBBBIHHII4x")     # common header + cccid, ttag, offset, length
 pack_h24_into = _H24.pack_into
-_unpack_h24 = _H24.unpack_from
 H24 = _H24.size
 
 
@@ -332,7 +331,7 @@ DATA_FIELDS = struct.Struct("<HHII")
 
 def unpack_data_fields(buf: Buffer, offset: int = 0) -> tuple[int, int, int, int]:
     """(cccid, ttag, data offset, data length) of an H2CData, C2HData or R2T header."""
-    return _unpack_h24(buf, offset)[5:]
+    return DATA_FIELDS.unpack_from(buf, offset + 8)
 
 
 def align_of(pda: int) -> int:

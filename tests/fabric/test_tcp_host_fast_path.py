@@ -81,11 +81,11 @@ def test_memory_outside_the_pd_is_refused_on_the_fast_path_too(pair):
 
 
 def test_in_capsule_data_of_another_length_is_refused_not_sent(pair):
+    """(submit_rw refuses it before a slot is taken: the fast path packs what it is given)"""
     queue, peer, mr = pair
-    slot = queue._take(queue._free.pop(), None)
-    with pytest.raises(ValueError):
-        queue._post_rw(slot, 0x01, 1, 0, 7, mr.addr, 4096, mr.rkey,
-                       memoryview(mr.buf)[:2048], False)
+    with pytest.raises(ValueError, match="2048 bytes of in-capsule data"):
+        queue.submit_rw(None, 0x01, 1, 0, 7, mr.addr, 4096, mr.rkey, memoryview(mr.buf)[:2048])
+    assert len(queue._free) == queue.depth      # no slot taken
     queue.flush()
     peer.settimeout(0.2)
     with pytest.raises(socket.timeout):

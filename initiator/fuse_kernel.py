@@ -71,6 +71,10 @@ BUF_SIZE = DATA_OFF + MAX_REQUEST + EDGE_ROOM
 DEFAULT_BUFFERS = 48
 WORKER_RESERVE = 16             # command slots left to the worker threads
 ATTR_TIMEOUT = 1.0              # seconds the kernel may cache names and attributes
+#: With the reactor spinning (spin_us), a request within this many seconds makes the next
+#: one expected: the reactor's spin goes on after a reply (a QD1 reader, fio psync or dd,
+#: asks again within microseconds of it) and ends as /dev/fuse turns readable.
+EXPECT_WINDOW = 0.002
 INIT_TIMEOUT = 10.0
 
 
@@ -188,6 +192,8 @@ class KernelFuse:
         self._files_seen: Any = None            # fs.files that _node_ns was made from
         self._node_ns: dict[int, Any] = {}
         self._ended_flag = False                # done.is_set(), as a plain field
+        self._spins = bool(getattr(self.reactor, "spin_us", 0))   # see EXPECT_WINDOW
+        self._request_at = 0.0                  # when the last wake-up found requests
         self.initialized = threading.Event()
         self.done = threading.Event()
         self._stopping = False
@@ -297,11 +303,21 @@ class KernelFuse:
         if not self._reading and not self._ended_flag:
             self._reading = True
             self.reactor.add_reader(self.fd, self._on_readable)
+            if self._spins:
+                self.reactor.add_poller(self._expecting)
 
     def _stop_reading(self) -> None:
         if self._reading:
             self._reading = False
             self.reactor.remove_reader(self.fd, self._on_readable)
+            if self._spins:
+                self.reactor.remove_poller(self._expecting)
+
+    def _expecting(self) -> bool | None:
+        """The reactor's busy-poll (``Reactor.add_poller``): False (spin on: the reactor's
+        epoll sees /dev/fuse turn readable) while a request came within EXPECT_WINDOW,
+        None (no point spinning for us) otherwise."""
+        return False if time.monotonic() - self._request_at < EXPECT_WINDOW else None
 
     # -- the loop (reactor thread) ---------------------------------------------------------
     def _on_readable(self) -> None:
@@ -329,6 +345,8 @@ class KernelFuse:
                 self._turn += 1
                 queue = queues[self._turn % len(queues)]
             self._queue = queue
+        if self._spins:
+            self._request_at = time.monotonic()
         got = 0
         for _ in range(64 if self._several or len(free) < self.nbuf else 1):
             if self._parked is not None or not free:

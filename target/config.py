@@ -124,7 +124,7 @@ class TargetConfig(Model):
     numa_memory: str = setting(Choice(*numa.POLICIES), "preferred")
     #: Microseconds the reactor busy-polls for an answer it waits for before it sleeps
     #: (adaptive: spins that find nothing shrink it, down to none; see
-    #: docs/performance.md).  0: never spin; unset: $BLOCKFABRIC_REACTOR_SPIN_US, else 0.
+    #: docs/performance.md).  0: never spin; unset: $BLOCKFABRIC_REACTOR_SPIN_US, else 100.
     spin_us: int | None = setting(Int(0, 10_000, unit="microseconds"), None)
     #: Poll groups: processes that each serve I/O queues on a reactor of their own, so the
     #: target uses that many cores (docs/scaling.md).  1: one process, as before; ``auto``:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 from blockfabric.rdma.base import PASS_HOOKS as _pass_hooks
 
+_yield = os.sched_yield          # each turn of a spin (Reactor._spin)
+
 log = logging.getLogger(__name__)
 
 #: what one wait found ready: (fd, events) pairs, as epoll.poll returns them
@@ -34,13 +36,15 @@ _Ready = Sequence[tuple[int, int]]
 
 SPIN_ENV = "BLOCKFABRIC_REACTOR_SPIN_US"
 #: The default busy-poll before sleeping, in microseconds (see Reactor.spin_us): the
-#: longest a loop polls for an answer it waits for before it goes to sleep.  Off by
-#: default, by measurement (docs/performance.md, "adaptive polling"): on a quiet 2-core VM
-#: 80 us took the soft-provider mount's 4 KiB QD1 reads from 5.3k to 8.9k IOPS for 16 % more
-#: CPU per I/O, but the NVMe/TCP mount's from 6.8k to 5.0k (CPU per I/O 126 -> 290 us), and
-#: on a loaded machine both lost.  A deployment with cores to spare at low queue depth
-#: turns it on (target ``spin_us``, ``--spin-us``, $BLOCKFABRIC_REACTOR_SPIN_US).
-DEFAULT_SPIN_US = 0.0
+#: longest a loop polls for what it expects next (an answer, the next request) before it
+#: goes to sleep.  Chosen by measurement (docs/performance.md, "the spin, fixed"): on a
+#: quiet 2-core VM the NVMe/TCP mount's 4 KiB QD1 reads went from 9.0k to 24.3k IOPS
+#: (p99 255 -> 93 us; nbdfuse 18.1k, 113 us) and the soft provider's from 6.6k to 12.9k,
+#: with less CPU per I/O (fewer wake-ups), and QD16 unchanged (the depth stops it); 50
+#: and 200 us measured the same, 20 us was too short to catch the peer.  Each turn of a
+#: spin yields the CPU, so a peer or an application woken on the spinner's CPU runs at
+#: once.  0 turns it off (target ``spin_us``, ``--spin-us``, $BLOCKFABRIC_REACTOR_SPIN_US).
+DEFAULT_SPIN_US = 100.0
 #: The hard bound on the knob (a misconfigured loop must still sleep).
 MAX_SPIN_US = 10_000.0
 #: A spin that runs out is a near miss when the answer then came within this many times
@@ -382,8 +386,10 @@ class Reactor:
         self._far = self._spin_skips = 0
 
     def _spin(self) -> bool:
-        """Busy-poll while some poller has work outstanding, for up to ``spin_us``; True once
-        one did some.  Adaptive: a spin that runs out and whose answer then came far later
+        """Busy-poll while some poller has work outstanding (or expects it soon), for up to
+        ``spin_us``; True once one did some, or once anything of the loop's own epoll is
+        ready (served by the pass that follows).  Each turn yields the CPU (sched_yield).
+        Adaptive: a spin that runs out and whose answer then came far later
         (SPIN_NEAR_FACTOR) counts as a far miss, and SPIN_FAR_MISSES in a row stop the
         spinning but for a probe every SPIN_PROBE_EVERY waits, until a spin finds work or
         misses narrowly again: a peer that answers slowly (a far backend, an idle
@@ -413,6 +419,7 @@ class Reactor:
             self.spin_skips_pressure += 1
             return False
         deadline = start + self.spin_us * 1e-6
+        ep_poll = self._ep.poll
         while True:
             waiting = False
             for poller in tuple(pollers):
@@ -422,14 +429,25 @@ class Reactor:
                     log.exception("%s: unhandled error in poller %r", self.name, poller)
                     got = None
                 if got:
-                    self.spin_hits += 1
-                    self._spinning = True
-                    self._far = 0
-                    return True
+                    break
                 if got is not None:
                     waiting = True
-            if not waiting:
-                return False
+            else:
+                if not waiting:
+                    return False
+                # Anything else of this loop's that became ready (a FUSE request, a call
+                # from another thread, a new connection) ends the spin too: the spin waits
+                # for the loop's next event, not only for the pollers' answers.
+                try:
+                    got = bool(ep_poll(0))
+                except InterruptedError:
+                    got = False
+            if got:
+                self.spin_hits += 1
+                self._spinning = True
+                self._far = 0
+                return True
+            _yield()
             if now() >= deadline:
                 self.spin_misses += 1
                 self._spun_out = start

@@ -232,8 +232,10 @@ class TcpHostQueue(PduConnection, HostQueue):
         return slot.cid
 
     def expecting(self) -> bool:
-        """Commands in flight: their answers are due (the reactor spins for them)."""
-        return len(self._free) < self.depth
+        """I/O commands in flight: their answers are due (the reactor spins for them).  Not
+        the admin queue's: its Asynchronous Event Requests are in flight for good, and
+        would keep every wait of the loop spinning."""
+        return bool(self.qid) and len(self._free) < self.depth
 
     def in_flight(self) -> int:
         """I/O commands whose answers are due (the reactor's spin follows it); the admin

@@ -159,9 +159,11 @@ class TcpTargetQueue(PduConnection):
     def expecting(self) -> bool:
         """Commands in flight, or a receive within EXPECT_AFTER_RX: the host's next command
         is likely due (at QD1 it follows each answer within tens of microseconds), so the
-        reactor spins for it before it sleeps (bounded by its ``spin_us``)."""
-        return len(self._free) < len(self.commands) or \
-            _monotonic() - self.rx_at < EXPECT_AFTER_RX
+        reactor spins for it before it sleeps (bounded by its ``spin_us``).  Never on the
+        admin queue: the Asynchronous Event Requests held there would keep every wait of
+        the loop spinning."""
+        return bool(self.qid) and (len(self._free) < len(self.commands)
+                                   or _monotonic() - self.rx_at < EXPECT_AFTER_RX)
 
     def in_flight(self) -> int:
         """I/O commands not yet answered (the reactor's spin follows it); the admin queue

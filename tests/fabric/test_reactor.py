@@ -378,6 +378,50 @@ def test_no_spin_without_outstanding_work_or_with_spin_zero():
     assert reactor.spin_hits == reactor.spin_misses == 0
 
 
+def test_a_spin_ends_as_soon_as_anything_else_of_the_loop_is_ready():
+    """The spin waits for the loop's next event, not only for its pollers' answers: while
+    a poller still waits (an NVMe/TCP answer due), a descriptor of the loop that turns
+    readable (a FUSE request, a call from another thread) ends the spin as a hit and is
+    served by the same pass."""
+    reactor = _spinning_reactor(10_000.0)
+    reactor.spin_load = 100.0               # (the pressure guard has its own tests)
+    ran: list[bytes] = []
+    r, w = os.pipe2(os.O_NONBLOCK)
+    try:
+        reactor.add_reader(r, lambda: ran.append(os.read(r, 9)))
+        polled = [0]
+        reactor.add_poller(lambda: polled.__setitem__(0, polled[0] + 1) or False)
+        os.write(w, b"request")
+        reactor.run_once(5)
+        assert ran == [b"request"]
+        assert (reactor.spin_hits, reactor.spin_misses) == (1, 0)
+        assert polled[0] == 1               # one turn of the spin, not 10 ms of them
+        reactor.remove_reader(r)
+    finally:
+        reactor.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_a_spin_gives_way_at_every_turn(monkeypatch):
+    """Each turn of a spin yields the CPU (sched_yield): on a machine with fewer cores
+    than busy threads, a peer or the application woken on the spinner's CPU runs at once
+    instead of waiting for the spin to end."""
+    from blockfabric.fabric import reactor as mod
+    yields = [0]
+    monkeypatch.setattr(mod, "_yield", lambda: yields.__setitem__(0, yields[0] + 1))
+    reactor = _spinning_reactor(2_000.0)
+    reactor.spin_load = 100.0
+    polled = [0]
+    reactor.add_poller(lambda: polled.__setitem__(0, polled[0] + 1) or False)
+    try:
+        reactor.run_once(0.001)
+    finally:
+        reactor.close()
+    assert reactor.spin_misses == 1 and polled[0] > 1
+    assert yields[0] == polled[0]
+
+
 def test_spin_knob_is_validated(monkeypatch):
     from blockfabric.fabric import reactor as mod
     with pytest.raises(ValueError):

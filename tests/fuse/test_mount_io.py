@@ -72,6 +72,42 @@ def test_read_only_mount_option(make_mount):
                      r"pressure \d+ \(limit \d+ %\)$", status, re.M), status
 
 
+def _sleeps(pid: int) -> int:
+    """Voluntary context switches of every thread of ``pid``: its sleeps (a sched_yield
+    counts as involuntary)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except FileNotFoundError:
+            pass                            # a thread that ended meanwhile
+    return total
+
+
+def test_the_spin_catches_a_qd1_readers_next_request(make_mount, monkeypatch):
+    """With a spin (--spin-us), the mount's loop spins on after a reply while requests
+    keep coming (fuse_kernel.EXPECT_WINDOW): a QD1 reader's next request, like the
+    target's answer, is caught by the spin, so the mount hardly sleeps at all. (Without
+    it the mount slept once a read, waiting for the next request; without a spin, twice.)"""
+    monkeypatch.setenv("BLOCKFABRIC_REACTOR_SPIN_LOAD", "100")   # (the guard's own tests)
+    m = make_mount(name="spin", transport="tcp", flags=("--spin-us", "5000"))
+    pid = m.pid
+    fd = os.open(m.file("n1"), os.O_RDONLY)
+    try:
+        os.pread(fd, 4096, 0)
+        before = _sleeps(pid)
+        reads = 400
+        for i in range(reads):
+            os.pread(fd, 4096, (i % 1024) * 4096)
+        sleeps = _sleeps(pid) - before
+    finally:
+        os.close(fd)
+    assert sleeps < 0.3 * reads, (sleeps, reads, m.status())
+
+
 @pytest.mark.parametrize("options", ["", "cache", "binding=libfuse",
                                      "binding=libfuse,cache"])
 def test_random_unaligned_io_matches_a_model(make_mount, options):

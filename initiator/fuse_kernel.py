@@ -304,7 +304,7 @@ class KernelFuse:
             self._reading = True
             self.reactor.add_reader(self.fd, self._on_readable)
             if self._spins:
-                self.reactor.add_poller(self._expecting)
+                self.reactor.add_poller(self._expecting, follows=True)
 
     def _stop_reading(self) -> None:
         if self._reading:

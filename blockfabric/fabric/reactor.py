@@ -200,6 +200,8 @@ class Reactor:
         self._pollers: list[Callable[[], bool | None]] = []
         #: the pollers' depth callables (add_poller), by poller
         self._depths: dict[Callable[[], bool | None], Callable[[], int]] = {}
+        #: the pollers that only follow the others' spins (add_poller ``follows``)
+        self._followers: set[Callable[[], bool | None]] = set()
         #: a provider that waits for this loop (set_waiter), or None: the loop's own epoll
         self._waiter: Callable[[float | None], Any] | None = None
         #: the waiter's epoll (watch/unwatch), which holds this loop's fds meanwhile, or None
@@ -293,17 +295,24 @@ class Reactor:
             self.remove_reader(cq.fileno(), callback)
 
     def add_poller(self, poller: Callable[[], bool | None],
-                   depth: Callable[[], int] | None = None) -> None:
+                   depth: Callable[[], int] | None = None, follows: bool = False) -> None:
         """A provider engine to busy-poll before sleeping (``spin_us``): ``poller()`` runs
         a pass if there is work and returns True, False if it found none yet, None when
         nothing is outstanding (no point in spinning for it).  ``depth()``, if given, is
-        how many of its commands are outstanding (see SPIN_MAX_DEPTH)."""
+        how many of its commands are outstanding (see SPIN_MAX_DEPTH).  A poller that
+        ``follows`` (the FUSE session's) keeps up the spins of a loop that has a
+        transport's poller, and makes none on its own: a loop without one gets its
+        answers from another thread (the soft provider's progress thread), which a
+        spin would keep waiting for the GIL."""
         self._pollers.append(poller)
         if depth is not None:
             self._depths[poller] = depth
+        if follows:
+            self._followers.add(poller)
 
     def remove_poller(self, poller: Callable[[], bool | None]) -> None:
         self._depths.pop(poller, None)
+        self._followers.discard(poller)
         try:
             self._pollers.remove(poller)
         except ValueError:
@@ -396,6 +405,8 @@ class Reactor:
         keep-alive) costs no CPU, a quick one (or one that is quick once both ends spin)
         gets the full spin.  Sets ``_spun_out`` (the monotonic time the spin began) when
         it ran out, for :meth:`_after_wait`."""
+        if len(self._followers) >= len(self._pollers):
+            return False                # no transport's poller: nothing to spin for
         if self._busy:
             self._busy -= 1
             self.spin_skips_depth += 1

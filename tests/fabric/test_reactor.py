@@ -403,6 +403,31 @@ def test_a_spin_ends_as_soon_as_anything_else_of_the_loop_is_ready():
         os.close(w)
 
 
+def test_a_following_poller_never_makes_a_loop_spin_on_its_own():
+    """The FUSE session's poller ``follows``: alone (a loop whose answers come from another
+    thread, which a spin would keep from the GIL) it makes no spin; beside a transport's
+    poller it keeps that loop's spin going."""
+    reactor = _spinning_reactor(2_000.0)
+    reactor.spin_load = 100.0
+    asked = [0]
+
+    def expecting() -> bool:
+        asked[0] += 1
+        return False
+    reactor.add_poller(expecting, follows=True)
+    try:
+        reactor.run_once(0.001)
+        assert asked[0] == 0 and reactor.spin_misses == 0
+        transport = []                      # nothing due on the transport's side
+        reactor.add_poller(lambda: transport.append(1) and None)
+        reactor.run_once(0.001)
+        assert asked[0] > 1 and reactor.spin_misses == 1      # the follower kept it up
+        reactor.remove_poller(expecting)
+        assert not reactor._followers
+    finally:
+        reactor.close()
+
+
 def test_a_spin_gives_way_at_every_turn(monkeypatch):
     """Each turn of a spin yields the CPU (sched_yield): on a machine with fewer cores
     than busy threads, a peer or the application woken on the spinner's CPU runs at once

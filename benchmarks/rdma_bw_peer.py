@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import select
 import signal
 import socket
@@ -20,6 +21,17 @@ from blockfabric.rdma import SGE, Access, QPCap, RecvWR, SendWR, WcStatus, WrOpc
 SERVER_MR = struct.Struct("<QI")
 TCP_ACK = struct.Struct("<Q")          # the TCP receiver's running count of whole messages
 WAIT_TIMEOUT = 30.0                    # s without a completion: the run is broken
+
+
+def spin_for(wait: str) -> float:
+    """Seconds a --wait mode busy-polls before it sleeps: spin, always; event, never;
+    adaptive, as long as a reactor spins by default (blockfabric.fabric.reactor)."""
+    if wait == "spin":
+        return math.inf
+    if wait == "adaptive":
+        from blockfabric.fabric.reactor import spin_default
+        return spin_default() * 1e-6
+    return 0.0
 
 
 def die_with_parent() -> None:
@@ -65,7 +77,9 @@ class Endpoint:
         self.buf = bytearray(size)
         self.mr = self.pd.reg_mr(self.buf, Access.LOCAL_WRITE | Access.REMOTE_WRITE
                                  | Access.REMOTE_READ)
-        self.spin = True
+        #: seconds to busy-poll the CQ before sleeping on its fd: math.inf for --wait
+        #: spin, 0 for event, the reactor's default spin for adaptive (see spin_for)
+        self.spin_s = math.inf
 
     def sge(self, size: int) -> list[SGE]:
         return [SGE(self.mr.addr, size, self.mr.lkey)]
@@ -74,15 +88,18 @@ class Endpoint:
         """At least ``want`` completions (spin on poll, or sleep on the CQ's fd)."""
         out: list = []
         cq = self.cq
-        deadline = time.monotonic() + WAIT_TIMEOUT
+        now = time.monotonic()
+        deadline = now + WAIT_TIMEOUT
+        spin_until = now + self.spin_s
         while len(out) < want:
             got = cq.poll(64)
             if got:
                 out.extend(got)
                 continue
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"no completion in {WAIT_TIMEOUT} s ({len(out)}/{want})")
-            if not self.spin:
+            if now > spin_until:
                 cq.req_notify()
                 got = cq.poll(64)
                 if got:
@@ -90,6 +107,7 @@ class Endpoint:
                     continue
                 select.select([cq.fileno()], [], [], 0.05)
                 cq.ack_events()
+                spin_until = time.monotonic() + self.spin_s     # spin again after a wake-up
         for wc in out:
             if wc.status != WcStatus.SUCCESS:
                 raise RuntimeError(f"work completion failed: {wc}")
@@ -151,7 +169,7 @@ def _srv_setup(state: dict, ctl: Control, provider: str, progress: str, address:
     if cmid is None:
         raise TimeoutError("no RDMA connect request")
     ep = Endpoint(prov, cmid, size, depth)
-    ep.spin = wait == "spin"
+    ep.spin_s = spin_for(wait)
     cmid.accept(SERVER_MR.pack(ep.mr.addr, ep.mr.rkey))
     state["ep"], state["listener"] = ep, lst
     tcp_l.settimeout(WAIT_TIMEOUT)
@@ -166,12 +184,15 @@ def _srv_idle(state: dict, ctl: Control, seconds: float) -> dict:
     """Drive the provider (poll progress needs its owner to) while the client works."""
     ep = state["ep"]
     deadline = time.monotonic() + seconds
+    busy_at = time.monotonic()
     while time.monotonic() < deadline:
         if select.select([ctl.sock], [], [], 0)[0]:
             break
-        ep.cq.poll(16)
-        if not ep.spin:
+        if ep.cq.poll(16):
+            busy_at = time.monotonic()
+        elif time.monotonic() - busy_at > ep.spin_s:
             select.select([ctl.sock, ep.cq.fileno()], [], [], 0.01)
+            busy_at = time.monotonic()
     return {"ok": True}
 
 

@@ -33,6 +33,10 @@ def _run(tmp_path: Path, *args: str) -> dict:
 def test_quick_run_measures_every_test_and_reports(tmp_path, progress):
     report = _run(tmp_path, "--progress", progress)
     assert report["config"]["progress"] == progress
+    # --wait auto: what the reactor does (spin, then sleep), but not beside a progress
+    # thread, which a spin would keep from the GIL
+    wait = "event" if progress == "thread" else "adaptive"
+    assert report["config"]["wait"] == wait and f"completion wait: {wait}" in report["md"]
     assert f"--progress {progress}" in report["command"]
     assert report["machine_before"]["nproc"] >= 1
     assert set(report["results"]) == {str(4096), str(1 << 20)}
@@ -61,3 +65,15 @@ def test_sizes_parse_like_perftest():
     assert [rdma_bw.parse_size(s) for s in ("4K", "4KiB", "1M", "4096", "2g")] == \
         [4096, 4096, 1 << 20, 4096, 2 << 30]
     assert rdma_bw.human(4096) == "4 KiB" and rdma_bw.human(1000) == "1000 B"
+
+
+def test_each_wait_mode_spins_for_its_own_time(monkeypatch):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import rdma_bw_peer
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    monkeypatch.setenv("BLOCKFABRIC_REACTOR_SPIN_US", "250")
+    assert rdma_bw_peer.spin_for("adaptive") == pytest.approx(250e-6)
+    assert rdma_bw_peer.spin_for("spin") == math.inf
+    assert rdma_bw_peer.spin_for("event") == 0.0

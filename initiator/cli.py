@@ -125,9 +125,11 @@ def add_connection_flags(p: argparse.ArgumentParser, *, needs_nqn: bool = True,
                         "too and refuse one that cannot prove it holds this secret (needs "
                         "--dhchap-secret)")
     p.add_argument("--spin-us", type=_spin_us, default=None, metavar="US",
-                   help="microseconds the host's reactor busy-polls for an answer before it "
-                        "sleeps (adaptive: shrinks to none while answers come later; "
-                        "0: never; default $BLOCKFABRIC_REACTOR_SPIN_US, else "
+                   help="microseconds the host's reactor busy-polls for what it expects "
+                        "next (an answer, a mount's next request) before it sleeps, yielding "
+                        "the CPU at each turn (adaptive: none while answers come later, at "
+                        "depth or under CPU pressure; 0: never, for a machine whose cores "
+                        "other work keeps busy; default $BLOCKFABRIC_REACTOR_SPIN_US, else "
                         f"{DEFAULT_SPIN_US:g})")
     p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
 

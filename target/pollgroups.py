@@ -79,12 +79,17 @@ class RemoteQueue:
         #: a soft-RDMA queue handed over at its CM request: its hand-over id (its Connect
         #: is still to come while ``cntlid`` is 0)
         self.hid = hid
+        #: the worker ended the queue itself (and said so): closing it here is only the
+        #: registry's part, nothing to send back
+        self.gone = False
 
     def close(self) -> None:
         """End the queue (its controller is destroyed, the host is disconnected)."""
         if self.closed:
             return
         self.closed = True
+        if self.gone:
+            return
         if not self.cntlid:
             self.group.pending.pop(self.hid, None)
             self.group.send(("close_pending", self.hid))
@@ -423,10 +428,19 @@ class PollGroups:
         log.debug("%s qid=%d: connected in poll group %d", ctrl.name, session.qid, g.index)
 
     def _pending_lost(self, g: Group, hid: int, reason: str) -> None:
+        """A handed-over queue ended before its worker heard the Connect's verdict.  The
+        worker may have sent the Connect just before: then this process has bound the
+        queue to its controller already (and its "connected" crosses this message), and
+        the qid must be freed here, or every later Connect of it is refused as already
+        connected (a host that reconnects its queues would never get it back)."""
         session = g.pending.pop(hid, None)
         if session is not None:
-            session.queue.closed = True
+            session.queue.gone = True
             self.target.registry.queue_broken(session, session.queue, reason)
+        else:
+            bound = [key for key, remote in g.queues.items() if remote.hid == hid]
+            for cntlid, qid in bound:
+                self._queue_lost(g, cntlid, qid, reason)
         self._verbs_close(g, hid)
 
     # -- verbs queues: the rdma_cm id here, the QP in the worker ----------------------------
@@ -539,7 +553,7 @@ class PollGroups:
         remote = g.queues.pop((cntlid, qid), None)
         if remote is None:
             return
-        remote.closed = True        # the worker closed it already: no "close" back
+        remote.gone = True          # the worker closed it already: no "close" back
         t = self.target
         for session in list(t.registry.sessions):
             if session.queue is remote:

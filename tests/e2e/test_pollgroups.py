@@ -17,7 +17,9 @@ import pytest
 
 from blockfabric.errors import BlockfabricError
 from blockfabric.initiator import resv
-from blockfabric.initiator.host import ConnectOptions, Controller, NvmeError, connect
+from blockfabric.initiator.host import (CAPSULE_CONNECT_DATA, ConnectOptions, Controller,
+                                        NvmeError, connect)
+from blockfabric.protocol import ConnectCommand, ConnectData, StatusCode
 from blockfabric.target import config as cfg
 from blockfabric.target.backends import RamdiskBackend
 
@@ -127,6 +129,61 @@ def test_killing_a_worker_fails_only_its_queues(two_groups):
     finally:
         tcp.close()
         rdma.close()
+
+
+def _connect_and_vanish(ctrl, qid: int) -> None:
+    """Send queue ``qid``'s Fabrics Connect and disconnect at once, without waiting for
+    the answer (a host that gives up on a slow Connect, or dies after sending it)."""
+    queue = ctrl.open_queue(qid, 16)
+    data = ConnectData(hostid=ctrl.hostid, cntlid=ctrl.cntlid, subnqn=NQN,
+                       hostnqn=ctrl.hostnqn).pack()
+    sqe = ConnectCommand(recfmt=0, qid=qid, sqsize=15, cattr=0, kato=0).to_sqe()
+    ctrl.submit(queue, sqe, lambda *_: None, data_out=data,
+                inline=queue.inline_size >= CAPSULE_CONNECT_DATA)
+    queue.close()
+
+
+def test_a_queue_that_ends_as_its_connect_is_checked_frees_its_qid(two_groups):
+    """An RDMA I/O queue in the worker ends (the host disconnects) while its Connect is
+    with the coordinator: the coordinator has bound the qid to the controller, the worker
+    drops the queue.  The qid is freed all the same, so the host's next Connect of it is
+    taken; left bound, every later one is refused as "already connected" and the host never
+    gets its queue back (a FUSE worker reconnecting through a target restart, on verbs
+    in the lab, was refused for all of ctrl_loss_tmo)."""
+    opts = ConnectOptions(traddr=addr_of(), trsvcid=two_groups.rdma_port, subnqn=NQN,
+                          **via(), hostnqn=HOSTNQN, nr_io_queues=2)
+    host = Controller(opts)
+    host.io_share = (1, 2)          # connects qid 2 only: qid 1 is left for the test
+    host.connect()
+    other = connect(addr_of(), NQN, two_groups.rdma_port, **via(), hostnqn=OTHER_HOSTNQN,
+                    nr_io_queues=1)
+    try:
+        st = status(two_groups.socket)
+        where = {c["hostnqn"]: [q["group"] for q in c["queues"] if q["qid"]]
+                 for c in st["controllers"]}
+        # one I/O queue in each group: a tie, so each qid 1 below goes to the worker
+        assert sorted(where[HOSTNQN] + where[OTHER_HOSTNQN]) == [0, 1], where
+        with target_log_on_error(two_groups):
+            for _ in range(20):
+                _connect_and_vanish(host, 1)
+            # the target frees each qid once it has seen its queue go, which may come
+            # after the next Connect (as a restarted FUSE worker does, try for a while)
+            deadline = time.monotonic() + 10
+            while True:
+                queue = host.open_queue(1, 16)
+                try:
+                    assert host.fabrics_connect(queue, 1, 15, 0) == host.cntlid
+                    break
+                except NvmeError as exc:
+                    queue.close()
+                    assert exc.status == StatusCode.CMD_SEQ_ERROR, exc
+                    assert time.monotonic() < deadline, "qid 1 was never freed"
+                    time.sleep(0.1)
+            host.io_queues.append(queue)
+            verify_workload(host.namespaces[1], seed=9, ops=50, inflight=8)
+    finally:
+        other.close()
+        host.close()
 
 
 def test_reservations_hold_in_every_group(two_groups):

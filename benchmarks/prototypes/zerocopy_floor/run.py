@@ -7,7 +7,8 @@ the mount are level with it?  Two designs that copy less:
   target, and with splice(2) at the host (socket -> pipe -> /dev/fuse);
 - shared memory, as an RDMA NIC reaches registered memory: both ends map the host's request
   buffers (a file), the target copies a read's data straight into the buffer and a write's
-  straight out of it; only capsules and completions cross the socket.
+  straight out of it; only capsules and completions cross the socket; and that with two
+  processes serving the mount (a cloned /dev/fuse, as the mount's --fuse-workers 2).
 
     python3 benchmarks/prototypes/zerocopy_floor/run.py [--rounds 3] [--runtime 5]
         [--rw read|write] [--floor DIR] [--out FILE.json]
@@ -39,7 +40,7 @@ FLOOR = HERE        # the patched copy (main sets it)
 sys.path.insert(0, str(HERE.parent.parent))
 
 from compare import systems  # noqa: E402
-from compare.cpu import cpu_seconds  # noqa: E402
+from compare.cpu import children, cpu_seconds  # noqa: E402
 
 
 def patched_floor(floor_dir: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
@@ -67,6 +68,31 @@ def floor(ws: systems.Workspace, key: str, target_args: list[str] | None,
     systems.wait_for(lambda: (mnt / "n1").exists(), host, key, hlog)
     return systems.System(key, key, mnt / "n1", [], target.pid if target else None,
                           host.pid, port)
+
+
+def two_readers(ws: systems.Workspace, key: str) -> systems.System:
+    """Shared memory, and two processes serving the mount (as --fuse-workers 2): the floor
+    host forks a second reader with a cloned /dev/fuse, each talks to a target of its own,
+    and both targets map one volume file."""
+    volume = ws.tmp / f"{key}-volume"
+    ports, pids = [], []
+    for i in (1, 2):
+        port = systems.free_port()
+        argv = [sys.executable, FLOOR / "floor_target.py", str(port), f"--volume={volume}",
+                f"--shm={ws.tmp / f'{key}-buffers{i}'}"]
+        target, log = ws.spawn(f"{key}-target{i}", argv)
+        systems.wait_for(lambda log=log: log.read_text().startswith("ready"), target, key, log)
+        ports.append(port)
+        pids.append(target.pid)
+    mnt = ws.mountpoint(key)
+    host, hlog = ws.spawn(f"{key}-host", [
+        sys.executable, FLOOR / "floor_host.py", mnt, str(ports[0]), "--maxio=1024",
+        f"--shm={ws.tmp / f'{key}-buffers1'}",
+        f"--clone={ports[1]},{ws.tmp / f'{key}-buffers2'}"])
+    systems.wait_for(lambda: (mnt / "n1").exists(), host, key, hlog)
+    system = systems.System(key, key, mnt / "n1", [], pids[0], host.pid, ports[0])
+    system.more_pids = [pids[1]]        # type: ignore[attr-defined]
+    return system
 
 
 def fio(path: pathlib.Path, rw: str, runtime: float) -> dict:
@@ -117,13 +143,16 @@ def measure(args: argparse.Namespace, found: pathlib.Path) -> int:
                  floor(ws, "floor-1m-splice", ["--sendfile"], ["--maxio=1024", "--splice"]),
                  floor(ws, "floor-512k-splice", ["--sendfile"],
                        ["--maxio=512", "--splice", "--pipe=1024"]),
-                 floor(ws, "floor-1m-shm", [f"--shm={shm}"], ["--maxio=1024", f"--shm={shm}"])]
+                 floor(ws, "floor-1m-shm", [f"--shm={shm}"], ["--maxio=1024", f"--shm={shm}"]),
+                 two_readers(ws, "floor-1m-shm-2readers")]
         for path in (s.path for s in order):       # data everywhere, and a warm start
             subprocess.run(["dd", "if=/dev/urandom", f"of={path}", "bs=1M", "count=64",
                             "oflag=direct", "conv=notrunc", "status=none"], check=True)
         for rnd in range(args.rounds):
             for s in order:
-                pids = [p for p in (s.server_pid, s.client_pid) if p]
+                pids = [p for p in (s.server_pid, s.client_pid, *getattr(s, "more_pids", ()))
+                        if p]
+                pids += [c for p in pids for c in children(p)]    # a forked second reader
                 before = [cpu_seconds(p) for p in pids]
                 t0 = time.monotonic()
                 res = fio(s.path, args.rw, args.runtime)

@@ -143,19 +143,22 @@ def _connect_and_vanish(ctrl, qid: int) -> None:
     queue.close()
 
 
-def test_a_queue_that_ends_as_its_connect_is_checked_frees_its_qid(two_groups):
-    """An RDMA I/O queue in the worker ends (the host disconnects) while its Connect is
-    with the coordinator: the coordinator has bound the qid to the controller, the worker
-    drops the queue.  The qid is freed all the same, so the host's next Connect of it is
-    taken; left bound, every later one is refused as "already connected" and the host never
-    gets its queue back (a FUSE worker reconnecting through a target restart, on verbs
+@pytest.mark.parametrize("transport", [RDMA, "tcp"])
+def test_a_queue_that_ends_as_its_connect_is_checked_frees_its_qid(two_groups, transport):
+    """An I/O queue handed to the worker ends (the host disconnects) as its Connect is
+    checked: the coordinator has bound the qid to the controller, the worker drops the
+    queue (RDMA: the Connect may still be with the coordinator; NVMe/TCP: the worker finds
+    the connection gone).  The qid is freed all the same, so the host's next Connect of it
+    is taken; left bound, every later one is refused as "already connected" and the host
+    never gets its queue back (a FUSE worker reconnecting through a target restart, on verbs
     in the lab, was refused for all of ctrl_loss_tmo)."""
-    opts = ConnectOptions(traddr=addr_of(), trsvcid=two_groups.rdma_port, subnqn=NQN,
-                          **via(), hostnqn=HOSTNQN, nr_io_queues=2)
+    port = two_groups.port if transport == "tcp" else two_groups.rdma_port
+    opts = ConnectOptions(traddr=addr_of(transport), trsvcid=port, subnqn=NQN,
+                          **via(transport), hostnqn=HOSTNQN, nr_io_queues=2)
     host = Controller(opts)
     host.io_share = (1, 2)          # connects qid 2 only: qid 1 is left for the test
     host.connect()
-    other = connect(addr_of(), NQN, two_groups.rdma_port, **via(), hostnqn=OTHER_HOSTNQN,
+    other = connect(addr_of(transport), NQN, port, **via(transport), hostnqn=OTHER_HOSTNQN,
                     nr_io_queues=1)
     try:
         st = status(two_groups.socket)

@@ -65,6 +65,19 @@ def test_medians_over_rounds_and_the_cpu_goal_against_the_floor():
     assert lines[1].endswith("floor not measured: no verdict")
 
 
+def test_the_cpu_goal_judges_the_nvme_tcp_mount_and_spun_variants_too(monkeypatch, tmp_path):
+    monkeypatch.setenv(cost.systems.FLOOR_ENV, str(tmp_path))     # no floor there
+    cost.parse(["--systems", "mount-tcp,mount-tcp-s0"])      # adds the spun variant
+    rows = [_row("floor", "randread-4k-qd16", 9000, 5, 7),
+            _row("mount-tcp", "randread-4k-qd16", 5000, 9, 15),
+            _row("mount-tcp-s0", "randread-4k-qd16", 5000, 9, 16),
+            _row("bench-tcp", "randread-4k-qd16", 9000, 1, 1)]     # not a mount: no line
+    lines = cost.acceptance(cost.medians(rows))
+    assert len(lines) == 2, lines
+    assert "(NVMe/TCP)" in lines[0] and lines[0].endswith("= 2.00x (goal <= 2x): **PASS**")
+    assert "spin 0 us" in lines[1] and lines[1].endswith("= 2.08x (goal <= 2x): **FAIL**")
+
+
 def test_a_load_is_measured_over_the_run_it_counts_and_a_failed_one_raises():
     # an nbd_qd.py-like load: its JSON (after a line of chatter) names the counted span
     load = ("import json, time; t = time.time(); print('warming up'); "

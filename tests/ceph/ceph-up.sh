@@ -51,12 +51,23 @@ fail() {
 trap 'fail "error at line $LINENO"' ERR
 
 # --- port: free TCP port on loopback (msgr2 only) -----------------------
+# Below the ephemeral range (ip_local_port_range): there no client socket gets its source
+# port and no bind(0) of a test lands, so nothing takes the port between this check and the
+# monitor's bind (a port in that range once failed: "bind unable to bind ... Address already
+# in use", taken by another test's connection).  Any socket on it, not only a listener,
+# makes it busy.
 if [ -n "${CEPH_MON_PORT:-}" ]; then
   PORT=$CEPH_MON_PORT
 else
+  read -r EPHEMERAL_LOW _ < /proc/sys/net/ipv4/ip_local_port_range
+  if [ "$EPHEMERAL_LOW" -gt 11024 ]; then
+    FIRST=10000 SPAN=$(( EPHEMERAL_LOW - 10000 ))
+  else
+    FIRST=20000 SPAN=20000      # an unusual range: as before
+  fi
   for _ in $(seq 50); do
-    PORT=$(( 20000 + RANDOM % 20000 ))
-    ss -Htln "sport = :$PORT" | grep -q . || break
+    PORT=$(( FIRST + RANDOM % SPAN ))
+    ss -Htan "sport = :$PORT" | grep -q . || break
   done
 fi
 

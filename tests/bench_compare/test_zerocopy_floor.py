@@ -9,9 +9,7 @@ import mmap
 import os
 import pathlib
 import py_compile
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -39,42 +37,13 @@ def test_the_patch_applies_and_every_variant_is_there(tmp_path):
         assert flag in target, flag
 
 
-def _ready_port(proc: subprocess.Popen, log: pathlib.Path) -> int:
-    deadline = time.monotonic() + 20
-    while not log.read_text().startswith("ready"):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
-    return int(log.read_text().split()[1])
-
-
 @pytest.mark.skipif(os.getuid() != 0 or not os.path.exists("/dev/fuse"),
                     reason="mounts FUSE: needs root and /dev/fuse")
 def test_the_shared_memory_floor_with_two_readers_reads_back_what_it_wrote(tmp_path):
-    patched = zerocopy.patched_floor(FLOOR, tmp_path)
-    volume, mnt = tmp_path / "volume", tmp_path / "mnt"
-    mnt.mkdir()
-    procs = []
-    try:
-        ports = []
-        for i in (1, 2):
-            log = tmp_path / f"target{i}.log"
-            with open(log, "w") as out:
-                procs.append(subprocess.Popen(
-                    [sys.executable, patched / "floor_target.py", "0", f"--volume={volume}",
-                     f"--shm={tmp_path / f'buffers{i}'}"], stdout=out, stderr=out))
-            ports.append(_ready_port(procs[-1], log))
-        hlog = tmp_path / "host.log"
-        with open(hlog, "w") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, patched / "floor_host.py", mnt, str(ports[0]),
-                 "--maxio=1024", f"--shm={tmp_path / 'buffers1'}",
-                 f"--clone={ports[1]},{tmp_path / 'buffers2'}"], stdout=out, stderr=out))
-        deadline = time.monotonic() + 20
-        while not (mnt / "n1").exists():
-            assert procs[-1].poll() is None and time.monotonic() < deadline, hlog.read_text()
-            time.sleep(0.05)
-        data = os.urandom(8 << 20)
-        fd = os.open(mnt / "n1", os.O_RDWR | os.O_DIRECT)
+    data = os.urandom(8 << 20)
+    with systems.Workspace() as ws:         # unmounts and stops all of it, also on failure
+        system = zerocopy.two_readers(ws, zerocopy.patched_floor(FLOOR, tmp_path), "shm")
+        fd = os.open(system.path, os.O_RDWR | os.O_DIRECT)
         try:
             aligned = mmap.mmap(-1, 1 << 20)       # O_DIRECT: whole, aligned blocks
             for off in range(0, len(data), 1 << 20):
@@ -86,13 +55,4 @@ def test_the_shared_memory_floor_with_two_readers_reads_back_what_it_wrote(tmp_p
                 back += aligned[:n]
         finally:
             os.close(fd)
-        assert bytes(back) == data
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    assert bytes(back) == data

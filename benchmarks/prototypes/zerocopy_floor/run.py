@@ -36,7 +36,6 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-FLOOR = HERE        # the patched copy (main sets it)
 sys.path.insert(0, str(HERE.parent.parent))
 
 from compare import systems  # noqa: E402
@@ -53,45 +52,48 @@ def patched_floor(floor_dir: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
     return dest
 
 
-def floor(ws: systems.Workspace, key: str, target_args: list[str] | None,
-          host_args: list[str]) -> systems.System:
-    """The (patched) floor; ``target_args`` None: no target, FUSE alone (--local)."""
+def _target(ws: systems.Workspace, floor_dir: pathlib.Path, name: str, args: list[str]
+            ) -> tuple[int, int]:
+    """A (patched) floor_target.py, ready: its (port, pid)."""
     port = systems.free_port()
-    target = None
-    if target_args is not None:
-        argv = [sys.executable, FLOOR / "floor_target.py", str(port), *target_args]
-        target, log = ws.spawn(f"{key}-target", argv)
-        systems.wait_for(lambda: log.read_text().startswith("ready"), target, key, log)
+    target, log = ws.spawn(name, [sys.executable, floor_dir / "floor_target.py", str(port),
+                                  *args])
+    systems.wait_for(lambda: log.read_text().startswith("ready"), target, name, log)
+    return port, target.pid
+
+
+def _host(ws: systems.Workspace, floor_dir: pathlib.Path, key: str, port: int,
+          args: list[str]) -> tuple[pathlib.Path, int]:
+    """A (patched) floor_host.py, its file there: (the file, the host's pid)."""
     mnt = ws.mountpoint(key)
-    host, hlog = ws.spawn(f"{key}-host", [sys.executable, FLOOR / "floor_host.py", mnt,
-                                          str(port), *host_args])
-    systems.wait_for(lambda: (mnt / "n1").exists(), host, key, hlog)
-    return systems.System(key, key, mnt / "n1", [], target.pid if target else None,
-                          host.pid, port)
+    host, log = ws.spawn(f"{key}-host", [sys.executable, floor_dir / "floor_host.py", mnt,
+                                         str(port), *args])
+    systems.wait_for(lambda: (mnt / "n1").exists(), host, key, log)
+    return mnt / "n1", host.pid
 
 
-def two_readers(ws: systems.Workspace, key: str) -> systems.System:
+def floor(ws: systems.Workspace, floor_dir: pathlib.Path, key: str,
+          target_args: list[str] | None, host_args: list[str]) -> systems.System:
+    """The (patched) floor; ``target_args`` None: no target, FUSE alone (--local)."""
+    port, target = (systems.free_port(), None) if target_args is None else \
+        _target(ws, floor_dir, f"{key}-target", target_args)
+    path, host = _host(ws, floor_dir, key, port, host_args)
+    return systems.System(key, key, path, [], target, host, port)
+
+
+def two_readers(ws: systems.Workspace, floor_dir: pathlib.Path, key: str) -> systems.System:
     """Shared memory, and two processes serving the mount (as --fuse-workers 2): the floor
     host forks a second reader with a cloned /dev/fuse, each talks to a target of its own,
     and both targets map one volume file."""
-    volume = ws.tmp / f"{key}-volume"
-    ports, pids = [], []
-    for i in (1, 2):
-        port = systems.free_port()
-        argv = [sys.executable, FLOOR / "floor_target.py", str(port), f"--volume={volume}",
-                f"--shm={ws.tmp / f'{key}-buffers{i}'}"]
-        target, log = ws.spawn(f"{key}-target{i}", argv)
-        systems.wait_for(lambda log=log: log.read_text().startswith("ready"), target, key, log)
-        ports.append(port)
-        pids.append(target.pid)
-    mnt = ws.mountpoint(key)
-    host, hlog = ws.spawn(f"{key}-host", [
-        sys.executable, FLOOR / "floor_host.py", mnt, str(ports[0]), "--maxio=1024",
-        f"--shm={ws.tmp / f'{key}-buffers1'}",
-        f"--clone={ports[1]},{ws.tmp / f'{key}-buffers2'}"])
-    systems.wait_for(lambda: (mnt / "n1").exists(), host, key, hlog)
-    system = systems.System(key, key, mnt / "n1", [], pids[0], host.pid, ports[0])
-    system.more_pids = [pids[1]]        # type: ignore[attr-defined]
+    buffers = [ws.tmp / f"{key}-buffers{i}" for i in (1, 2)]
+    (port1, pid1), (port2, pid2) = (
+        _target(ws, floor_dir, f"{key}-target{i}", [f"--volume={ws.tmp / f'{key}-volume'}",
+                                                    f"--shm={buffers[i - 1]}"])
+        for i in (1, 2))
+    path, host = _host(ws, floor_dir, key, port1, ["--maxio=1024", f"--shm={buffers[0]}",
+                                                   f"--clone={port2},{buffers[1]}"])
+    system = systems.System(key, key, path, [], pid1, host, port1)
+    system.more_pids = [pid2]           # type: ignore[attr-defined]
     return system
 
 
@@ -117,7 +119,6 @@ def main() -> int:
     found = systems.find_floor(args.floor)
     if found is None:
         ap.error("no perf-floor directory: give --floor")
-    global FLOOR
     # floor-1m-splice's pipe holds a whole 1 MiB reply: above the default fs.pipe-max-size
     sysctl = pathlib.Path("/proc/sys/fs/pipe-max-size")
     pipe_max = int(sysctl.read_text())
@@ -130,21 +131,21 @@ def main() -> int:
 
 
 def measure(args: argparse.Namespace, found: pathlib.Path) -> int:
-    global FLOOR
     results: dict[str, list[dict]] = {}
     with systems.Workspace() as ws, tempfile.TemporaryDirectory() as tmp:
-        FLOOR = patched_floor(found, pathlib.Path(tmp))
+        fd = patched_floor(found, pathlib.Path(tmp))
         shm = ws.tmp / "floor-buffers"         # --shm: the host's buffers, both ends map it
         order = [ws.nbd_memory(),
-                 floor(ws, "fuse-alone-1m", None, ["--local", "--maxio=1024"]),
-                 floor(ws, "floor-128k", [], []),
-                 floor(ws, "floor-1m", [], ["--maxio=1024"]),
-                 floor(ws, "floor-1m-sendfile", ["--sendfile"], ["--maxio=1024"]),
-                 floor(ws, "floor-1m-splice", ["--sendfile"], ["--maxio=1024", "--splice"]),
-                 floor(ws, "floor-512k-splice", ["--sendfile"],
+                 floor(ws, fd, "fuse-alone-1m", None, ["--local", "--maxio=1024"]),
+                 floor(ws, fd, "floor-128k", [], []),
+                 floor(ws, fd, "floor-1m", [], ["--maxio=1024"]),
+                 floor(ws, fd, "floor-1m-sendfile", ["--sendfile"], ["--maxio=1024"]),
+                 floor(ws, fd, "floor-1m-splice", ["--sendfile"], ["--maxio=1024", "--splice"]),
+                 floor(ws, fd, "floor-512k-splice", ["--sendfile"],
                        ["--maxio=512", "--splice", "--pipe=1024"]),
-                 floor(ws, "floor-1m-shm", [f"--shm={shm}"], ["--maxio=1024", f"--shm={shm}"]),
-                 two_readers(ws, "floor-1m-shm-2readers")]
+                 floor(ws, fd, "floor-1m-shm", [f"--shm={shm}"],
+                       ["--maxio=1024", f"--shm={shm}"]),
+                 two_readers(ws, fd, "floor-1m-shm-2readers")]
         for path in (s.path for s in order):       # data everywhere, and a warm start
             subprocess.run(["dd", "if=/dev/urandom", f"of={path}", "bs=1M", "count=64",
                             "oflag=direct", "conv=notrunc", "status=none"], check=True)

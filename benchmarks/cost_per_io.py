@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost per I/O: target (server), host and fio CPU microseconds per 4 KiB I/O, next to IOPS
+"""Cost per I/O: target (server), host and fio CPU microseconds per I/O, next to IOPS
 and completion latency, for blockfabric, its peers and the pure-Python performance floor;
 CPU from /proc/<pid>/stat (utime + stime, all threads), sampled while the load runs, over
 exactly the span the load counted (it reports its end time and duration), fio's own from
@@ -8,6 +8,8 @@ its JSON (usr_cpu + sys_cpu over its run / its I/Os).
     python benchmarks/cost_per_io.py [--runtime 8] [--rounds 1] [--out benchmarks/results]
     python benchmarks/cost_per_io.py --systems mount-poll,floor --rounds 3 --runtime 3
     python benchmarks/cost_per_io.py --workloads randwrite-4k-qd16 --systems mount-poll,floor
+    python benchmarks/cost_per_io.py --workloads read-1m-qd8,write-1m-qd8 \
+        --systems mount-poll,mount-poll-noshm,mount-poll-w2,nbd-memory --rounds 3
 
 Systems (``--systems``, default all but the thread-progress ones): see SYSTEMS.  The floor is
 found with ``--floor DIR``, $BLOCKFABRIC_PERF_FLOOR or a shared/perf-floor above the project;
@@ -46,12 +48,15 @@ class Workload:
     title: str
     rw: str
     qd: int
+    bs: str = "4k"
 
 
 WORKLOADS = {w.key: w for w in (
     Workload("randread-4k-qd16", "randread 4k QD16", "randread", 16),
     Workload("randread-4k-qd1", "randread 4k QD1", "randread", 1),
     Workload("randwrite-4k-qd16", "randwrite 4k QD16", "randwrite", 16),
+    Workload("read-1m-qd8", "seq read 1M QD8", "read", 8, "1m"),
+    Workload("write-1m-qd8", "seq write 1M QD8", "write", 8, "1m"),
 )}
 DEFAULT_WORKLOADS = "randread-4k-qd16,randread-4k-qd1"
 
@@ -74,9 +79,12 @@ SYSTEMS = {
     "libnbd": ("libnbd Python on nbdkit memory", "libnbd", None),
 }
 DEFAULT_SYSTEMS = "floor,mount-poll,bench-poll,nbd-memory,nbd-python,libnbd"
-#: a blockfabric system with a reactor spin: "mount-tcp-s100" is mount-tcp with target and
-#: mount at $BLOCKFABRIC_REACTOR_SPIN_US=100 (against mount-tcp in the same run)
-SPUN = re.compile(r"^((?:mount|bench)-(?:poll|thread|tcp)(?:-2r)?)-s(\d+)$")
+#: a blockfabric system with variations: "mount-tcp-s100" is mount-tcp with target and
+#: mount at $BLOCKFABRIC_REACTOR_SPIN_US=100 (against mount-tcp in the same run);
+#: "-noshm": the soft provider over TCP loopback even on this host (BLOCKFABRIC_SOFT_SHM=0);
+#: "-w2": the mount with --fuse-workers 2
+SPUN = re.compile(r"^((?:mount|bench)-(?:poll|thread|tcp)(?:-2r)?)((?:-(?:s\d+|noshm|w\d+))+)$")
+_TAIL_TEXT = {"noshm": "over TCP loopback"}
 CPU_GOAL_VS_FLOOR = report.CPU_GOAL_VS_FLOOR   # issue 14: mount target+host <= 2x the floor
 
 
@@ -84,7 +92,7 @@ def fio_argv(path: pathlib.Path, w: Workload, runtime: float) -> list[str]:
     """benchmarks/fio/<w.key>.fio as flags, with this runtime."""
     engine = "libaio" if w.qd > 1 else "psync"
     return ["fio", f"--name={w.rw}", f"--filename={path}", "--direct=1", f"--rw={w.rw}",
-            "--bs=4k", f"--ioengine={engine}", f"--iodepth={w.qd}", "--randrepeat=1",
+            f"--bs={w.bs}", f"--ioengine={engine}", f"--iodepth={w.qd}", "--randrepeat=1",
             "--time_based", f"--runtime={runtime}", f"--ramp_time={RAMP}",
             "--output-format=json"]
 
@@ -92,7 +100,7 @@ def fio_argv(path: pathlib.Path, w: Workload, runtime: float) -> list[str]:
 def bench_argv(port: int, w: Workload, runtime: float, *extra: str,
                transport: str = "rdma") -> list[str]:
     return [str(systems.BIN / "blockfabric"), "bench", *systems.connect_flags(port, transport),
-            "--rw", w.rw, "--bs", "4k", "--iodepth", str(w.qd), "--runtime",
+            "--rw", w.rw, "--bs", w.bs, "--iodepth", str(w.qd), "--runtime",
             str(runtime), "--ramp_time", str(RAMP), "--eta", "never", "-o", "json", *extra]
 
 
@@ -312,7 +320,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians)")
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help=f"comma list of {', '.join(SYSTEMS)}, or all; a mount-/bench- one "
-                        "with -s<US> added runs with that reactor spin, e.g. mount-tcp-s100 "
+                        "with -s<US> added runs with that reactor spin (mount-tcp-s100), with "
+                        "-noshm the soft provider over TCP loopback instead of same-host "
+                        "shared memory (mount-poll-noshm), with -w<N> the mount with "
+                        "--fuse-workers N (mount-poll-w2); tails combine "
                         "(default: %(default)s)")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
                    help=f"comma list of {', '.join(WORKLOADS)} (default: %(default)s)")
@@ -330,8 +341,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         spun = SPUN.match(key)
         if spun and spun[1] in SYSTEMS:
             label, kind, progress = SYSTEMS[spun[1]]
-            SYSTEMS[key] = (f"{label[:-1]}, spin {spun[2]} us)" if label.endswith(")")
-                            else f"{label}, spin {spun[2]} us", kind, f"{progress}-s{spun[2]}")
+            tails = spun[2].split("-")[1:]
+            text = ", ".join(_TAIL_TEXT.get(t) or (f"spin {t[1:]} us" if t[0] == "s"
+                                                   else f"{t[1:]} FUSE workers")
+                             for t in tails)
+            SYSTEMS[key] = (f"{label[:-1]}, {text})" if label.endswith(")")
+                            else f"{label}, {text}", kind, f"{progress}{spun[2]}")
     wkeys = [k.strip() for k in a.workloads.split(",") if k.strip()]
     for what, got, known in (("system", keys, SYSTEMS), ("workload", wkeys, WORKLOADS)):
         bad = [k for k in got if k not in known]

@@ -199,7 +199,9 @@ class Workspace:
         mnt = self.mountpoint(f"bf-{progress}")
         transport, soft = variant(progress)
         env = {"BLOCKFABRIC_SOFT_PROGRESS": soft, **spin_of(progress)}
-        argv = [BIN / "blockfabric", "mount", *connect_flags(port, transport), mnt]
+        workers = workers_of(progress)
+        argv = [BIN / "blockfabric", "mount", *connect_flags(port, transport),
+                *(["--fuse-workers", str(workers)] if workers else []), mnt]
         proc, log = self.spawn(f"mount-{progress}", argv, env)
         wait_for(lambda: is_mounted(mnt), None, "blockfabric mount", log)
         pid = mount_pid(mnt)
@@ -208,7 +210,9 @@ class Workspace:
         label = ("blockfabric (NVMe/TCP)" if transport == "tcp" else
                  f"blockfabric ({progress})") + (f", reactors {reactors_of(progress)}"
                                                  if reactors_of(progress) > 1 else "") \
-            + "".join(f", spin {us} us" for us in spin_of(progress).values())
+            + "".join(f", spin {us} us" for k, us in spin_of(progress).items() if "SPIN" in k) \
+            + (", over TCP loopback" if "noshm" in progress.split("-") else "") \
+            + (f", {workers} FUSE workers" if workers else "")
         return System(f"bf-{progress}", label, mnt / "n1",
                       [target_cmd, shell(argv, env)], target_pid, pid, port)
 
@@ -308,10 +312,22 @@ def reactors_of(progress: str) -> int:
 
 
 def spin_of(progress: str) -> dict[str, str]:
-    """The environment for a progress's reactor spin: "tcp-s100" runs the target and the
-    mount with $BLOCKFABRIC_REACTOR_SPIN_US=100 (none given: the tree's default)."""
-    tails = [t for t in progress.split("-")[1:] if t.startswith("s") and t[1:].isdigit()]
-    return {"BLOCKFABRIC_REACTOR_SPIN_US": tails[0][1:]} if tails else {}
+    """The environment for a progress's reactor spin and same-host shared memory:
+    "tcp-s100" runs the target and the mount with $BLOCKFABRIC_REACTOR_SPIN_US=100 (none
+    given: the tree's default); "poll-noshm" with $BLOCKFABRIC_SOFT_SHM=0 (the soft
+    provider over TCP loopback, as between hosts)."""
+    tails = progress.split("-")[1:]
+    env = {"BLOCKFABRIC_REACTOR_SPIN_US": t[1:] for t in tails
+           if t.startswith("s") and t[1:].isdigit()}
+    if "noshm" in tails:
+        env["BLOCKFABRIC_SOFT_SHM"] = "0"
+    return env
+
+
+def workers_of(progress: str) -> int:
+    """The mount's FUSE worker processes: "poll-w2" is ``--fuse-workers 2``."""
+    tails = [t for t in progress.split("-")[1:] if t.startswith("w") and t[1:].isdigit()]
+    return int(tails[0][1:]) if tails else 0
 
 
 def mount_pid(mnt: pathlib.Path) -> int | None:

@@ -18,6 +18,8 @@ import mmap
 from blockfabric import numa
 from blockfabric.rdma import PD, SGE, Access
 
+_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE
+
 
 class BufferPool:
     """``count`` slots of ``size`` bytes in one registered, page-aligned slab."""
@@ -28,7 +30,10 @@ class BufferPool:
             raise ValueError(f"a buffer pool needs count > 0 and size > 0, got {count}x{size}")
         self.count = count
         self.size = size
-        self._slab = mmap.mmap(-1, count * size)
+        # memory the peer reads and writes: shared with it where the provider can (the soft
+        # provider's same-host connections copy it instead of sending it)
+        shared = getattr(pd, "shared_slab", None) if access & _REMOTE else None
+        self._slab = shared(count * size) if shared is not None else mmap.mmap(-1, count * size)
         numa.bind_region(self._slab, "buffer pools")    # on the placement's node, if any
         self.mr = pd.reg_mr(self._slab, access)
         base = self.mr.buf

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from blockfabric.initiator.host import connect
+from blockfabric.rdma import get_provider
 from blockfabric.protocol import CMConnectRequest, IOOpcode, KeyedSGL, ReadWrite
 from blockfabric.rdma.soft import wire
 from blockfabric.rdma.soft.wire import Frame
@@ -187,7 +188,7 @@ def parse_stream(data: bytes) -> tuple[list[bytes], int]:
         _magic, _v, ftype, _fl, _psn, length, _key, _extra, _ack, _addr = \
             wire.HEADER.unpack_from(data, at)
         at += wire.HEADER_SIZE
-        if ftype in wire.PAYLOAD_FRAMES and length:
+        if ftype in wire.PAYLOAD_FRAMES and length and not _fl & wire.FrameFlags.SHM:
             if ftype == Frame.WRITE:
                 out.append(data[at:at + length])
             at += length
@@ -196,12 +197,16 @@ def parse_stream(data: bytes) -> tuple[list[bytes], int]:
 
 
 @pytest.mark.timeout(120)
-def test_early_acknowledgements_get_no_other_subsystems_data(target, bystander):
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "same-host"])
+def test_early_acknowledgements_get_no_other_subsystems_data(target, bystander, shm,
+                                                             monkeypatch):
     """Reported: a host allowed on A only, acknowledging sequence numbers before it had
     received them and not reading its socket, got 11 MiB of B's volume: the target's bounce
     buffers went back to the pool (and to B's reads) while views of them still waited to be
     sent.  Now the early acknowledgement ends the attacker's queue, and whatever it had
-    received is A's data."""
+    received is A's data.  Over TCP and over a same-host connection, where the data lands
+    in the attacker's shared memory instead of its socket: there too only A's."""
+    monkeypatch.setattr(get_provider("soft"), "shm", shm)
     probe = TargetProbe(target)
     stop = threading.Event()
     secret_reads = []
@@ -251,10 +256,15 @@ def test_early_acknowledgements_get_no_other_subsystems_data(target, bystander):
                         received += chunk
                 except OSError:
                     pass
+                # what the target placed in the attacker's memory (all of it, same-host)
+                arena = bytes(mr.buf[:blocks * 4096])
         finally:
             stop.set()
             reader.join(10)
     assert secret_reads and all(secret_reads)
+    if shm:         # (over TCP the attacker's memory holds what it had before the take-over)
+        assert arena.count(A_BYTE) == len(arena), \
+            f"the attacker's memory holds {arena.count(SECRET[:8])} pieces of B's volume"
     payloads, count = parse_stream(bytes(received))
     leaked = sum(p.count(SECRET[:8]) for p in payloads)
     foreign = sum(len(p) - p.count(A_BYTE) for p in payloads)

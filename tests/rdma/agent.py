@@ -26,11 +26,12 @@ from blockfabric.rdma import (SGE, Access, QPCap, RecvWR, SendFlags, SendWR, WrO
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_provider(name: str, progress: str | None):
-    """A fresh provider instance (the soft one with the requested progress mode)."""
+def make_provider(name: str, progress: str | None, shm: bool | None = None):
+    """A fresh provider instance (the soft one with the requested progress mode, and
+    same-host connections on or off: ``shm``)."""
     if name == "soft":
         from blockfabric.rdma.soft import SoftProvider
-        return SoftProvider(progress=progress)
+        return SoftProvider(progress=progress, shm=shm)
     return get_provider(name)
 
 
@@ -66,10 +67,14 @@ def _wc(wc) -> dict:
 class AgentCore:
     """The provider side of an agent; ``call(op, **kw)`` runs ``op_<op>``."""
 
-    def __init__(self, provider, progress: str | None = None) -> None:
-        """``provider``: a name, or a provider object shared with another agent."""
-        self.provider = (make_provider(provider, progress) if isinstance(provider, str)
+    def __init__(self, provider, progress: str | None = None, shm: bool | None = None,
+                 shared: bool = False) -> None:
+        """``provider``: a name, or a provider object shared with another agent; ``shared``:
+        memory registered as "bytearray" or "mmap" comes from ``pd.shared_slab`` where the
+        PD has it (what a same-host soft connection moves through shared memory)."""
+        self.provider = (make_provider(provider, progress, shm) if isinstance(provider, str)
                          else provider)
+        self.shared = shared
         self.conns: dict[int, _Conn] = {}
         self.mrs: dict[int, tuple] = {}
         self.listeners: dict[int, object] = {}
@@ -204,7 +209,9 @@ class AgentCore:
     def op_reg(self, cid: int, size: int, access: int, seed: int | None = None,
                kind: str = "bytearray") -> dict:
         conn = self.conns[cid]
-        if kind == "mmap":
+        if self.shared and size and hasattr(conn.pd, "shared_slab"):
+            buf = conn.pd.shared_slab(size)
+        elif kind == "mmap":
             import mmap
             buf = mmap.mmap(-1, size)
         else:
@@ -305,10 +312,15 @@ class LocalAgent:
 class RemoteAgent:
     """An agent in a peer process (``python -m tests.rdma.peer``), driven over a pipe."""
 
-    def __init__(self, provider: str, progress: str | None, netns: str | None = None) -> None:
+    def __init__(self, provider: str, progress: str | None, netns: str | None = None,
+                 shm: bool | None = None, shared: bool = False) -> None:
         cmd = [sys.executable, "-m", "tests.rdma.peer", "--provider", provider]
         if progress:
             cmd += ["--progress", progress]
+        if shm is not None:
+            cmd += ["--shm" if shm else "--no-shm"]
+        if shared:
+            cmd += ["--shared"]
         if netns:
             cmd += ["--netns", netns]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE,

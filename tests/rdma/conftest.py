@@ -3,10 +3,13 @@
 BLOCKFABRIC_TEST_PROVIDERS (default "soft,verbs") names the providers; a provider that is
 not present here (verbs without pyverbs or without a device) is skipped with the reason.
 BLOCKFABRIC_TEST_ADDR (default 127.0.0.1) is the address to listen on, so the same suite
-runs on rxe0 in the lab.  Soft runs in three topologies: both ends in this process, in two
-peer processes, and in two peer processes in two network namespaces joined by veth; each
-with thread and poll progress.  ``soft_world`` is soft alone (in this process and in two),
-whatever BLOCKFABRIC_TEST_PROVIDERS says, for the checks stricter than the contract.
+runs on rxe0 in the lab.  Soft runs in four topologies, each with thread and poll progress:
+both ends in this process (connected through the same-host unix socket), in two peer
+processes over TCP loopback (same-host connections off), in two peer processes whose
+memory is shared slabs, so RDMA READ and WRITE data moves through shared memory ("shm"),
+and in two peer processes in two network namespaces joined by veth (TCP).  ``soft_world``
+is soft alone (in this process and in two), whatever BLOCKFABRIC_TEST_PROVIDERS says, for
+the checks stricter than the contract.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ ADDRESS = os.environ.get("BLOCKFABRIC_TEST_ADDR", "127.0.0.1")
 
 
 def _variants(providers: list[str] = PROVIDERS,
-              soft_topologies: tuple = ("local", "proc", "netns")) -> list:
+              soft_topologies: tuple = ("local", "proc", "shm", "netns")) -> list:
     out = []
     for provider in providers:
         if provider == "soft":
@@ -73,7 +76,13 @@ def _worlds(request):
             if hasattr(shared, "close"):
                 cleanups.append(shared.close)
         elif topo == "proc":
-            a, b = RemoteAgent(provider, progress), RemoteAgent(provider, progress)
+            shm = False if provider == "soft" else None
+            a, b = RemoteAgent(provider, progress, shm=shm), RemoteAgent(provider, progress,
+                                                                        shm=shm)
+            world = World("-".join(map(str, variant)), a, b, ADDRESS)
+        elif topo == "shm":
+            a = RemoteAgent(provider, progress, shm=True, shared=True)
+            b = RemoteAgent(provider, progress, shm=True, shared=True)
             world = World("-".join(map(str, variant)), a, b, ADDRESS)
         else:
             from blockfabric.net import can_create_netns, create_netns_pair, destroy_netns_pair
@@ -108,7 +117,7 @@ def world(request, _worlds) -> World:
     got.reset()
 
 
-@pytest.fixture(params=_variants(["soft"], ("local", "proc")))
+@pytest.fixture(params=_variants(["soft"], ("local", "proc", "shm")))
 def soft_world(request, _worlds) -> World:
     """A soft-provider world, for the strict checks where real devices are looser."""
     got = _worlds(request.param)

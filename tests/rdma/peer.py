@@ -21,12 +21,15 @@ def main() -> None:
     parser.add_argument("--provider", default="soft")
     parser.add_argument("--progress", default=None)
     parser.add_argument("--netns", default=None)
+    parser.add_argument("--shm", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--shared", action="store_true")
     args = parser.parse_args()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if args.netns:
         from blockfabric.net import enter_netns
         enter_netns(args.netns)
-    serve(AgentCore(args.provider, args.progress), sys.stdin, sys.stdout)
+    serve(AgentCore(args.provider, args.progress, args.shm, args.shared), sys.stdin,
+          sys.stdout)
 
 
 if __name__ == "__main__":

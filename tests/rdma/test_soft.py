@@ -206,7 +206,8 @@ class RawPeer:
     def frame(self) -> tuple:
         hdr = self._exact(wire.HEADER_SIZE)
         fields = wire.unpack(hdr)
-        body = self._exact(fields[3]) if fields[0] in wire.PAYLOAD_FRAMES and fields[3] else b""
+        body = (self._exact(fields[3]) if fields[0] in wire.PAYLOAD_FRAMES and fields[3]
+                and not fields[1] & wire.FrameFlags.SHM else b"")   # (SHM: no payload)
         return (*fields, body)
 
     def _exact(self, n: int) -> bytes:

@@ -13,7 +13,8 @@ Every frame starts with a 32-byte header (``wire.HEADER``)::
     0  magic   u8   0xBF
     1  version u8   2 (a peer speaking another version is refused, see below)
     2  type    u8   wire.Frame
-    3  flags   u8   bit 0 WITH_IMM, bit 1 WITH_INV, bit 2 ACK (the ack field is valid)
+    3  flags   u8   bit 0 WITH_IMM, bit 1 WITH_INV, bit 2 ACK (the ack field is valid),
+                    bit 3 SHM (same-host: the data moved through shared memory)
     4  psn     u32  request sequence number (per direction, from 0, wraps)
     8  length  u32  payload bytes that follow; READ_REQ: bytes asked for (nothing follows)
     12 key     u32  WRITE/READ_REQ: rkey; NAK: the WcStatus the requester reports
@@ -35,6 +36,21 @@ peer anything else; when it would leave alone, a reactor's pass lets it wait up 
 delayed ACK; a disconnect sends one still owed before its DREQ.  A pass is one run of the
 engine (and, under a reactor, its owners' work after it); everything a pass has for one
 connection goes out in one sendmsg.
+
+Same-host connections (``SoftProvider(shm=...)``, on unless BLOCKFABRIC_SOFT_SHM=0): a
+listener also listens on the abstract unix socket ``\0blockfabric-soft/ADDRESS/PORT`` of its
+network namespace, and a connect to an address of this namespace uses it when it exists.
+The frames are the same; in addition each side sends a SHARE frame (key: rkey, extra:
+access bits, addr and length: the region) for every region of its PD that is a sealed
+memfd (``pd.shared_slab``) registered for remote access, the memfd travelling with the
+frame's bytes or ahead of them (SCM_RIGHTS), and FORGET (key) when such a region closes.
+A requester whose peer shared the region a WRITE or READ names (and that fits it) moves the
+data with a copy: a WRITE is copied at its post and goes out as its header with flag SHM
+and no payload; a READ_REQ with flag SHM is answered by a READ_RESP with flag SHM and no
+payload, and the requester copies from the region then.  Everything else is unchanged:
+each request takes its PSN, the responder checks the key, bounds and access on the header
+as it would the payload (NAK REM_ACCESS_ERR), and that the region is one it shared
+(REM_INV_REQ_ERR), and completions come from its ACKs in order.
 
 Version 1 (until 2026-12; headers began b"BFRD", a 16-bit flags field and no ack field, and
 every ACK was a frame of its own) is not spoken.  A listener answers a version-1 CONN_REQ
@@ -60,6 +76,11 @@ both sides and in the CM exchange:
   ACK, RNR_NAK; extra unless a flag gives it a meaning (CONN_REQ/CONN_REP: a 24-bit QP
   number); ack unless flag ACK; addr of all but WRITE and READ_REQ;
 * NAK key: a remote error status (REM_INV_REQ_ERR, REM_ACCESS_ERR, REM_OP_ERR);
+* shared memory: SHARE, FORGET and flag SHM only on a same-host (unix socket) connection;
+  a SHARE's descriptor must be a memfd sealed against shrinking (F_SEAL_SHRINK: no page of
+  the mapping can go away, so no SIGBUS), at least as long as the region and mappable for
+  writing, its key new; at most 16 descriptors may wait for their SHARE frames; regions past
+  64 or past 4 GiB mapped per connection are declined (requests to them use the socket);
 * PSNs: a request must carry the next PSN (another only while go-back-N after an RNR NAK,
   when it is dropped, or once the QP is in ERR); an ACK, NAK, RNR_NAK or READ_RESP must name
   a request that was sent (ACK, a request's ack field, READ_RESP: sent *whole*, every byte

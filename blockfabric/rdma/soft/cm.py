@@ -16,6 +16,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from blockfabric.rdma.soft.qp import DEFAULT_ACK_TIMEOUT, SoftQP
 from blockfabric.rdma.soft.wire import Frame
 
 PROGRESS_ENV = "BLOCKFABRIC_SOFT_PROGRESS"
+#: "0" turns same-host connections through shared memory off (see SoftProvider)
+SHM_ENV = "BLOCKFABRIC_SOFT_SHM"
 #: How long a listener that cannot even shed (no descriptor at all) stops polling.
 SHED_PAUSE = 0.1
 #: An out-of-descriptors episode ends with the first accept this long after the last shortage.
@@ -57,8 +60,34 @@ def _check_private_data(data: bytes, limit: int, what: str) -> bytes:
     return data
 
 
+def shm_name(address: str, port: int) -> bytes:
+    """The abstract unix socket beside a listener on ``address`` ``port``: a name in this
+    network namespace's abstract namespace, so only a host that could reach the listener
+    on that address here (the same network namespace) finds it."""
+    return f"\0blockfabric-soft/{address}/{port}".encode()
+
+
+def _unix_local(sock: socket.socket) -> tuple[str, int]:
+    """The (address, port) of the listener a same-host socket was accepted by."""
+    name = sock.getsockname()
+    try:
+        _, address, port = bytes(name).decode().split("/")
+        return address, int(port)
+    except (ValueError, UnicodeDecodeError):
+        return "local", 0
+
+
+def _peer_cred(sock: socket.socket) -> tuple[str, int]:
+    """A same-host peer as an address: ("local", its process id)."""
+    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
+                                                           socket.SO_PEERCRED, 12))
+    return "local", pid
+
+
 def _tune(sock: socket.socket, user_timeout: float) -> None:
     """Latency first; a dead peer must surface as an error, not a hang."""
+    if sock.family == socket.AF_UNIX:
+        return                  # a dead peer process closes it: nothing to tune
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
@@ -107,8 +136,13 @@ class SoftCMId(CMId):
         self._source: str | None = None
         self._events: deque[CMEvent] = deque()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self.local_address = sock.getsockname()[:2] if sock is not None else ("", 0)
-        self.peer_address = sock.getpeername()[:2] if sock is not None else ("", 0)
+        if sock is None:
+            self.local_address = self.peer_address = ("", 0)
+        elif sock.family == socket.AF_UNIX:
+            self.local_address, self.peer_address = _unix_local(sock), _peer_cred(sock)
+        else:
+            self.local_address, self.peer_address = (sock.getsockname()[:2],
+                                                     sock.getpeername()[:2])
         self.closed = False
 
     # active side ---------------------------------------------------------
@@ -143,12 +177,15 @@ class SoftCMId(CMId):
             raise RdmaError("connect needs resolve() and create_qp() first", errno=_errno.EINVAL)
         family, sockaddr = self._target
         deadline = time.monotonic() + timeout
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        local = None if self._source else self.provider.connect_local(sockaddr, timeout)
+        tcp = local is None
+        sock = socket.socket(family, socket.SOCK_STREAM) if local is None else local
         try:
-            if self._source:
-                sock.bind((self._source, 0))
-            sock.settimeout(timeout)
-            sock.connect(sockaddr)
+            if tcp:
+                if self._source:
+                    sock.bind((self._source, 0))
+                sock.settimeout(timeout)
+                sock.connect(sockaddr)
             sock.sendall(_cm_frame(Frame.CONN_REQ, data, self.qp.qp_num))
             ftype, _qpn, reply = _recv_frame(sock, deadline)
         except socket.timeout as exc:
@@ -172,8 +209,11 @@ class SoftCMId(CMId):
             sock.close()
             raise RdmaError(f"unexpected CM frame {ftype}", errno=_errno.EPROTO)
         self.private_data = reply
-        self.local_address = sock.getsockname()[:2]
-        self.peer_address = sock.getpeername()[:2]
+        if sock.family == socket.AF_UNIX:
+            self.local_address, self.peer_address = ("local", os.getpid()), sockaddr[:2]
+        else:
+            self.local_address = sock.getsockname()[:2]
+            self.peer_address = sock.getpeername()[:2]
         sock.sendall(wire.pack(Frame.CONN_RTU))
         _tune(sock, ack_timeout * (retry_count + 1))
         self.qp.start(sock, rnr_retry_count, retry_count, ack_timeout)
@@ -291,6 +331,21 @@ class SoftListener(Listener):
         self.local_address = self._lsock.getsockname()[:2]
         self._ep = select.epoll()
         self._ep.register(self._lsock.fileno(), select.EPOLLIN)
+        #: the same-host listener beside it (see SoftProvider), if shared memory is on
+        self._usock: socket.socket | None = None
+        if provider.shm:
+            usock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                usock.bind(shm_name(*self.local_address[:2]))
+                usock.listen(backlog)
+            except OSError as exc:
+                usock.close()
+                log.info("listener %s:%s: no same-host socket beside it (%s); same-host "
+                         "hosts connect over TCP", *self.local_address[:2], exc)
+            else:
+                usock.setblocking(False)
+                self._ep.register(usock.fileno(), select.EPOLLIN)
+                self._usock = usock
         #: fd -> [sock, buffer, bytes wanted, deadline]; insertion order is age order
         self._pending: dict[int, list] = {}
         self._ready: deque[SoftCMId] = deque()
@@ -313,7 +368,9 @@ class SoftListener(Listener):
                 left = until if left < 0 else min(left, until)
             for fd, _ev in self._ep.poll(left):
                 if fd == self._lsock.fileno():
-                    self._accept_all()
+                    self._accept_all(self._lsock)
+                elif self._usock is not None and fd == self._usock.fileno():
+                    self._accept_all(self._usock)
                 elif fd in self._pending:
                     self._read_request(fd)
             if deadline is not None and time.monotonic() >= deadline and not self._ready:
@@ -338,17 +395,21 @@ class SoftListener(Listener):
             self._drop(fd).close()
         if self._paused_until is not None and now >= self._paused_until:
             self._paused_until = None
-            self._ep.register(self._lsock.fileno(), select.EPOLLIN)
+            for lsock in self._listening():
+                self._ep.register(lsock.fileno(), select.EPOLLIN)
 
-    def _accept_all(self) -> None:
+    def _listening(self) -> list[socket.socket]:
+        return [self._lsock] if self._usock is None else [self._lsock, self._usock]
+
+    def _accept_all(self, lsock: socket.socket) -> None:
         while True:
             try:
-                sock, _peer = self._lsock.accept()
+                sock, _peer = lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in _NO_FDS:
-                    if not self._out_of_fds(exc):
+                    if not self._out_of_fds(exc, lsock):
                         return
                     continue
                 if exc.errno in (_errno.ECONNABORTED, _errno.EPROTO, _errno.EPERM):
@@ -370,7 +431,7 @@ class SoftListener(Listener):
                                             time.monotonic() + self.request_timeout]
             self._ep.register(sock.fileno(), select.EPOLLIN)
 
-    def _out_of_fds(self, exc: OSError) -> bool:
+    def _out_of_fds(self, exc: OSError, lsock: socket.socket) -> bool:
         """Shed one waiting connection: the oldest half-read request gives its descriptor
         back, else the reserved one does, so the connection can be accepted and closed.
         False (and the socket paused) when that is not possible."""
@@ -383,7 +444,7 @@ class SoftListener(Listener):
             os.close(self._reserve)
             self._reserve = None
             try:
-                self._lsock.accept()[0].close()
+                lsock.accept()[0].close()
             except (BlockingIOError, InterruptedError):
                 self._reserve = _reserve_fd()
                 return False    # nothing waits any more
@@ -394,7 +455,8 @@ class SoftListener(Listener):
                 self._reserve = _reserve_fd()
                 return True
             self._reserve = _reserve_fd()
-        self._ep.unregister(self._lsock.fileno())
+        for other in self._listening():
+            self._ep.unregister(other.fileno())
         self._paused_until = time.monotonic() + SHED_PAUSE
         return False
 
@@ -456,8 +518,9 @@ class SoftListener(Listener):
             self._versions_refused.add(exc.version)
             peer = "?"
             try:
-                peer = "%s:%s" % tuple(sock.getpeername()[:2])
-            except OSError:
+                peer = "%s:%s" % (_peer_cred(sock) if sock.family == socket.AF_UNIX
+                                  else tuple(sock.getpeername()[:2]))
+            except (OSError, TypeError):
                 pass
             log.warning("listener %s:%s: refused %s (%s); further ones are refused "
                         "silently", *self.local_address[:2], peer, exc)
@@ -489,20 +552,33 @@ class SoftListener(Listener):
             self._reserve = None
         self._ep.close()
         self._lsock.close()
+        if self._usock is not None:
+            self._usock.close()
 
 
 class SoftProvider(Provider):
     """The soft RDMA provider.  ``progress``: "poll" (default: the engine runs inside
     ``CQ.poll``, i.e. on the thread that owns the completion queues, the reactor of a target
     or host) or "thread" (its own thread, for owners that do not poll); the environment
-    variable BLOCKFABRIC_SOFT_PROGRESS sets the default."""
+    variable BLOCKFABRIC_SOFT_PROGRESS sets the default.
+
+    ``shm`` (default on; BLOCKFABRIC_SOFT_SHM=0 turns it off): same-host connections.  A
+    listener also listens on an abstract unix socket named after its address and port
+    (:func:`shm_name`), and a connect to an address of this network namespace goes there
+    when it exists.  Over it both ends offer their shared regions (memory from
+    ``pd.shared_slab`` registered for remote access) with SCM_RIGHTS, and RDMA WRITE and
+    READ data to such a region is copied by the requester instead of crossing the socket;
+    every request is still a frame, checked and acknowledged as on TCP."""
 
     name = "soft"
 
-    def __init__(self, progress: str | None = None) -> None:
+    def __init__(self, progress: str | None = None, shm: bool | None = None) -> None:
         self.progress = progress or os.environ.get(PROGRESS_ENV) or "poll"
         if self.progress not in ("thread", "poll"):
             raise ValueError(f"progress must be 'thread' or 'poll', not {self.progress!r}")
+        self.shm = (os.environ.get(SHM_ENV, "1").strip().lower() not in ("0", "no", "false",
+                                                                          "off")
+                    if shm is None else shm)
         self._ctx: SoftContext | None = None
         self._ctx_lock = threading.Lock()
 
@@ -537,6 +613,27 @@ class SoftProvider(Provider):
             except OSError:
                 return False
         return True
+
+    def connect_local(self, sockaddr: tuple, timeout: float) -> socket.socket | None:
+        """A same-host connection to the listener on ``sockaddr`` (see the class text), or
+        None: shared memory off, no such listener here, or the address not of this network
+        namespace (a listener on the unspecified address is used only for one that is)."""
+        if not self.shm:
+            return None
+        address, port = str(sockaddr[0]), int(sockaddr[1])
+        names = [shm_name(address, port)]
+        if self.owns_address(address):
+            names += [shm_name("0.0.0.0", port), shm_name("::", port)]
+        for name in names:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(name)
+            except OSError:
+                sock.close()
+                continue
+            return sock
+        return None
 
     def listen(self, address: str, port: int, backlog: int = 128, *,
                max_pending: int = MAX_PENDING_REQUESTS,

@@ -4,13 +4,25 @@ Registration pins the caller's buffer (a ctypes view holds a buffer export, so a
 cannot be resized nor an mmap closed while registered) and yields its real virtual address.
 Keys are random 32-bit numbers, unique among the device's live keys; lkey and rkey differ,
 so an lkey is no use as an rkey, and a peer cannot guess a key from another it has seen.
+
+Shared regions (same-host connections, see ``SoftProvider``): :meth:`SoftPD.shared_slab`
+gives memory backed by a memfd sealed against shrinking and growing, and a region
+registered over the whole of one is offered, with its descriptor, to the peers of this PD's
+connections over a unix socket; they map it and move RDMA READ and WRITE data with a copy
+instead of through the socket.  The seals keep a peer from ever faulting on it (no page can
+go away under its mapping), and the memory is the region's alone, so a peer that copies
+after the region closed reaches only pages no one else uses.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno as _errno
+import fcntl
+import mmap
+import os
 import secrets
+import weakref
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from blockfabric.errors import RdmaError
@@ -33,10 +45,47 @@ class KeyTables(Protocol):
 
 
 _Ctx = TypeVar("_Ctx", bound=KeyTables)
+_REMOTE = int(Access.REMOTE_READ | Access.REMOTE_WRITE)
+#: the largest region shared whole (a SHARE frame's length field is 32 bits)
+MAX_SHARED_REGION = 1 << 31
+
+
+#: the seals a shared region's memfd carries, and that a peer's must carry before it is mapped
+SHARE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SharedSlab(mmap.mmap):
+    """Memory a peer on this host may map: a sealed memfd of ``length`` bytes, mapped
+    shared.  ``memfd`` stays open for as long as the slab (it is what a connection passes);
+    :meth:`close` closes both."""
+
+    memfd: int
+    _fdclose: weakref.finalize
+
+    def __new__(cls, length: int, name: str = "blockfabric-soft") -> SharedSlab:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, length)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARE_SEALS)
+            slab = super().__new__(cls, fd, length)
+        except BaseException:
+            os.close(fd)
+            raise
+        slab.memfd = fd
+        slab._fdclose = weakref.finalize(slab, os.close, fd)
+        return slab
+
+    def close(self) -> None:
+        """Unmap and close the descriptor (a view still exported elsewhere keeps both: the
+        mapping raises BufferError, as any mmap's, and the descriptor closes with it)."""
+        super().close()
+        self.memfd = -1
+        self._fdclose()
 
 
 class SoftMR(MR):
-    """One registered region; ``buf`` is a memoryview of exactly its bytes."""
+    """One registered region; ``buf`` is a memoryview of exactly its bytes; ``slab`` the
+    :class:`SharedSlab` it covers whole, if it does (else None)."""
 
     def __init__(self, pd: SoftPD[Any], buffer: Buffer, access: Access, lkey: int,
                  rkey: int) -> None:
@@ -62,6 +111,8 @@ class SoftMR(MR):
         self.bits = int(access)     # for the per-I/O checks: no enum arithmetic there
         self.lkey = lkey
         self.rkey = rkey
+        self.slab = (buffer if type(buffer) is SharedSlab and view.nbytes == len(buffer)
+                     and 0 < self.length <= MAX_SHARED_REGION else None)
         self.closed = False
 
     def close(self) -> None:
@@ -69,6 +120,8 @@ class SoftMR(MR):
             return
         self.closed = True
         self.pd._forget(self)
+        if self.slab is not None:
+            self.pd.unshare(self)
         del self._pin
         self.buf.release()
 
@@ -94,7 +147,31 @@ class SoftPD(PD, Generic[_Ctx]):
         self._mrs.add(mr)
         self.ctx.lkeys[lkey] = mr
         self.ctx.rkeys[rkey] = mr
+        if mr.slab is not None and mr.bits & _REMOTE:
+            for qp in self._sharing():
+                qp.share(mr)
         return mr
+
+    def shared_slab(self, length: int) -> SharedSlab:
+        """Memory to register for remote access that a same-host peer can map (see the
+        module text); anywhere else it is plain memory."""
+        return SharedSlab(length)
+
+    def shared(self) -> list[SoftMR]:
+        """The regions of this PD a same-host peer is offered: shared slabs registered with
+        remote access."""
+        return [mr for mr in list(self._mrs) if mr.slab is not None and mr.bits & _REMOTE]
+
+    def _sharing(self) -> list:
+        """The connections of this PD whose peer maps shared regions."""
+        return [qp for qp in list(getattr(self.ctx, "_qps", ()))
+                if qp.pd is self and qp.shm]
+
+    def unshare(self, mr: SoftMR) -> None:
+        """``mr`` closed: its peers drop their mapping (a FORGET frame each)."""
+        if mr.bits & _REMOTE:
+            for qp in self._sharing():
+                qp.forget(mr)
 
     def _forget(self, mr: SoftMR) -> None:
         self._mrs.discard(mr)

@@ -25,9 +25,14 @@ reads and calls on its hottest path (issue 14), and the RC rules would be read i
 
 from __future__ import annotations
 
+import array
 import errno as _errno
+import fcntl
 import logging
+import mmap
+import os
 import socket
+import stat
 import threading
 import time
 from collections import deque
@@ -95,19 +100,26 @@ _SIGNALED, _INLINE = int(SendFlags.SIGNALED), int(SendFlags.INLINE)
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _F_IMM, _F_INV, _F_ACK = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV), int(FrameFlags.ACK)
+_F_SHM = int(FrameFlags.SHM)
 _SEND, _WRITE, _READ_REQ = int(Frame.SEND), int(Frame.WRITE), int(Frame.READ_REQ)
+_SHARE, _FORGET = int(Frame.SHARE), int(Frame.FORGET)
 _NOT_ACK = 0xFF & ~_F_ACK       # header flag bits other than ACK
 _READ_RESP, _ACK, _NAK = int(Frame.READ_RESP), int(Frame.ACK), int(Frame.NAK)
 _RNR_NAK, _DREQ, _CONN_RTU = int(Frame.RNR_NAK), int(Frame.DREQ), int(Frame.CONN_RTU)
 # what the payload in flight is for, when it has all arrived
 RX_DISCARD, RX_RECV, RX_WRITE, RX_READ = range(4)
+# same-host connections (shared regions, see share()): what one peer may make this side map
+MAX_SHARES = 64                 # regions mapped at once (more are declined: the socket path)
+MAX_SHARED_BYTES = 1 << 32      # address space, all its regions together (4 GiB; declined)
+MAX_FDS_WAITING = 16            # descriptors received ahead of their SHARE frames
+_FDS_SPACE = socket.CMSG_SPACE(MAX_FDS_WAITING * array.array("i").itemsize)
 
 
 class _Entry:
     """One send-queue slot: posted, maybe transmitted, not yet completed."""
 
     __slots__ = ("psn", "wr_id", "opcode", "byte_len", "signaled", "status", "frame", "views",
-                 "rnr", "sent", "size", "end")
+                 "rnr", "sent", "size", "end", "src")
 
     psn: int | None                 # None: it failed its local checks (never sent)
     wr_id: int
@@ -121,6 +133,7 @@ class _Entry:
     sent: bool
     size: int                       # its frame's bytes
     end: int                        # _tx_queued when its frame was queued whole
+    src: memoryview | None          # a READ through a shared region: the bytes it reads
 
 
 def _advance(views: list, n: int) -> list:
@@ -223,6 +236,13 @@ class SoftQP(QP):
         self._rkind = RX_DISCARD
         self._rwc: WC | RawWC | None = None
         self._rentry: _Entry | None = None
+        # same-host connection (a unix socket): shared regions, both ways
+        self.shm = False
+        self._peer: dict[int, tuple] = {}   # the peer's rkey -> (addr, end, access, view)
+        self._peer_bytes = 0
+        self._shared: set[int] = set()      # rkeys of this side's regions the peer maps
+        self._fds_in: deque[int] = deque()  # descriptors received, for the SHAREs to come
+        self._fds_out: list[int] = []       # ... to send, with the next bytes that go out
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -247,7 +267,110 @@ class SoftQP(QP):
             sock.setblocking(False)
             self._state = _RTS
             self._last_progress = _now()
+            self.shm = sock.family == socket.AF_UNIX
             self.ctx.register(self)
+            if self.shm:
+                for mr in self.pd.shared():
+                    self.share(mr)
+
+    # ------------------------------------------------------------------ shared regions
+    def share(self, mr: SoftMR) -> None:
+        """Offer ``mr`` (a shared slab registered for remote access) to a same-host peer: a
+        SHARE frame, its memfd with the next bytes sent (a duplicate, so the slab may close
+        meanwhile).  Past MAX_SHARES regions the rest keep to the socket."""
+        with self._lock:
+            slab = mr.slab
+            if (not self.shm or self._dead or mr.closed or slab is None or slab.memfd < 0
+                    or mr.rkey in self._shared or len(self._shared) >= MAX_SHARES):
+                return
+            self._fds_out.append(os.dup(slab.memfd))
+            self._shared.add(mr.rkey)
+            self._control(_pack(_SHARE, 0, mr.length, mr.rkey, mr.bits, mr.addr))
+
+    def forget(self, mr: SoftMR) -> None:
+        """``mr`` closed: the peer unmaps it (FORGET).  A copy the peer started before
+        reaches only the region's own pages, which nothing else uses."""
+        with self._lock:
+            if mr.rkey in self._shared:
+                self._shared.discard(mr.rkey)
+                if not self._dead:
+                    self._control(_pack(_FORGET, 0, 0, mr.rkey))
+
+    def _control(self, frame: bytes) -> None:
+        """A SHARE or FORGET frame: queued behind everything before it, sent now."""
+        self._tx_queued += HDR
+        self._outq.append(frame)
+        if not self._blocked:
+            self._flush()
+
+    def _rx_share(self, length: int, key: int, access: int, addr: int) -> None:
+        """The peer's region, mapped once its descriptor passes every check: a memfd sealed
+        against shrinking (so no page of the mapping can go away: no SIGBUS), at least as
+        long as the region, writable.  Past this connection's limits (MAX_SHARES regions,
+        MAX_SHARED_BYTES) it is declined: requests to it keep to the socket."""
+        if not self.shm:
+            raise wire.WireError("a shared region offered on a connection between hosts")
+        if not self._fds_in:
+            raise wire.WireError(f"shared region {key:#x} came without its descriptor")
+        fd = self._fds_in.popleft()
+        try:
+            if key in self._peer or not length:
+                raise wire.WireError(f"shared region {key:#x} of {length} B: empty, or a "
+                                     "key shared already")
+            if len(self._peer) >= MAX_SHARES or self._peer_bytes + length > MAX_SHARED_BYTES:
+                return                  # declined (the finally closes the descriptor)
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                st = os.fstat(fd)
+            except OSError as exc:
+                raise wire.WireError(f"shared region {key:#x}: not a sealed memfd "
+                                     f"({exc.strerror})") from exc
+            if not seals & fcntl.F_SEAL_SHRINK or not stat.S_ISREG(st.st_mode) \
+                    or st.st_size < length:
+                raise wire.WireError(f"shared region {key:#x}: its memfd is not sealed "
+                                     f"against shrinking, or shorter than {length} B")
+            try:
+                m = mmap.mmap(fd, length)
+            except (OSError, ValueError) as exc:
+                raise wire.WireError(f"shared region {key:#x}: cannot map it ({exc})") from exc
+        finally:
+            os.close(fd)
+        self._peer[key] = (addr, addr + length, access, memoryview(m))
+        self._peer_bytes += length
+
+    def _rx_forget(self, key: int) -> None:
+        got = self._peer.pop(key, None)
+        if got is None:
+            return                      # a region declined (or never offered): nothing mapped
+        self._peer_bytes -= got[1] - got[0]
+        got[3].release()        # the mapping goes with the last view a WR still holds
+
+    def _unshare_all(self) -> None:
+        """The connection is gone: every descriptor and mapping of it let go."""
+        for fd in (*self._fds_in, *self._fds_out):
+            os.close(fd)
+        self._fds_in.clear()
+        self._fds_out.clear()
+        for got in self._peer.values():
+            got[3].release()
+        self._peer.clear()
+        self._peer_bytes = 0
+        self._shared.clear()
+
+    def _recv_shm(self, views: list) -> int:
+        """recvmsg_into ``views`` on a same-host connection: descriptors that came with the
+        bytes wait for their SHARE frames (at most MAX_SHARES; a truncated set ends the
+        connection, since a SHARE would then find the wrong one)."""
+        n, anc, flags, _ = self.sock.recvmsg_into(views, _FDS_SPACE)  # type: ignore[union-attr]
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+                self._fds_in.extend(fds)
+        if flags & socket.MSG_CTRUNC or len(self._fds_in) > MAX_FDS_WAITING:
+            raise wire.WireError(f"more than {MAX_FDS_WAITING} descriptors ahead of their "
+                                 "SHARE frames")
+        return n
 
     def disconnect(self) -> None:
         with self._lock:
@@ -294,6 +417,8 @@ class SoftQP(QP):
             pass
         self._outq.clear()
         self._abort_rx()
+        if self.shm:
+            self._unshare_all()
 
     def fail(self, exc: BaseException) -> None:
         """The engine caught ``exc`` while handling this connection: end it, and only it."""
@@ -433,7 +558,7 @@ class SoftQP(QP):
             end = self._tx_queued
             for wr in wrs:
                 # the first request that goes out now carries the ACK this side owes
-                e = self._build(wr, cap, go and self._ack_due)
+                e = self._build(wr, cap, go and self._ack_due, go)
                 sq.append(e)
                 if e.psn is None:
                     # stop here until it reaches the head and moves the QP to ERR (_retire):
@@ -489,6 +614,12 @@ class SoftQP(QP):
         data = ma.buf[off:off + alen]
         off = baddr - mb.addr
         resp = mb.buf[off:off + blen]
+        peer = self._peer
+        if peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
+            flags |= _F_SHM             # the data went through the shared region
+            wsize = 0
+        else:
+            wsize = alen
         whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
                     write.remote_addr)
         shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
@@ -498,9 +629,9 @@ class SoftQP(QP):
         e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
         e.signaled = sig_all or bool(wflags & _SIGNALED)
         e.status = e.rnr = 0
-        e.views, e.frame = [data], [whdr, data]
+        e.views, e.frame = [data], [whdr, data] if wsize else [whdr]
         e.sent = True
-        e.size = size = HDR + alen
+        e.size = size = HDR + wsize
         e.end = end = end + size
         sq.append(e)
         e = _Entry()
@@ -512,15 +643,34 @@ class SoftQP(QP):
         e.size = HDR + blen
         e.end = end + HDR + blen
         sq.append(e)
-        self._xmit([whdr, data, shdr, resp], size + HDR + blen)
+        self._xmit([whdr, data, shdr, resp] if wsize else [whdr, shdr, resp],
+                   size + HDR + blen)
         return True
 
-    def _build(self, wr: SendWR, cap: QPCap, ack: bool = False) -> _Entry:
+    def _to_peer(self, rkey: int, raddr: int, views: list, total: int) -> bool:
+        """An RDMA WRITE through the peer's shared region, if ``rkey`` names one the write
+        fits (the peer checks it again on the header, as it would the payload): the data
+        copied now, at the post.  False: it goes through the socket."""
+        got = self._peer.get(rkey)
+        if got is None or not got[2] & _REMOTE_WRITE or raddr < got[0] \
+                or raddr + total > got[1] or not total:
+            return False
+        off = raddr - got[0]
+        dst = got[3]
+        for v in views:
+            n = len(v)
+            dst[off:off + n] = v
+            off += n
+        return True
+
+    def _build(self, wr: SendWR, cap: QPCap, ack: bool = False, now: bool = True) -> _Entry:
         """A send-queue entry with its frame; ``psn`` None when local checks failed.  With
         ``ack``, the header carries the cumulative ACK this side owes (and no longer owes
-        it: the caller sends the frame in this pass)."""
+        it: the caller sends the frame in this pass).  ``now``: it goes out at once, so an
+        RDMA WRITE or READ may go through a shared region (not one held behind others)."""
         op = wr.opcode
         e = _Entry()
+        e.src = None
         e.wr_id = wr.wr_id
         e.opcode = _WC_OF[op]
         flags = int(wr.send_flags)
@@ -572,15 +722,27 @@ class SoftQP(QP):
         # ACK than the peer has seen completes nothing, and is allowed)
         if op == _OP_SEND:              # the per-I/O opcodes first
             e.frame = [_hdr(_MAGIC, _VERSION, _SEND, flags, psn, total, 0, 0, done, 0), *views]
-        elif op == _OP_WRITE:
-            e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
-                            wr.remote_addr), *views]
+        elif op == _OP_WRITE or op == _OP_WRITE_IMM:
+            if now and self._peer and self._to_peer(wr.rkey, wr.remote_addr, views, total):
+                e.size = HDR
+                flags |= _F_SHM
+                views = []
+            if op == _OP_WRITE:
+                e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
+                                wr.remote_addr), *views]
+            else:
+                e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
+                                 flags | _F_IMM, done), *views]
         elif op == _OP_READ:
+            if now and self._peer and total:
+                got = self._peer.get(wr.rkey)
+                raddr = wr.remote_addr
+                if got is not None and got[2] & _REMOTE_READ and got[0] <= raddr \
+                        and raddr + total <= got[1]:
+                    flags |= _F_SHM     # copied from the region when the answer comes
+                    e.src = got[3][raddr - got[0]:raddr - got[0] + total]
             e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
                             wr.remote_addr)]
-        elif op == _OP_WRITE_IMM:
-            e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
-                             flags | _F_IMM, done), *views]
         elif op == _OP_SEND_INV:
             e.frame = [_pack(_SEND, psn, total, 0, wr.invalidate_rkey, 0, flags | _F_INV,
                              done), *views]
@@ -706,7 +868,15 @@ class SoftQP(QP):
         sock: socket.socket = self.sock  # type: ignore[assignment]  # (started: a socket)
         while q and not self._dead:
             try:
-                n = sock.sendmsg(list(islice(q, IOV_BATCH)))
+                if self._fds_out:       # a SHARE's descriptor: with these bytes, or before
+                    n = sock.sendmsg(list(islice(q, IOV_BATCH)), [(
+                        socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", self._fds_out))])
+                    if n:
+                        for fd in self._fds_out:
+                            os.close(fd)
+                        self._fds_out.clear()
+                else:
+                    n = sock.sendmsg(list(islice(q, IOV_BATCH)))
             except BlockingIOError:
                 break
             except OSError as exc:
@@ -808,7 +978,8 @@ class SoftQP(QP):
                         self._spos = 0
                         fill = self._sfill = left
                     room = len(stage) - fill
-                    n = sock.recv_into(stage[fill:], room)
+                    n = self._recv_shm([stage[fill:]]) if self.shm else \
+                        sock.recv_into(stage[fill:], room)
                     if n == 0:
                         raise ConnectionResetError("peer closed the connection")
                     self._sfill = fill + n
@@ -873,7 +1044,10 @@ class SoftQP(QP):
         want = self._rleft
         if views is None:
             want = min(want, len(self._stage))
-            n = sock.recv_into(self._smv, want)
+            n = self._recv_shm([self._smv[:want]]) if self.shm else \
+                sock.recv_into(self._smv, want)
+        elif self.shm:
+            n = self._recv_shm(views)
         elif len(views) == 1:
             n = sock.recv_into(views[0])
         else:
@@ -901,7 +1075,8 @@ class SoftQP(QP):
         # types, flags, fields) goes through decode, which says what is wrong with it.
         magic, version, ftype, flags, psn, length, key, extra, ack, addr = \
             _unpack_header(self._stage, at)
-        if (magic != _MAGIC or version != _VERSION or flags & _NOT_ACK or extra
+        if (magic != _MAGIC or version != _VERSION or extra
+                or (flags & _NOT_ACK and (ftype != _WRITE or flags & _NOT_ACK != _F_SHM))
                 or length > _MAX_MESSAGE or (ack and not flags)
                 or not (ftype == _WRITE or (ftype == _SEND and not key and not addr))):
             ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
@@ -928,9 +1103,9 @@ class SoftQP(QP):
             elif ftype == _WRITE:
                 self._rx_write(psn, flags, length, key, extra, addr)
             else:
-                self._rx_read_req(psn, length, key, addr)
+                self._rx_read_req(psn, flags, length, key, addr)
         elif ftype == _READ_RESP:
-            self._rx_read_resp(psn, length)
+            self._rx_read_resp(psn, flags, length)
         elif self._state == _ERR and _ACK <= ftype <= _RNR_NAK:
             return              # answers to what was flushed
         elif ftype == _ACK:
@@ -947,6 +1122,10 @@ class SoftQP(QP):
             self._die("peer disconnected")
         elif ftype == _CONN_RTU and self._rtu_due:
             self._rtu_due = False
+        elif ftype == _SHARE:
+            self._rx_share(length, key, extra, addr)
+        elif ftype == _FORGET:
+            self._rx_forget(key)
         else:
             raise wire.WireError(f"unexpected frame type {ftype} on a connected QP")
 
@@ -1015,7 +1194,13 @@ class SoftQP(QP):
 
     def _rx_write(self, psn: int, flags: int, length: int, key: int, extra: int,
                   addr: int) -> None:
-        if length:
+        shm = flags & _F_SHM
+        if shm:
+            # the requester copied the data into the region already: checked as if it came
+            # here (a NAK if this side would not have taken it), nothing follows the header
+            if self._shared_mr(psn, key, addr, length, _REMOTE_WRITE) is None:
+                return
+        elif length:
             # _rkey_mr, inline: the per-I/O case (a read's data arriving at the host)
             mr = self.ctx.rkeys.get(key)
             if (mr is None or mr.pd is not self.pd or not mr.bits & _REMOTE_WRITE
@@ -1024,14 +1209,14 @@ class SoftQP(QP):
                 return
         self._rwc = None
         if flags & _F_IMM:
-            recv = self._take_recv(psn, length)
+            recv = self._take_recv(psn, 0 if shm else length)
             if recv is None:
                 return
             self._rwc = WC(recv[0], WcStatus.SUCCESS, WcOpcode.RECV_RDMA_WITH_IMM, length,
                            self.qp_num, WcFlags.WITH_IMM, imm_data=extra)
         self._exp_psn = (psn + 1) & M
         self._rx_psn = psn
-        if not length:
+        if shm or not length:
             self._expect(None, 0, RX_WRITE)
             return
         off = addr - mr.addr  # type: ignore[union-attr]  # _expect, inline (length: an mr)
@@ -1039,7 +1224,31 @@ class SoftQP(QP):
         self._rleft = length
         self._rkind = RX_WRITE
 
-    def _rx_read_req(self, psn: int, length: int, key: int, addr: int) -> None:
+    def _shared_mr(self, psn: int, key: int, addr: int, length: int, need: int
+                   ) -> SoftMR | None:
+        """The region a request flagged SHM names, checked as any (REM_ACCESS_ERR), and
+        shared with this peer (REM_INV_REQ_ERR: a requester cannot have copied otherwise);
+        None after the NAK."""
+        if not self.shm:
+            raise wire.WireError("shared-memory request on a connection between hosts")
+        mr = self._rkey_mr(key, addr, length, need)
+        if mr is None:
+            self._responder_error(psn, 0, WcStatus.REM_ACCESS_ERR)
+        elif key not in self._shared:
+            self._responder_error(psn, 0, WcStatus.REM_INV_REQ_ERR)
+            mr = None
+        return mr
+
+    def _rx_read_req(self, psn: int, flags: int, length: int, key: int, addr: int) -> None:
+        if flags & _F_SHM:
+            # the requester copies from the region once this answer says it may
+            if self._shared_mr(psn, key, addr, length, _REMOTE_READ) is None:
+                return
+            self._exp_psn = (psn + 1) & M
+            self._done_psn = psn
+            self._ack_due = False
+            self._xmit([_pack(Frame.READ_RESP, psn, length, flags=_F_SHM)], HDR)
+            return
         mr = self._rkey_mr(key, addr, length, _REMOTE_READ) if length else None
         if length and mr is None:
             self._responder_error(psn, 0, WcStatus.REM_ACCESS_ERR)
@@ -1083,15 +1292,24 @@ class SoftQP(QP):
             self._retire()
 
     # requester ---------------------------------------------------------
-    def _rx_read_resp(self, psn: int, length: int) -> None:
+    def _rx_read_resp(self, psn: int, flags: int, length: int) -> None:
+        shm = flags & _F_SHM
         if self._state == _ERR:
-            self._discard(length)
+            if not shm:
+                self._discard(length)
             return
         e = self._answered(psn, "read response")
-        if e.opcode != _WC_READ or length != e.byte_len or e.end > self._tx_sent:
+        if e.opcode != _WC_READ or length != e.byte_len or e.end > self._tx_sent \
+                or (shm and e.src is None):
             raise wire.WireError(f"read response for PSN {psn} of {length} bytes, which is "
-                                 "no whole READ request of that length")
+                                 "no whole READ request of that length (through shared "
+                                 "memory only if asked so)")
         self._rentry = e
+        if shm:                         # the data is in the shared region: copied now
+            src, e.src = e.src, None
+            _place(e.views, src)        # type: ignore[arg-type]  # (checked above)
+            self._expect(None, 0, RX_READ)
+            return
         self._expect(list(e.views), length, RX_READ)
 
     def _answered(self, psn: int, what: str) -> _Entry:

@@ -41,6 +41,9 @@ class Frame(enum.IntEnum):
     CONN_REJ = 3      # payload: REJ private data
     CONN_RTU = 4      # ready to use: the active side saw the REP
     DREQ = 5          # disconnect request; the socket closes after it
+    SHARE = 6         # same-host only: the region [addr, addr+length) under key (extra:
+    #                   its access bits) is the memfd passed with these bytes (SCM_RIGHTS)
+    FORGET = 7        # same-host only: the region under key is gone; unmap it
     SEND = 16         # payload: message; extra: imm_data or invalidate rkey (flags say which)
     WRITE = 17        # payload: data for [addr, addr+length) under key
     READ_REQ = 18     # no payload: read `length` bytes at addr under key
@@ -56,6 +59,8 @@ class FrameFlags(enum.IntFlag):
     WITH_IMM = 1
     WITH_INV = 2
     ACK = 4         # the ack field carries a cumulative ACK of the other direction's requests
+    SHM = 8         # WRITE, READ_REQ, READ_RESP: the data moves through the shared region
+                    # under key (same-host connections), no payload follows
 
 
 REQUEST_FRAMES = frozenset((Frame.SEND, Frame.WRITE, Frame.READ_REQ))
@@ -123,17 +128,19 @@ NAK_STATUSES = frozenset((9, 10, 11))
 # Per frame type: (flags it may set, largest length, fields that must be zero).  Fields:
 _PSN, _KEY, _EXTRA, _ADDR = 1, 2, 4, 8
 _F_IMM, _F_INV = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV)
-_F_ACK = int(FrameFlags.ACK)
+_F_ACK, _F_SHM = int(FrameFlags.ACK), int(FrameFlags.SHM)
 _RULES: dict[int, tuple[int, int, int]] = {
     Frame.CONN_REQ: (0, MAX_REQ_PRIVATE_DATA, _PSN | _KEY | _ADDR),
     Frame.CONN_REP: (0, MAX_REP_PRIVATE_DATA, _PSN | _KEY | _ADDR),
     Frame.CONN_REJ: (0, MAX_REP_PRIVATE_DATA, _PSN | _KEY | _EXTRA | _ADDR),
     Frame.CONN_RTU: (0, 0, _PSN | _KEY | _EXTRA | _ADDR),
     Frame.DREQ: (0, 0, _PSN | _KEY | _EXTRA | _ADDR),
+    Frame.SHARE: (0, MAX_MESSAGE, _PSN),
+    Frame.FORGET: (0, 0, _PSN | _EXTRA | _ADDR),
     Frame.SEND: (_F_IMM | _F_INV | _F_ACK, MAX_MESSAGE, _KEY | _EXTRA | _ADDR),
-    Frame.WRITE: (_F_IMM | _F_ACK, MAX_MESSAGE, _EXTRA),
-    Frame.READ_REQ: (_F_ACK, MAX_MESSAGE, _EXTRA),
-    Frame.READ_RESP: (0, MAX_MESSAGE, _KEY | _EXTRA | _ADDR),
+    Frame.WRITE: (_F_IMM | _F_ACK | _F_SHM, MAX_MESSAGE, _EXTRA),
+    Frame.READ_REQ: (_F_ACK | _F_SHM, MAX_MESSAGE, _EXTRA),
+    Frame.READ_RESP: (_F_SHM, MAX_MESSAGE, _KEY | _EXTRA | _ADDR),
     Frame.ACK: (0, 0, _KEY | _EXTRA | _ADDR),
     Frame.NAK: (0, 0, _EXTRA | _ADDR),
     Frame.RNR_NAK: (0, 0, _KEY | _EXTRA | _ADDR),

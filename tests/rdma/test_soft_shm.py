@@ -1,0 +1,331 @@
+"""Same-host soft connections: RDMA READ and WRITE data through shared memory, and peers
+that abuse it (descriptors that are not sealed memfds, regions longer than their memory,
+requests flagged for shared memory on regions never shared, shares over TCP)."""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import random
+import socket
+import time
+
+import pytest
+
+from blockfabric.rdma import (SGE, Access, CMEventType, QPState, SendFlags, SendWR, WcStatus,
+                              WrOpcode)
+from blockfabric.rdma.soft import SoftProvider, wire
+from blockfabric.rdma.soft.cm import shm_name
+from blockfabric.rdma.soft.memory import SHARE_SEALS
+from blockfabric.rdma.soft.wire import Frame, FrameFlags
+
+from .test_soft import RawPeer
+
+RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+SHM = int(FrameFlags.SHM)
+MIB = 1 << 20
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def _pair(provider: SoftProvider):
+    """An active and a passive end over ``provider``'s loopback listener (thread progress:
+    the engine answers while the test waits)."""
+    lst = provider.listen("127.0.0.1", 0)
+    ends = []
+    for _ in range(2):
+        ctx = provider.context
+        pd = ctx.alloc_pd()
+        cq = ctx.create_cq()
+        ends.append({"pd": pd, "cq": cq})
+    a, b = ends
+    a["cmid"] = provider.create_id()
+    a["cmid"].resolve("127.0.0.1", lst.local_address[1])
+    a["qp"] = a["cmid"].create_qp(a["pd"], a["cq"], a["cq"])
+    import threading
+    done = {}
+
+    def accept():
+        cmid = lst.get_request(5)
+        b["cmid"] = cmid
+        b["qp"] = cmid.create_qp(b["pd"], b["cq"], b["cq"])
+        cmid.accept(b"ok")
+        done["ok"] = True
+
+    t = threading.Thread(target=accept)
+    t.start()
+    a["cmid"].connect(b"hi")
+    t.join(5)
+    assert done, "no accept"
+    return lst, a, b
+
+
+def _completions(cq, n, timeout=5.0):
+    got: list = []
+    assert _wait(lambda: got.extend(cq.poll()) or len(got) >= n, timeout), got
+    return got
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp"])
+def test_rdma_write_and_read_data_go_through_shared_memory_on_the_same_host(shm):
+    """1 MiB written and read back byte-exact either way; on a same-host connection the
+    socket carries the frames only (a few hundred bytes), over TCP the data too."""
+    p = SoftProvider(progress="thread", shm=shm)
+    lst, a, b = _pair(p)
+    try:
+        assert a["qp"].shm is shm and b["qp"].shm is shm
+        src = a["pd"].reg_mr(a["pd"].shared_slab(MIB), RW)
+        back = a["pd"].reg_mr(a["pd"].shared_slab(MIB), RW)
+        dst = b["pd"].reg_mr(b["pd"].shared_slab(MIB), RW)
+        data = random.Random(7).randbytes(MIB)
+        src.buf[:] = data
+        # B's offer crosses to A (until it has, A's requests to it use the socket)
+        assert _wait(lambda: dst.rkey in a["qp"]._peer) if shm else not a["qp"]._peer
+        a["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, MIB, src.lkey)],
+                                 SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
+        a["qp"].post_send(SendWR(2, WrOpcode.RDMA_READ, [SGE(back.addr, MIB, back.lkey)],
+                                 SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
+        wcs = _completions(a["cq"], 2)
+        assert [(w.wr_id, w.status) for w in wcs] == [(1, WcStatus.SUCCESS),
+                                                     (2, WcStatus.SUCCESS)]
+        assert bytes(dst.buf) == data and bytes(back.buf) == data
+        sent = a["qp"]._tx_queued + b["qp"]._tx_queued
+        if shm:
+            assert sent < 4096, f"{sent} bytes crossed the socket"
+        else:
+            assert sent > 2 * MIB
+    finally:
+        for end in (a, b):
+            end["cmid"].close()
+        lst.close()
+        p.close()
+
+
+def test_a_region_registered_after_the_connection_is_shared_and_forgotten_at_close():
+    p = SoftProvider(progress="thread")
+    lst, a, b = _pair(p)
+    try:
+        src = a["pd"].reg_mr(a["pd"].shared_slab(4096), RW)
+        dst = b["pd"].reg_mr(b["pd"].shared_slab(4096), RW)
+        assert _wait(lambda: dst.rkey in a["qp"]._peer and src.rkey in b["qp"]._peer)
+        dst.close()
+        assert _wait(lambda: dst.rkey not in a["qp"]._peer)
+        # the closed region's key now fails as on any provider, through the socket path
+        a["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, 64, src.lkey)],
+                                 SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
+        assert [w.status for w in _completions(a["cq"], 1)] == [WcStatus.REM_ACCESS_ERR]
+    finally:
+        for end in (a, b):
+            end["cmid"].close()
+        lst.close()
+        p.close()
+
+
+# ---------------------------------------------------------------------- hand-made peers
+
+
+class UnixPeer(RawPeer):
+    """A same-host peer that speaks the soft wire by hand (``tcp``: over TCP instead)."""
+
+    def __init__(self, port: int, tcp: bool = False) -> None:
+        if tcp:
+            super().__init__(port)
+            return
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.connect(shm_name("127.0.0.1", port))
+        self.sock.sendall(wire.pack(Frame.CONN_REQ, length=3) + b"raw")
+
+    def share(self, fd: int | None, length: int, key: int, addr: int = 0x10000,
+              access: int = int(RW)) -> None:
+        frame = wire.pack(Frame.SHARE, 0, length, key, access, addr)
+        anc = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", [fd]))]
+        self.sock.sendmsg([frame], anc)
+
+
+@pytest.fixture
+def passive():
+    """A soft provider listening on loopback (TCP and its same-host socket), accepting one
+    connection at a time with a QP; its engine on its own thread."""
+    p = SoftProvider(progress="thread")
+    lst = p.listen("127.0.0.1", 0)
+    made: list = []
+
+    def accept():
+        cmid = lst.get_request(5)
+        pd = cmid.context.alloc_pd()
+        cq = cmid.context.create_cq()
+        side = {"cmid": cmid, "pd": pd, "cq": cq, "qp": cmid.create_qp(pd, cq, cq)}
+        made.append(side)
+        cmid.accept(b"ok")
+        return side
+
+    yield lst.local_address[1], accept
+    lst.close()
+    for side in made:
+        side["cmid"].close()
+    p.close()
+
+
+def _memfd(length: int, seals: int = 0) -> int:
+    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, length)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _disconnected(side) -> bool:
+    event = side["cmid"].get_event(5)
+    return event is not None and event.type == CMEventType.DISCONNECTED \
+        and side["qp"].state == QPState.ERR
+
+
+def _bystander_works(port: int, accept) -> None:
+    """Another same-host peer connects and has a region written through shared memory."""
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    fd = _memfd(4096, SHARE_SEALS)
+    peer.share(fd, 4096, 0x1234)
+    src = side["pd"].reg_mr(bytearray(b"B" * 64), RW)
+    assert _wait(lambda: 0x1234 in side["qp"]._peer)
+    side["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, 64, src.lkey)],
+                                SendFlags.SIGNALED, remote_addr=0x10000 + 100, rkey=0x1234))
+    ftype, flags, psn, length, key = peer.frame()[:5]
+    assert (ftype, flags & SHM, psn, length, key) == (Frame.WRITE, SHM, 0, 64, 0x1234)
+    assert os.pread(fd, 64, 100) == b"B" * 64      # placed by the provider's copy
+    os.close(fd)
+
+
+@pytest.mark.parametrize("case", ["unsealed", "no-descriptor", "longer-than-memfd",
+                                  "not-a-memfd", "read-only-descriptor"])
+def test_a_share_that_could_fault_or_lie_ends_only_that_connection(passive, case, tmp_path):
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    fd = None
+    if case == "unsealed":
+        fd = _memfd(4096)               # could be truncated under the mapping: SIGBUS
+    elif case == "longer-than-memfd":
+        fd = _memfd(4096, SHARE_SEALS)
+    elif case == "not-a-memfd":
+        path = tmp_path / "file"
+        path.write_bytes(b"\0" * 8192)
+        fd = os.open(path, os.O_RDWR)
+    elif case == "read-only-descriptor":
+        fd = _memfd(4096, SHARE_SEALS)
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        os.close(fd)
+        fd = ro
+    peer.share(fd, 8192 if case == "longer-than-memfd" else 4096, 0x77)
+    if fd is not None:
+        os.close(fd)
+    assert _disconnected(side)
+    assert not side["qp"]._peer and not side["qp"]._fds_in
+    _bystander_works(port, accept)
+
+
+def test_shared_memory_requests_for_regions_never_shared_are_nakked(passive):
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    buf = bytearray(4096)
+    plain = side["pd"].reg_mr(buf, RW)        # registered, but not a shared slab
+    peer.sock.sendall(wire.pack(Frame.WRITE, 0, 64, plain.rkey, 0, plain.addr, SHM))
+    ftype, _fl, psn, _len, status = peer.frame()[:5]
+    assert (ftype, psn, status) == (Frame.NAK, 0, WcStatus.REM_INV_REQ_ERR)
+    assert _wait(lambda: side["qp"].state == QPState.ERR)
+
+    peer2 = UnixPeer(port)
+    side2 = accept()
+    peer2.established()
+    peer2.sock.sendall(wire.pack(Frame.READ_REQ, 0, 64, 0xDEAD, 0, 0x1000, SHM))
+    ftype, _fl, psn, _len, status = peer2.frame()[:5]
+    assert (ftype, psn, status) == (Frame.NAK, 0, WcStatus.REM_ACCESS_ERR)
+    assert _wait(lambda: side2["qp"].state == QPState.ERR)
+    _bystander_works(port, accept)
+
+
+def test_shares_and_shared_memory_requests_over_tcp_end_the_connection(passive):
+    port, accept = passive
+    for frame in (wire.pack(Frame.SHARE, 0, 4096, 0x99, int(RW), 0x1000),
+                  wire.pack(Frame.WRITE, 0, 64, 0x99, 0, 0x1000, SHM)):
+        peer = UnixPeer(port, tcp=True)
+        side = accept()
+        peer.established()
+        assert not side["qp"].shm
+        peer.sock.sendall(frame)
+        assert _disconnected(side)
+    _bystander_works(port, accept)
+
+
+def test_a_peer_cannot_make_this_side_map_without_bound(passive, monkeypatch):
+    """Regions past the connection's limits are declined (requests to them use the socket),
+    descriptors sent ahead of any SHARE frame end the connection."""
+    from blockfabric.rdma.soft import qp as qpmod
+    monkeypatch.setattr(qpmod, "MAX_SHARES", 3)
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    fd = _memfd(4096, SHARE_SEALS)
+    for key in range(1, 6):
+        peer.share(fd, 4096, key)
+    assert _wait(lambda: len(side["qp"]._peer) == 3)
+    time.sleep(0.1)
+    assert sorted(side["qp"]._peer) == [1, 2, 3]
+    # a declined region: the provider's WRITE to it carries its data over the socket
+    src = side["pd"].reg_mr(bytearray(b"D" * 16), RW)
+    side["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, 16, src.lkey)],
+                                SendFlags.SIGNALED, remote_addr=0x10000, rkey=5))
+    frame = peer.frame()
+    assert (frame[0], frame[1] & SHM, frame[-1]) == (Frame.WRITE, 0, b"D" * 16)
+    peer.sock.sendall(wire.pack(Frame.FORGET, key=5))       # forgetting it is no fault
+    peer.sock.sendall(wire.pack(Frame.FORGET, key=1))
+    assert _wait(lambda: 1 not in side["qp"]._peer)
+    assert side["qp"].state == QPState.RTS
+    # descriptors with no SHARE frame to take them: bounded
+    for _ in range(qpmod.MAX_FDS_WAITING + 1):
+        try:
+            peer.sock.sendmsg([wire.pack(Frame.FORGET, key=99)],
+                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        except OSError:
+            break                       # the provider cut the connection already
+    os.close(fd)
+    assert _disconnected(side)
+    assert not side["qp"]._peer and not side["qp"]._fds_in
+    _bystander_works(port, accept)
+
+
+def test_shared_read_after_the_write_lands_from_the_peers_memory(passive):
+    """The wire of a same-host RDMA READ: READ_REQ flagged SHM, the responder answers with a
+    READ_RESP flagged SHM and no payload, and the requester copies from the region."""
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    fd = _memfd(4096, SHARE_SEALS)
+    os.pwrite(fd, b"R" * 32, 200)
+    peer.share(fd, 4096, 0x4321, addr=0x20000)
+    assert _wait(lambda: 0x4321 in side["qp"]._peer)
+    dst = side["pd"].reg_mr(bytearray(32), RW)
+    side["qp"].post_send(SendWR(9, WrOpcode.RDMA_READ, [SGE(dst.addr, 32, dst.lkey)],
+                                SendFlags.SIGNALED, remote_addr=0x20000 + 200, rkey=0x4321))
+    ftype, flags, psn, length, key = peer.frame()[:5]
+    assert (ftype, flags & SHM, psn, length, key) == (Frame.READ_REQ, SHM, 0, 32, 0x4321)
+    os.pwrite(fd, b"S" * 32, 200)       # what the region holds when the answer comes counts
+    peer.sock.sendall(wire.pack(Frame.READ_RESP, 0, 32, flags=SHM))
+    (wc,) = _completions(side["cq"], 1)
+    assert (wc.wr_id, wc.status) == (9, WcStatus.SUCCESS)
+    assert bytes(dst.buf) == b"S" * 32
+    os.close(fd)

@@ -217,8 +217,11 @@ def format_status(st: dict[str, Any]) -> str:
         if c.get("auth_required"):
             done = ",".join(f"q{q}" for q in c["authenticated_queues"]) or "none yet"
             auth = f"  DH-HMAC-CHAP authenticated: {done}"
+        same = [q for q in c["queues"] if q.get("same_host")]
+        shm = (f"  same host: shared memory, {max(q['shared_regions'] for q in same)} "
+               "regions mapped" if same else "")
         lines.append(f"    via {c['listener']} ({c['provider']}) from {c['peer']}  "
-                     f"kato {c['kato_ms']} ms  queues {queues}{auth}")
+                     f"kato {c['kato_ms']} ms  queues {queues}{auth}{shm}")
         lines.append(f"    {_io_line(c['io'])}  admin errors {c['admin_errors']}")
     groups = st.get("groups")
     if groups:

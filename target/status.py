@@ -43,8 +43,8 @@ def snapshot(target: Target) -> dict[str, Any]:
             "discovery": ctrl.is_discovery, "provider": ctrl.provider,
             "listener": ctrl.listener.endpoint, "peer": ctrl.peer,
             "kato_ms": ctrl.kato_ms, "created": ctrl.created,
-            "queues": [{"qid": qid, "depth": q.depth, "in_use": q.outstanding}
-                       for qid, q in sorted(ctrl.queues.items())],
+            "queues": [{"qid": qid, "depth": q.depth, "in_use": q.outstanding,
+                        **_same_host(q)} for qid, q in sorted(ctrl.queues.items())],
             "io": ctrl.io.copy(), "admin_errors": ctrl.admin_errors,
             # DH-HMAC-CHAP: whether its queues must authenticate, and which have
             "auth_required": ctrl.auth_policy is not None,
@@ -120,3 +120,12 @@ def _by_host(pools: Any) -> dict[str, int]:
             if h.held:
                 out[h.key] = out.get(h.key, 0) + h.held
     return out
+
+
+def _same_host(queue: object) -> dict[str, object]:
+    """A soft-RDMA queue of a host on this machine (blockfabric.rdma.soft: data through
+    shared memory): ``same_host`` and how many of the host's regions it maps."""
+    qp = getattr(queue, "qp", None)
+    if not getattr(qp, "shm", False):
+        return {}
+    return {"same_host": True, "shared_regions": qp.shared_regions}  # type: ignore[union-attr]

@@ -1,7 +1,8 @@
 """``make bench``: blockfabric side by side with its peers, the same fio jobs on each, in turns.
 
 Systems: blockfabric (soft provider, ramdisk target, FUSE mount) with the soft engine on its own
-thread and driven by the reactors (poll), nbdkit memory + nbdfuse, nbdkit's Python plugin (a
+thread and driven by the reactors (poll), the poll one again with ``--fuse-workers 2``
+(poll-w2: two FUSE readers), over NVMe/TCP (tcp), nbdkit memory + nbdfuse, nbdkit's Python plugin (a
 small memory plugin, memplugin.py) + nbdfuse, the pure-Python performance floor (floor_target.py
 + floor_host.py from --floor DIR, $BLOCKFABRIC_PERF_FLOOR or a shared/perf-floor above the
 project; skipped when not found) and a file on tmpfs.  Each fio run also gives every system's
@@ -39,7 +40,9 @@ from report import JOBS, Job  # noqa: E402
 
 FIO_JOBS = systems.ROOT / "benchmarks" / "fio"
 #: --systems: the keys, in the order the systems start
-SYSTEM_KEYS = ("thread", "poll", "nbd-memory", "nbd-python", "tcp", "floor", "tmpfs")
+#: "poll-w2": the soft mount with --fuse-workers 2 (two FUSE readers: the streaming jobs)
+SYSTEM_KEYS = ("thread", "poll", "poll-w2", "nbd-memory", "nbd-python", "tcp", "floor",
+               "tmpfs")
 #: Library-level workloads: (key, title, blockfabric bench flags, nbd_qd flags, metric).
 LIBRARY = (
     ("randread-4k-qd1", "randread 4k QD1", ["--rw", "randread", "--bs", "4k", "--iodepth", "1"],
@@ -352,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         say(args.floor_note)
         start = {"thread": lambda: ws.blockfabric("thread"),
                  "poll": lambda: ws.blockfabric("poll"), "nbd-memory": ws.nbd_memory,
-                 "nbd-python": ws.nbd_python, "tcp": lambda: ws.blockfabric("tcp")}
+                 "nbd-python": ws.nbd_python, "tcp": lambda: ws.blockfabric("tcp"),
+                 "poll-w2": lambda: ws.blockfabric("poll-w2")}
         order = [start[key]() for key in SYSTEM_KEYS if key in start and key in args.systems]
         if args.floor_dir and "floor" in args.systems:
             try:
@@ -366,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner(args, ws)
         runner.fio_rounds(order)
         if {"thread", "poll", "nbd-memory"} <= set(args.systems):
-            runner.library_rounds(order[:2], order[2])
+            by_key = {s.key: s for s in order}
+            runner.library_rounds([by_key["bf-thread"], by_key["bf-poll"]],
+                                  by_key["nbd-memory"])
         elapsed = time.monotonic() - t0
         png = f"{stem}.png"
         labels = {s.key: s.label for s in order}

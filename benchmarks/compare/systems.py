@@ -208,8 +208,8 @@ class Workspace:
         if pid is not None:   # the daemon outlives the command: unmount, then end it
             self._undo.append(lambda: (unmount(mnt), stop(pid, None)))
         label = ("blockfabric (NVMe/TCP)" if transport == "tcp" else
-                 f"blockfabric ({progress})") + (f", reactors {reactors_of(progress)}"
-                                                 if reactors_of(progress) > 1 else "") \
+                 f"blockfabric ({soft})") + (f", reactors {reactors_of(progress)}"
+                                             if reactors_of(progress) > 1 else "") \
             + "".join(f", spin {us} us" for k, us in spin_of(progress).items() if "SPIN" in k) \
             + (", over TCP loopback" if "noshm" in progress.split("-") else "") \
             + (f", {workers} FUSE workers" if workers else "")

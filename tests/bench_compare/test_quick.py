@@ -22,7 +22,7 @@ from demo import processes_naming  # noqa: E402  (systems puts scripts/ on the p
 FLOOR = systems.find_floor()
 FLOOR_LABEL = "floor (pure Python)"
 SYSTEM_LABELS = ("blockfabric (thread)", "blockfabric (poll)", "nbdkit memory + nbdfuse",
-                 "blockfabric (NVMe/TCP)",
+                 "blockfabric (NVMe/TCP)", "blockfabric (poll), 2 FUSE workers",
                  "nbdkit python + nbdfuse", "tmpfs file") + ((FLOOR_LABEL,) if FLOOR else ())
 
 

@@ -254,6 +254,11 @@ class SoftQP(QP):
     def state(self) -> QPState:
         return self._state
 
+    @property
+    def shared_regions(self) -> int:
+        """How many of the peer's regions this side maps (same-host connections)."""
+        return len(self._peer)
+
     def start(self, sock: socket.socket, rnr_retry: int, retry_count: int,
               ack_timeout: float, *, passive: bool = False) -> None:
         """Connected: hand the socket to the device's engine and go to RTS."""

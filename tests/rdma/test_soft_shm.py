@@ -329,3 +329,49 @@ def test_shared_read_after_the_write_lands_from_the_peers_memory(passive):
     assert (wc.wr_id, wc.status) == (9, WcStatus.SUCCESS)
     assert bytes(dst.buf) == b"S" * 32
     os.close(fd)
+
+
+def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order(passive):
+    """The target's answer to a read (an RDMA WRITE of the data, then the SEND of the
+    response, in one post): on a same-host connection only the SEND goes out; the WRITE
+    completes once what was posted before it has (here an RDMA READ, then a SEND), in
+    order, and the data is in the peer's region before the SEND leaves."""
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    fd = _memfd(8192, SHARE_SEALS)
+    peer.share(fd, 8192, 0x5151, addr=0x40000)
+    qp, cq = side["qp"], side["cq"]
+    assert _wait(lambda: 0x5151 in qp._peer)
+    local = side["pd"].reg_mr(bytearray(b"L" * 4096 + b"RESP" * 16), RW)
+    # nothing outstanding: the WRITE completes at once, the SEND carries its PSN 0
+    qp.post_send([SendWR(1, WrOpcode.RDMA_WRITE, [SGE(local.addr, 4096, local.lkey)],
+                         SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151),
+                  SendWR(2, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                         SendFlags.SIGNALED)])
+    ftype, flags, psn, length = peer.frame()[:4]
+    assert (ftype, psn, length) == (Frame.SEND, 0, 64)
+    assert os.pread(fd, 4096, 0) == b"L" * 4096
+    assert [(w.wr_id, w.status) for w in _completions(cq, 1)] == [(1, WcStatus.SUCCESS)]
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))
+    assert [w.wr_id for w in _completions(cq, 1)] == [2]
+    # behind a READ still unanswered: the WRITE waits for it, then the SEND for its ACK
+    dst = side["pd"].reg_mr(bytearray(16), RW)
+    qp.post_send(SendWR(3, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
+    qp.post_send([SendWR(4, WrOpcode.RDMA_WRITE, [SGE(local.addr, 100, local.lkey)],
+                         SendFlags.SIGNALED, remote_addr=0x40000 + 200, rkey=0x5151),
+                  SendWR(5, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                         SendFlags.SIGNALED)])
+    assert peer.frame()[:3] == (Frame.READ_REQ, SHM, 1)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 2)
+    time.sleep(0.05)
+    assert not cq.poll(), "completed before the READ was answered"
+    os.pwrite(fd, b"Q" * 16, 4096)
+    peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 16, flags=SHM))
+    assert [w.wr_id for w in _completions(cq, 2)] == [3, 4]
+    assert bytes(dst.buf) == b"Q" * 16
+    peer.sock.sendall(wire.pack(Frame.ACK, 2))
+    assert [w.wr_id for w in _completions(cq, 1)] == [5]
+    os.close(fd)

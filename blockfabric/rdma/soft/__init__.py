@@ -47,7 +47,10 @@ frame's bytes or ahead of them (SCM_RIGHTS), and FORGET (key) when such a region
 A requester whose peer shared the region a WRITE or READ names (and that fits it) moves the
 data with a copy: a WRITE is copied at its post and goes out as its header with flag SHM
 and no payload; a READ_REQ with flag SHM is answered by a READ_RESP with flag SHM and no
-payload, and the requester copies from the region then.  Everything else is unchanged:
+payload, and the requester copies from the region then.  A target's answer to a read (an
+RDMA WRITE of the data and the SEND of the response, posted together) sends only the SEND:
+the WRITE, copied at the post, takes no PSN and completes, in order, once everything posted
+before it has (at once when nothing is outstanding).  Everything else is unchanged:
 each request takes its PSN, the responder checks the key, bounds and access on the header
 as it would the payload (NAK REM_ACCESS_ERR), and that the region is one it shared
 (REM_INV_REQ_ERR), and completions come from its ACKs in order.

@@ -113,6 +113,7 @@ MAX_SHARES = 64                 # regions mapped at once (more are declined: the
 MAX_SHARED_BYTES = 1 << 32      # address space, all its regions together (4 GiB; declined)
 MAX_FDS_WAITING = 16            # descriptors received ahead of their SHARE frames
 _FDS_SPACE = socket.CMSG_SPACE(MAX_FDS_WAITING * array.array("i").itemsize)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)    # (an IntFlag: ``int & IntFlag`` runs enum code)
 
 
 class _Entry:
@@ -372,7 +373,7 @@ class SoftQP(QP):
                 fds = array.array("i")
                 fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
                 self._fds_in.extend(fds)
-        if flags & socket.MSG_CTRUNC or len(self._fds_in) > MAX_FDS_WAITING:
+        if flags & _MSG_CTRUNC or len(self._fds_in) > MAX_FDS_WAITING:
             raise wire.WireError(f"more than {MAX_FDS_WAITING} descriptors ahead of their "
                                  "SHARE frames")
         return n
@@ -612,33 +613,48 @@ class SoftQP(QP):
                 self.ack_group.carried(self)
         else:
             flags = done = 0
-        psn = self._next_psn
-        psn2 = (psn + 1) & M
-        self._next_psn = (psn + 2) & M
         off = aaddr - ma.addr
         data = ma.buf[off:off + alen]
         off = baddr - mb.addr
         resp = mb.buf[off:off + blen]
-        peer = self._peer
-        if peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
-            flags |= _F_SHM             # the data went through the shared region
-            wsize = 0
-        else:
-            wsize = alen
-        whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
-                    write.remote_addr)
-        shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
         sig_all = self.sig_all
         end = self._tx_queued
-        e = _Entry()
-        e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
-        e.signaled = sig_all or bool(wflags & _SIGNALED)
-        e.status = e.rnr = 0
-        e.views, e.frame = [data], [whdr, data] if wsize else [whdr]
-        e.sent = True
-        e.size = size = HDR + wsize
-        e.end = end = end + size
-        sq.append(e)
+        if self._peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
+            # The data is in the peer's shared region already: the WRITE takes no PSN and
+            # sends nothing.  It completes, in order, once everything posted before it has
+            # (at once if nothing is outstanding), as the SEND after it carries the proof.
+            w = _Entry()
+            w.wr_id, w.opcode, w.byte_len = write.wr_id, _WC_WRITE, alen
+            w.signaled = sig_all or bool(wflags & _SIGNALED)
+            if sq:
+                prev = sq[-1]
+                w.psn, w.end = prev.psn, prev.end
+                w.status = w.rnr = w.size = 0
+                w.views, w.frame, w.sent = [data], [], True
+                sq.append(w)
+            elif w.signaled:
+                self.send_cq.push(WC(w.wr_id, _WC_OK, _WC_WRITE, alen, self.qp_num))
+            psn2 = self._next_psn
+            self._next_psn = (psn2 + 1) & M
+            shdr = _hdr(_MAGIC, _VERSION, _SEND, flags, psn2, blen, 0, 0, done, 0)
+            bufs: list = [shdr, resp]
+        else:
+            psn = self._next_psn
+            psn2 = (psn + 1) & M
+            self._next_psn = (psn + 2) & M
+            whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
+                        write.remote_addr)
+            shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
+            e = _Entry()
+            e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
+            e.signaled = sig_all or bool(wflags & _SIGNALED)
+            e.status = e.rnr = 0
+            e.views, e.frame = [data], [whdr, data]
+            e.sent = True
+            e.size = HDR + alen
+            e.end = end = end + HDR + alen
+            sq.append(e)
+            bufs = [whdr, data, shdr, resp]
         e = _Entry()
         e.psn, e.wr_id, e.opcode, e.byte_len = psn2, send.wr_id, _WC_SEND, blen
         e.signaled = sig_all or bool(sflags & _SIGNALED)
@@ -648,8 +664,7 @@ class SoftQP(QP):
         e.size = HDR + blen
         e.end = end + HDR + blen
         sq.append(e)
-        self._xmit([whdr, data, shdr, resp] if wsize else [whdr, shdr, resp],
-                   size + HDR + blen)
+        self._xmit(bufs, e.end - self._tx_queued)
         return True
 
     def _to_peer(self, rkey: int, raddr: int, views: list, total: int) -> bool:
@@ -1289,11 +1304,14 @@ class SoftQP(QP):
         elif kind == RX_READ:
             e: _Entry = self._rentry  # type: ignore[assignment]  # (RX_READ: the READ answered)
             self._rentry = None
-            self._sq.popleft()
+            sq = self._sq
+            sq.popleft()
             self._acked = e.psn  # type: ignore[assignment]  # (a READ that was sent: a psn)
             if e.signaled:
                 self.send_cq.push(WC(e.wr_id, WcStatus.SUCCESS, _WC_READ, e.byte_len,
                                      self.qp_num))
+            if sq and sq[0].psn == e.psn:   # shared-memory WRITEs posted right behind it
+                self._ack_upto(e.psn)     # type: ignore[arg-type]
             self._retire()
 
     # requester ---------------------------------------------------------

@@ -33,7 +33,13 @@ class BufferPool:
         # memory the peer reads and writes: shared with it where the provider can (the soft
         # provider's same-host connections copy it instead of sending it)
         shared = getattr(pd, "shared_slab", None) if access & _REMOTE else None
-        self._slab = shared(count * size) if shared is not None else mmap.mmap(-1, count * size)
+        slab: mmap.mmap | None = None
+        if shared is not None:
+            try:
+                slab = shared(count * size)
+            except OSError:         # no memfd here (a seccomp filter, say): plain memory
+                pass
+        self._slab = slab if slab is not None else mmap.mmap(-1, count * size)
         numa.bind_region(self._slab, "buffer pools")    # on the placement's node, if any
         self.mr = pd.reg_mr(self._slab, access)
         base = self.mr.buf

@@ -375,3 +375,26 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     peer.sock.sendall(wire.pack(Frame.ACK, 2))
     assert [w.wr_id for w in _completions(cq, 1)] == [5]
     os.close(fd)
+
+
+def test_without_memfds_buffer_pools_are_plain_memory(monkeypatch):
+    """A machine whose memfd_create fails (a seccomp filter, an old kernel) still registers
+    its pools; they are only not shared."""
+    from blockfabric.fabric.buffers import BufferPool
+    p = SoftProvider(progress="thread")
+    pd = p.context.alloc_pd()
+    try:
+        shared = BufferPool(pd, 2, 4096, RW)
+        assert shared.mr.slab is not None and shared.mr in pd.shared()
+
+        def no_memfd(*_args, **_kw):
+            raise OSError(38, "memfd_create: Function not implemented")
+        monkeypatch.setattr(os, "memfd_create", no_memfd)
+        plain = BufferPool(pd, 2, 4096, RW)
+        assert plain.mr.slab is None and plain.mr not in pd.shared()
+        plain.views[1][:4] = b"ok!!"
+        assert bytes(plain.mr.buf[4096:4100]) == b"ok!!"
+        for pool in (shared, plain):
+            pool.close()
+    finally:
+        p.close()

@@ -404,6 +404,13 @@ class VolumeFS:
         return status_report(self).encode()
 
 
+def _same_host(ctrl: Any) -> bool:
+    """The controller's I/O queues reach a target on this machine through shared memory
+    (the soft provider's same-host connections: docs/rdma.md)."""
+    return any(getattr(getattr(q, "qp", None), "shm", False)
+               for q in getattr(ctrl, "io_queues", ()))
+
+
 def status_report(fs: VolumeFS) -> str:
     ctrl = fs.ctrl
     opts = ctrl.opts
@@ -432,7 +439,8 @@ def status_report(fs: VolumeFS) -> str:
          + (", data digest" if opts.data_digest else "") + f"; paths: {paths})"
          if opts.transport == "tcp" else
          f"path        rdma {rec['path']} via the {ctrl.provider.name} provider "
-         f"(paths: {paths})"),
+         f"(paths: {paths})" + (", same host: data through shared memory"
+                                if _same_host(ctrl) else "")),
         f"host        {ctrl.hostnqn}" + (
             f", authenticated ({ctrl.authenticated[0]})" if ctrl.authenticated else ""),
         f"state       {state}",

@@ -71,7 +71,9 @@ def test_a_mount_on_the_targets_machine_moves_data_through_shared_memory(target,
                                    target.socket], capture_output=True, text=True,
                                   check=True).stdout
             assert "same host: shared memory" in text
+            assert "same host: data through shared memory" in m.status()
         else:
+            assert "same host" not in m.status()
             assert not any(q.get("same_host") for q in queues), queues
             assert all(p.startswith("127.0.0.1:") for p in peers), peers
     finally:

@@ -83,7 +83,7 @@ both sides and in the CM exchange:
   a SHARE's descriptor must be a memfd sealed against shrinking (F_SEAL_SHRINK: no page of
   the mapping can go away, so no SIGBUS), at least as long as the region and mappable for
   writing, its key new; at most 16 descriptors may wait for their SHARE frames; regions past
-  64 or past 4 GiB mapped per connection are declined (requests to them use the socket);
+  64 or past 1 GiB mapped per connection are declined (requests to them use the socket);
 * PSNs: a request must carry the next PSN (another only while go-back-N after an RNR NAK,
   when it is dropped, or once the QP is in ERR); an ACK, NAK, RNR_NAK or READ_RESP must name
   a request that was sent (ACK, a request's ack field, READ_RESP: sent *whole*, every byte

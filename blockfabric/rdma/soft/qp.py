@@ -110,7 +110,9 @@ _RNR_NAK, _DREQ, _CONN_RTU = int(Frame.RNR_NAK), int(Frame.DREQ), int(Frame.CONN
 RX_DISCARD, RX_RECV, RX_WRITE, RX_READ = range(4)
 # same-host connections (shared regions, see share()): what one peer may make this side map
 MAX_SHARES = 64                 # regions mapped at once (more are declined: the socket path)
-MAX_SHARED_BYTES = 1 << 32      # address space, all its regions together (4 GiB; declined)
+# (a host needs its arena and FUSE buffers: 115 MiB by default; pages of a peer's memfd that
+# this side's copies fault in are charged to this side's memory cgroup, so a bound on them)
+MAX_SHARED_BYTES = 1 << 30      # all its regions together (1 GiB; more are declined)
 MAX_FDS_WAITING = 16            # descriptors received ahead of their SHARE frames
 _FDS_SPACE = socket.CMSG_SPACE(MAX_FDS_WAITING * array.array("i").itemsize)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)    # (an IntFlag: ``int & IntFlag`` runs enum code)

@@ -77,8 +77,11 @@ def _unix_local(sock: socket.socket) -> tuple[str, int]:
         return "local", 0
 
 
-def _peer_cred(sock: socket.socket) -> tuple[str, int]:
-    """A same-host peer as an address: ("local", its process id)."""
+def _peer_of(sock: socket.socket) -> tuple[str, int]:
+    """An accepted socket's peer as an address: (address, port), or for a same-host peer
+    ("local", its process id)."""
+    if sock.family != socket.AF_UNIX:
+        return sock.getpeername()[:2]
     pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
                                                            socket.SO_PEERCRED, 12))
     return "local", pid
@@ -138,11 +141,10 @@ class SoftCMId(CMId):
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         if sock is None:
             self.local_address = self.peer_address = ("", 0)
-        elif sock.family == socket.AF_UNIX:
-            self.local_address, self.peer_address = _unix_local(sock), _peer_cred(sock)
         else:
-            self.local_address, self.peer_address = (sock.getsockname()[:2],
-                                                     sock.getpeername()[:2])
+            self.local_address = (_unix_local(sock) if sock.family == socket.AF_UNIX
+                                  else sock.getsockname()[:2])
+            self.peer_address = _peer_of(sock)
         self.closed = False
 
     # active side ---------------------------------------------------------
@@ -209,11 +211,11 @@ class SoftCMId(CMId):
             sock.close()
             raise RdmaError(f"unexpected CM frame {ftype}", errno=_errno.EPROTO)
         self.private_data = reply
-        if sock.family == socket.AF_UNIX:
-            self.local_address, self.peer_address = ("local", os.getpid()), sockaddr[:2]
-        else:
+        if tcp:
             self.local_address = sock.getsockname()[:2]
             self.peer_address = sock.getpeername()[:2]
+        else:
+            self.local_address, self.peer_address = ("local", os.getpid()), sockaddr[:2]
         sock.sendall(wire.pack(Frame.CONN_RTU))
         _tune(sock, ack_timeout * (retry_count + 1))
         self.qp.start(sock, rnr_retry_count, retry_count, ack_timeout)
@@ -518,9 +520,8 @@ class SoftListener(Listener):
             self._versions_refused.add(exc.version)
             peer = "?"
             try:
-                peer = "%s:%s" % (_peer_cred(sock) if sock.family == socket.AF_UNIX
-                                  else tuple(sock.getpeername()[:2]))
-            except (OSError, TypeError):
+                peer = "%s:%s" % tuple(_peer_of(sock))
+            except OSError:
                 pass
             log.warning("listener %s:%s: refused %s (%s); further ones are refused "
                         "silently", *self.local_address[:2], peer, exc)

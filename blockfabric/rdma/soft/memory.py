@@ -85,7 +85,8 @@ class SharedSlab(mmap.mmap):
 
 class SoftMR(MR):
     """One registered region; ``buf`` is a memoryview of exactly its bytes; ``slab`` the
-    :class:`SharedSlab` it covers whole, if it does (else None)."""
+    :class:`SharedSlab` it covers whole when registered for remote access (a region a
+    same-host peer is offered), else None."""
 
     def __init__(self, pd: SoftPD[Any], buffer: Buffer, access: Access, lkey: int,
                  rkey: int) -> None:
@@ -112,7 +113,8 @@ class SoftMR(MR):
         self.lkey = lkey
         self.rkey = rkey
         self.slab = (buffer if type(buffer) is SharedSlab and view.nbytes == len(buffer)
-                     and 0 < self.length <= MAX_SHARED_REGION else None)
+                     and 0 < self.length <= MAX_SHARED_REGION and self.bits & _REMOTE
+                     else None)
         self.closed = False
 
     def close(self) -> None:
@@ -147,7 +149,7 @@ class SoftPD(PD, Generic[_Ctx]):
         self._mrs.add(mr)
         self.ctx.lkeys[lkey] = mr
         self.ctx.rkeys[rkey] = mr
-        if mr.slab is not None and mr.bits & _REMOTE:
+        if mr.slab is not None:
             for qp in self._sharing():
                 qp.share(mr)
         return mr
@@ -160,7 +162,7 @@ class SoftPD(PD, Generic[_Ctx]):
     def shared(self) -> list[SoftMR]:
         """The regions of this PD a same-host peer is offered: shared slabs registered with
         remote access."""
-        return [mr for mr in list(self._mrs) if mr.slab is not None and mr.bits & _REMOTE]
+        return [mr for mr in list(self._mrs) if mr.slab is not None]
 
     def _sharing(self) -> list:
         """The connections of this PD whose peer maps shared regions."""
@@ -169,9 +171,8 @@ class SoftPD(PD, Generic[_Ctx]):
 
     def unshare(self, mr: SoftMR) -> None:
         """``mr`` closed: its peers drop their mapping (a FORGET frame each)."""
-        if mr.bits & _REMOTE:
-            for qp in self._sharing():
-                qp.forget(mr)
+        for qp in self._sharing():
+            qp.forget(mr)
 
     def _forget(self, mr: SoftMR) -> None:
         self._mrs.discard(mr)

@@ -367,8 +367,8 @@ class SoftQP(QP):
 
     def _recv_shm(self, views: list) -> int:
         """recvmsg_into ``views`` on a same-host connection: descriptors that came with the
-        bytes wait for their SHARE frames (at most MAX_SHARES; a truncated set ends the
-        connection, since a SHARE would then find the wrong one)."""
+        bytes wait for their SHARE frames (at most MAX_FDS_WAITING; more, or a truncated
+        set, ends the connection, since a SHARE would then find the wrong one)."""
         n, anc, flags, _ = self.sock.recvmsg_into(views, _FDS_SPACE)  # type: ignore[union-attr]
         for level, kind, data in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -669,16 +669,25 @@ class SoftQP(QP):
         self._xmit(bufs, e.end - self._tx_queued)
         return True
 
-    def _to_peer(self, rkey: int, raddr: int, views: list, total: int) -> bool:
-        """An RDMA WRITE through the peer's shared region, if ``rkey`` names one the write
-        fits (the peer checks it again on the header, as it would the payload): the data
-        copied now, at the post.  False: it goes through the socket."""
+    def _peer_view(self, rkey: int, raddr: int, total: int, need: int) -> memoryview | None:
+        """The bytes [raddr, raddr+total) of the peer's shared region ``rkey``, if it is one
+        this side maps, they fit it and it grants ``need``; else None (the socket path,
+        where the peer checks the request as any)."""
         got = self._peer.get(rkey)
-        if got is None or not got[2] & _REMOTE_WRITE or raddr < got[0] \
-                or raddr + total > got[1] or not total:
-            return False
+        if got is None or not got[2] & need or raddr < got[0] or raddr + total > got[1] \
+                or not total:
+            return None
         off = raddr - got[0]
-        dst = got[3]
+        return got[3][off:off + total]
+
+    def _to_peer(self, rkey: int, raddr: int, views: list, total: int) -> bool:
+        """An RDMA WRITE through the peer's shared region (see :meth:`_peer_view`; the peer
+        checks it again on the header, as it would the payload): the data copied now, at
+        the post.  False: it goes through the socket."""
+        dst = self._peer_view(rkey, raddr, total, _REMOTE_WRITE)
+        if dst is None:
+            return False
+        off = 0
         for v in views:
             n = len(v)
             dst[off:off + n] = v
@@ -756,13 +765,10 @@ class SoftQP(QP):
                 e.frame = [_pack(_WRITE, psn, total, wr.rkey, wr.imm_data, wr.remote_addr,
                                  flags | _F_IMM, done), *views]
         elif op == _OP_READ:
-            if now and self._peer and total:
-                got = self._peer.get(wr.rkey)
-                raddr = wr.remote_addr
-                if got is not None and got[2] & _REMOTE_READ and got[0] <= raddr \
-                        and raddr + total <= got[1]:
+            if now and self._peer:
+                e.src = self._peer_view(wr.rkey, wr.remote_addr, total, _REMOTE_READ)
+                if e.src is not None:
                     flags |= _F_SHM     # copied from the region when the answer comes
-                    e.src = got[3][raddr - got[0]:raddr - got[0] + total]
             e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
                             wr.remote_addr)]
         elif op == _OP_SEND_INV:
@@ -1262,24 +1268,22 @@ class SoftQP(QP):
         return mr
 
     def _rx_read_req(self, psn: int, flags: int, length: int, key: int, addr: int) -> None:
-        if flags & _F_SHM:
+        shm = flags & _F_SHM
+        if shm:
             # the requester copies from the region once this answer says it may
-            if self._shared_mr(psn, key, addr, length, _REMOTE_READ) is None:
+            mr = self._shared_mr(psn, key, addr, length, _REMOTE_READ)
+            if mr is None:
                 return
-            self._exp_psn = (psn + 1) & M
-            self._done_psn = psn
-            self._ack_due = False
-            self._xmit([_pack(Frame.READ_RESP, psn, length, flags=_F_SHM)], HDR)
-            return
-        mr = self._rkey_mr(key, addr, length, _REMOTE_READ) if length else None
-        if length and mr is None:
-            self._responder_error(psn, 0, WcStatus.REM_ACCESS_ERR)
-            return
+        else:
+            mr = self._rkey_mr(key, addr, length, _REMOTE_READ) if length else None
+            if length and mr is None:
+                self._responder_error(psn, 0, WcStatus.REM_ACCESS_ERR)
+                return
         self._exp_psn = (psn + 1) & M
         self._done_psn = psn
         self._ack_due = False           # the response acknowledges everything up to psn
-        hdr = _pack(Frame.READ_RESP, psn, length)
-        if length:
+        hdr = _pack(Frame.READ_RESP, psn, length, flags=shm)
+        if length and not shm:          # (shared: the requester copies, nothing follows)
             off = addr - mr.addr  # type: ignore[union-attr]  # (length: mr was found)
             self._xmit([hdr, mr.buf[off:off + length]], HDR + length)  # type: ignore[union-attr]
         else:

@@ -84,7 +84,6 @@ DEFAULT_SYSTEMS = "floor,mount-poll,bench-poll,nbd-memory,nbd-python,libnbd"
 #: "-noshm": the soft provider over TCP loopback even on this host (BLOCKFABRIC_SOFT_SHM=0);
 #: "-w2": the mount with --fuse-workers 2
 SPUN = re.compile(r"^((?:mount|bench)-(?:poll|thread|tcp)(?:-2r)?)((?:-(?:s\d+|noshm|w\d+))+)$")
-_TAIL_TEXT = {"noshm": "over TCP loopback"}
 CPU_GOAL_VS_FLOOR = report.CPU_GOAL_VS_FLOOR   # issue 14: mount target+host <= 2x the floor
 
 
@@ -187,7 +186,7 @@ class Fleet:
             transport, soft = systems.variant(progress)
             return measure(bench_argv(port, w, rt, "-i", "1", transport=transport),
                            {"server": pid}, rt,
-                           {"BLOCKFABRIC_SOFT_PROGRESS": soft, **systems.spin_of(progress)})
+                           {"BLOCKFABRIC_SOFT_PROGRESS": soft, **systems.env_of(progress)})
         if kind == "libnbd":
             mem = self.nbd["memory"]
             return measure(nbd_argv(mem.port, w, rt), {"server": mem.server_pid}, rt)
@@ -341,12 +340,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         spun = SPUN.match(key)
         if spun and spun[1] in SYSTEMS:
             label, kind, progress = SYSTEMS[spun[1]]
-            tails = spun[2].split("-")[1:]
-            text = ", ".join(_TAIL_TEXT.get(t) or (f"spin {t[1:]} us" if t[0] == "s"
-                                                   else f"{t[1:]} FUSE workers")
-                             for t in tails)
+            progress = f"{progress}{spun[2]}"
+            text = ", ".join(systems.tails_text(progress))
             SYSTEMS[key] = (f"{label[:-1]}, {text})" if label.endswith(")")
-                            else f"{label}, {text}", kind, f"{progress}{spun[2]}")
+                            else f"{label}, {text}", kind, progress)
     wkeys = [k.strip() for k in a.workloads.split(",") if k.strip()]
     for what, got, known in (("system", keys, SYSTEMS), ("workload", wkeys, WORKLOADS)):
         bad = [k for k in got if k not in known]

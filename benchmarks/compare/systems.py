@@ -168,7 +168,7 @@ class Workspace:
         """A ramdisk target on the soft provider (``progress`` "tcp": an NVMe/TCP listener
         instead), its metrics on port + 1 (so that a load can tell when its hosts are
         connected); returns (port, pid, command)."""
-        reactors, spin = reactors_of(progress), spin_of(progress)
+        reactors, tails_env = reactors_of(progress), env_of(progress)
         transport, progress = variant(progress)
         port = free_port()
         while not port_free(port + 1):
@@ -187,7 +187,7 @@ class Workspace:
             f"metrics: {{port: {port + 1}}}\n"
             # only when asked: an older tree (ab_pair.py's A side) has no such key
             + (f"reactors: {reactors}\n" if reactors > 1 else ""))
-        env = {"BLOCKFABRIC_SOFT_PROGRESS": progress, **spin}
+        env = {"BLOCKFABRIC_SOFT_PROGRESS": progress, **tails_env}
         argv = [BIN / "blockfabric-target", "run", "-C", config]
         proc, log = self.spawn(f"target-{port}", argv, env)
         wait_for(lambda: "ready:" in log.read_text(), proc, "blockfabric-target", log)
@@ -198,7 +198,7 @@ class Workspace:
         port, target_pid, target_cmd = self.target(progress)
         mnt = self.mountpoint(f"bf-{progress}")
         transport, soft = variant(progress)
-        env = {"BLOCKFABRIC_SOFT_PROGRESS": soft, **spin_of(progress)}
+        env = {"BLOCKFABRIC_SOFT_PROGRESS": soft, **env_of(progress)}
         workers = workers_of(progress)
         argv = [BIN / "blockfabric", "mount", *connect_flags(port, transport),
                 *(["--fuse-workers", str(workers)] if workers else []), mnt]
@@ -210,9 +210,7 @@ class Workspace:
         label = ("blockfabric (NVMe/TCP)" if transport == "tcp" else
                  f"blockfabric ({soft})") + (f", reactors {reactors_of(progress)}"
                                              if reactors_of(progress) > 1 else "") \
-            + "".join(f", spin {us} us" for k, us in spin_of(progress).items() if "SPIN" in k) \
-            + (", over TCP loopback" if "noshm" in progress.split("-") else "") \
-            + (f", {workers} FUSE workers" if workers else "")
+            + "".join(f", {text}" for text in tails_text(progress))
         return System(f"bf-{progress}", label, mnt / "n1",
                       [target_cmd, shell(argv, env)], target_pid, pid, port)
 
@@ -311,7 +309,7 @@ def reactors_of(progress: str) -> int:
     return int(tails[0].rstrip("r")) if tails else 1
 
 
-def spin_of(progress: str) -> dict[str, str]:
+def env_of(progress: str) -> dict[str, str]:
     """The environment for a progress's reactor spin and same-host shared memory:
     "tcp-s100" runs the target and the mount with $BLOCKFABRIC_REACTOR_SPIN_US=100 (none
     given: the tree's default); "poll-noshm" with $BLOCKFABRIC_SOFT_SHM=0 (the soft
@@ -322,6 +320,18 @@ def spin_of(progress: str) -> dict[str, str]:
     if "noshm" in tails:
         env["BLOCKFABRIC_SOFT_SHM"] = "0"
     return env
+
+
+def tails_text(progress: str) -> list[str]:
+    """What a progress's tails change, as a label says it: "spin 100 us" (-s100), "over TCP
+    loopback" (-noshm), "2 FUSE workers" (-w2)."""
+    out = []
+    for t in progress.split("-")[1:]:
+        if t == "noshm":
+            out.append("over TCP loopback")
+        elif t[:1] in ("s", "w") and t[1:].isdigit():
+            out.append(f"spin {t[1:]} us" if t[0] == "s" else f"{t[1:]} FUSE workers")
+    return out
 
 
 def workers_of(progress: str) -> int:

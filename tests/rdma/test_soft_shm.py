@@ -9,6 +9,7 @@ import fcntl
 import os
 import random
 import socket
+import threading
 import time
 
 import pytest
@@ -20,50 +21,51 @@ from blockfabric.rdma.soft.cm import shm_name
 from blockfabric.rdma.soft.memory import SHARE_SEALS
 from blockfabric.rdma.soft.wire import Frame, FrameFlags
 
-from .test_soft import RawPeer
+from .test_soft import RawPeer, _wait
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 SHM = int(FrameFlags.SHM)
 MIB = 1 << 20
 
 
-def _wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return cond()
+@pytest.fixture
+def pair():
+    """pair(shm=True) -> (a, b): an active and a passive end over a loopback listener of
+    a provider of their own (thread progress: the engine answers while the test waits);
+    everything closed at teardown."""
+    made: list = []
 
-
-def _pair(provider: SoftProvider):
-    """An active and a passive end over ``provider``'s loopback listener (thread progress:
-    the engine answers while the test waits)."""
-    lst = provider.listen("127.0.0.1", 0)
-    ends = []
-    for _ in range(2):
+    def make(shm: bool = True) -> tuple[dict, dict]:
+        provider = SoftProvider(progress="thread", shm=shm)
+        lst = provider.listen("127.0.0.1", 0)
         ctx = provider.context
-        pd = ctx.alloc_pd()
-        cq = ctx.create_cq()
-        ends.append({"pd": pd, "cq": cq})
-    a, b = ends
-    a["cmid"] = provider.create_id()
-    a["cmid"].resolve("127.0.0.1", lst.local_address[1])
-    a["qp"] = a["cmid"].create_qp(a["pd"], a["cq"], a["cq"])
-    import threading
-    done = {}
+        a = {"pd": ctx.alloc_pd(), "cq": ctx.create_cq()}
+        b = {"pd": ctx.alloc_pd(), "cq": ctx.create_cq()}
+        made.append((provider, lst, a, b))
+        a["cmid"] = provider.create_id()
+        a["cmid"].resolve("127.0.0.1", lst.local_address[1])
+        a["qp"] = a["cmid"].create_qp(a["pd"], a["cq"], a["cq"])
 
-    def accept():
-        cmid = lst.get_request(5)
-        b["cmid"] = cmid
-        b["qp"] = cmid.create_qp(b["pd"], b["cq"], b["cq"])
-        cmid.accept(b"ok")
-        done["ok"] = True
+        def accept():
+            cmid = lst.get_request(5)
+            b["cmid"] = cmid
+            b["qp"] = cmid.create_qp(b["pd"], b["cq"], b["cq"])
+            cmid.accept(b"ok")
 
-    t = threading.Thread(target=accept)
-    t.start()
-    a["cmid"].connect(b"hi")
-    t.join(5)
-    assert done, "no accept"
-    return lst, a, b
+        t = threading.Thread(target=accept)
+        t.start()
+        a["cmid"].connect(b"hi")
+        t.join(5)
+        assert "qp" in b, "no accept"
+        return a, b
+
+    yield make
+    for provider, lst, *ends in made:
+        for end in ends:
+            if "cmid" in end:
+                end["cmid"].close()
+        lst.close()
+        provider.close()
 
 
 def _completions(cq, n, timeout=5.0):
@@ -73,58 +75,44 @@ def _completions(cq, n, timeout=5.0):
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["same-host", "tcp"])
-def test_rdma_write_and_read_data_go_through_shared_memory_on_the_same_host(shm):
+def test_rdma_write_and_read_data_go_through_shared_memory_on_the_same_host(pair, shm):
     """1 MiB written and read back byte-exact either way; on a same-host connection the
     socket carries the frames only (a few hundred bytes), over TCP the data too."""
-    p = SoftProvider(progress="thread", shm=shm)
-    lst, a, b = _pair(p)
-    try:
-        assert a["qp"].shm is shm and b["qp"].shm is shm
-        src = a["pd"].reg_mr(a["pd"].shared_slab(MIB), RW)
-        back = a["pd"].reg_mr(a["pd"].shared_slab(MIB), RW)
-        dst = b["pd"].reg_mr(b["pd"].shared_slab(MIB), RW)
-        data = random.Random(7).randbytes(MIB)
-        src.buf[:] = data
-        # B's offer crosses to A (until it has, A's requests to it use the socket)
-        assert _wait(lambda: dst.rkey in a["qp"]._peer) if shm else not a["qp"]._peer
-        a["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, MIB, src.lkey)],
-                                 SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
-        a["qp"].post_send(SendWR(2, WrOpcode.RDMA_READ, [SGE(back.addr, MIB, back.lkey)],
-                                 SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
-        wcs = _completions(a["cq"], 2)
-        assert [(w.wr_id, w.status) for w in wcs] == [(1, WcStatus.SUCCESS),
-                                                     (2, WcStatus.SUCCESS)]
-        assert bytes(dst.buf) == data and bytes(back.buf) == data
-        sent = a["qp"]._tx_queued + b["qp"]._tx_queued
-        if shm:
-            assert sent < 4096, f"{sent} bytes crossed the socket"
-        else:
-            assert sent > 2 * MIB
-    finally:
-        for end in (a, b):
-            end["cmid"].close()
-        lst.close()
-        p.close()
+    a, b = pair(shm)
+    assert a["qp"].shm is shm and b["qp"].shm is shm
+    src = a["pd"].reg_mr(a["pd"].shared_slab(MIB), RW)
+    back = a["pd"].reg_mr(a["pd"].shared_slab(MIB), RW)
+    dst = b["pd"].reg_mr(b["pd"].shared_slab(MIB), RW)
+    data = random.Random(7).randbytes(MIB)
+    src.buf[:] = data
+    # B's offer crosses to A (until it has, A's requests to it use the socket)
+    assert _wait(lambda: dst.rkey in a["qp"]._peer) if shm else not a["qp"]._peer
+    a["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, MIB, src.lkey)],
+                             SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
+    a["qp"].post_send(SendWR(2, WrOpcode.RDMA_READ, [SGE(back.addr, MIB, back.lkey)],
+                             SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
+    wcs = _completions(a["cq"], 2)
+    assert [(w.wr_id, w.status) for w in wcs] == [(1, WcStatus.SUCCESS),
+                                                 (2, WcStatus.SUCCESS)]
+    assert bytes(dst.buf) == data and bytes(back.buf) == data
+    sent = a["qp"]._tx_queued + b["qp"]._tx_queued
+    if shm:
+        assert sent < 4096, f"{sent} bytes crossed the socket"
+    else:
+        assert sent > 2 * MIB
 
 
-def test_a_region_registered_after_the_connection_is_shared_and_forgotten_at_close():
-    p = SoftProvider(progress="thread")
-    lst, a, b = _pair(p)
-    try:
-        src = a["pd"].reg_mr(a["pd"].shared_slab(4096), RW)
-        dst = b["pd"].reg_mr(b["pd"].shared_slab(4096), RW)
-        assert _wait(lambda: dst.rkey in a["qp"]._peer and src.rkey in b["qp"]._peer)
-        dst.close()
-        assert _wait(lambda: dst.rkey not in a["qp"]._peer)
-        # the closed region's key now fails as on any provider, through the socket path
-        a["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, 64, src.lkey)],
-                                 SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
-        assert [w.status for w in _completions(a["cq"], 1)] == [WcStatus.REM_ACCESS_ERR]
-    finally:
-        for end in (a, b):
-            end["cmid"].close()
-        lst.close()
-        p.close()
+def test_a_region_registered_after_the_connection_is_shared_and_forgotten_at_close(pair):
+    a, b = pair()
+    src = a["pd"].reg_mr(a["pd"].shared_slab(4096), RW)
+    dst = b["pd"].reg_mr(b["pd"].shared_slab(4096), RW)
+    assert _wait(lambda: dst.rkey in a["qp"]._peer and src.rkey in b["qp"]._peer)
+    dst.close()
+    assert _wait(lambda: dst.rkey not in a["qp"]._peer)
+    # the closed region's key now fails as on any provider, through the socket path
+    a["qp"].post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, 64, src.lkey)],
+                             SendFlags.SIGNALED, remote_addr=dst.addr, rkey=dst.rkey))
+    assert [w.status for w in _completions(a["cq"], 1)] == [WcStatus.REM_ACCESS_ERR]
 
 
 # ---------------------------------------------------------------------- hand-made peers

@@ -704,11 +704,11 @@ def worker_main(sock_fd: int, master_fd: int) -> int:
 
 
 def counters_sum(parts: list[dict[str, int]]) -> dict[str, int]:
-    """Counters of several processes as one (largest_request: the largest)."""
+    """Counters of several processes as one (the largest_ ones: the largest)."""
     out = dict.fromkeys(Counters.NAMES, 0)
     for part in parts:
         for key, value in part.items():
-            out[key] = max(out[key], value) if key == "largest_request" else out[key] + value
+            out[key] = max(out[key], value) if key in Counters.LARGEST else out[key] + value
     return out
 
 

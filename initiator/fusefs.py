@@ -128,19 +128,24 @@ class Counters:
     binding's reactor, on its per-I/O path: no lock, no dict, no keyword call)."""
 
     #: parked: requests held back (kernel binding) because the queues had no slot to spare;
-    #: many of them say the queue depth (-Q) is small for this load.
+    #: many of them say the queue depth (-Q) is small for this load.  largest_intake: the
+    #: most requests the kernel binding read from /dev/fuse in one wake-up (half the
+    #: pipeline at most, once it is deep: see KernelFuse._on_readable).
     NAMES = ("reads", "writes", "read_bytes", "write_bytes", "rmw_blocks", "flushes",
-             "discards", "write_zeroes", "errors", "largest_request", "parked")
+             "discards", "write_zeroes", "errors", "largest_request", "parked",
+             "largest_intake")
+    #: merged across processes by taking the largest, not the sum
+    LARGEST = frozenset(("largest_request", "largest_intake"))
 
     __slots__ = ("_lock", "_locked", "reads", "writes", "read_bytes", "write_bytes", "errors",
-                 "largest_request", "parked")
+                 "largest_request", "parked", "largest_intake")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._locked = dict.fromkeys(self.NAMES, 0)
         # the one-writer fields
         self.reads = self.writes = self.read_bytes = self.write_bytes = 0
-        self.errors = self.largest_request = self.parked = 0
+        self.errors = self.largest_request = self.parked = self.largest_intake = 0
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -158,7 +163,8 @@ class Counters:
             out = dict(self._locked)
         for key in ("reads", "writes", "read_bytes", "write_bytes", "errors", "parked"):
             out[key] += getattr(self, key)
-        out["largest_request"] = max(out["largest_request"], self.largest_request)
+        for key in self.LARGEST:
+            out[key] = max(out[key], getattr(self, key))
         return out
 
 

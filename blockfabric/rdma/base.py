@@ -333,6 +333,11 @@ class QP(_Closable):
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
         """Post one receive or a chain, with the same rules as :meth:`post_send`."""
 
+    def push(self) -> None:
+        """Let the peer start on what this thread posted so far, now, rather than at the
+        end of the reactor's pass (a provider that batches a pass's work requests into one
+        send: the soft provider).  An HCA rings its doorbell at every post: nothing to do."""
+
 
 class Context(_Closable):
     """An opened RDMA device."""

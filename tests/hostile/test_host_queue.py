@@ -223,3 +223,42 @@ def test_a_failed_work_completion_fails_the_queue_with_its_status(link):
     assert "WR_FLUSH_ERR" in str(errors[0]) and queue.dead_error is errors[0]
     with pytest.raises(QueueDead):
         submit(queue, Owner())
+
+
+@pytest.mark.parametrize("answered", [DEPTH, DEPTH - 1])
+def test_a_batch_answering_every_command_pushes_the_next_ones_half_way(link, answered):
+    """A caller that issues the next read from each completion (the bench, any library user
+    at a fixed depth): when one batch answers every command in flight, the reads issued for
+    its first half are pushed to the target before the second half is handled, so the two
+    ends work at once.  A batch that leaves commands in flight pushes nothing."""
+    queue, target = link
+    pushed: list[int] = []
+    completed: list[int] = []
+    real_push = queue.qp.push
+    queue.qp.push = lambda: (pushed.append(len(completed)), real_push())
+
+    class Reissuer(Owner):
+        def complete(self, raw, error) -> None:
+            completed.append(raw[3])
+            super().complete(raw, error)
+            queue.submit_rw(Owner(), READ, 1, 0, 0, 0x1000, 4096, 0x77)    # (reactor)
+
+    owners = [Reissuer() for _ in range(DEPTH)]
+    for owner in owners:
+        submit(queue, owner)
+    cids = [target.command() for _ in owners]
+    # the answers in one post: one frame train, one batch of completions on the host
+    target.qp.post_send([_response(target, cid) for cid in cids[:answered]])
+    for owner in owners[:answered]:
+        assert owner.done.wait(5)
+    settle(queue)
+    assert len(completed) == answered
+    assert pushed == ([DEPTH // 2] if answered == DEPTH else []), pushed
+    assert sorted(target.command() for _ in range(answered))    # the reads reissued came
+
+
+def _response(target: Target, cid: int) -> SendWR:
+    i = SLOTS + target.sent % SLOTS
+    target.sent += 1
+    CQE.pack_into(target.mr.buf, i * SQE_SIZE, 0, 0, 1, cid, 0)
+    return SendWR(1000 + i, WrOpcode.SEND, [target._sge(i, CQE.size)], SendFlags.SIGNALED)

@@ -941,6 +941,12 @@ class SoftQP(QP):
             if self._outq and not self._blocked:    # (an ACK deferred: nothing to send)
                 self._flush()
 
+    def push(self) -> None:
+        """What this thread's pass has queued here goes out now, with the ACK owed; the
+        pass goes on, and what it queues later leaves at its end."""
+        if self._dirty and self._outq:
+            self.end_pass()
+
     def send_owed_ack(self) -> None:
         """The delay an acknowledgement could wait for traffic is over: send it, unless a
         request carried it meanwhile."""

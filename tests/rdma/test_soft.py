@@ -428,6 +428,8 @@ def reactor_side():
                     if state["answer"]:
                         qp.post_send(SendWR(wc.wr_id, WrOpcode.SEND,
                                             [SGE(mr.addr + 64 * wc.wr_id, 16, mr.lkey)]))
+                        if state.get("answered"):
+                            state["answered"](qp)       # (still in the pass)
         cmid.accept(b"ok")
         reactor.call_sync(lambda: reactor.add_cq(cq, service))
         return made
@@ -441,6 +443,16 @@ def reactor_side():
         made["cmid"].close()
     reactor.close()
     p.close()
+
+
+def _answered_peer(port: int, accept, sends: int) -> RawPeer:
+    """A RawPeer connected to ``reactor_side``, which has sent ``sends`` SENDs of 16 bytes
+    (PSN 0 on) in one segment."""
+    peer = RawPeer(port)
+    accept()
+    peer.established()
+    peer.sock.sendall(b"".join(wire.pack(Frame.SEND, i, 16) + bytes(16) for i in range(sends)))
+    return peer
 
 
 def _frames(peer: RawPeer, want: int, timeout: float = 5.0) -> list:
@@ -481,74 +493,40 @@ def test_acks_ride_on_the_answers(reactor_side, depth):
 
 
 @pytest.mark.parametrize("push", [True, False])
-def test_push_sends_what_the_pass_queued_so_far(push):
+def test_push_sends_what_the_pass_queued_so_far(reactor_side, push):
     """An owner answering 8 SENDs in one pass pushes after the first 4: the peer has those
     4 answers while the pass still runs (it waits in the middle for them, up to 1 s); the
     other 4 leave at the end of the pass.  Without the push, nothing leaves before."""
     import threading
 
-    from blockfabric.fabric.reactor import Reactor
-
-    p = SoftProvider(progress="poll")
-    lst = p.listen("127.0.0.1", 0)
-    reactor = Reactor("soft-push")
-    reactor.start()
+    port, accept, state = reactor_side
     early = threading.Event()
-    seen_early = []
-    made = {}
-    peer = RawPeer(lst.local_address[1])
-    try:
-        cmid = lst.get_request(5)
-        pd = cmid.context.alloc_pd()
-        cq = cmid.context.create_cq()
-        qp = cmid.create_qp(pd, cq, cq)
-        buf = bytearray(64 * 16)
-        mr = pd.reg_mr(buf, RW)
-        qp.post_recv([RecvWR(i, [SGE(mr.addr + 64 * i, 64, mr.lkey)]) for i in range(16)])
-        made.update(cmid=cmid)
-        answered = []
+    seen_early: list[bool] = []
+    answers = []
 
-        def service():
-            for wc in cq.poll(64):
-                if wc.opcode != 128:
-                    continue
-                qp.post_send(SendWR(wc.wr_id, WrOpcode.SEND,
-                                    [SGE(mr.addr + 64 * wc.wr_id, 16, mr.lkey)]))
-                answered.append(wc.wr_id)
-                if len(answered) == 4:
-                    if push:
-                        qp.push()
-                    seen_early.append(early.wait(1.0))   # (inside the pass)
-        cmid.accept(b"ok")
-        reactor.call_sync(lambda: reactor.add_cq(cq, service))
-        peer.established()
-        peer.sock.sendall(b"".join(wire.pack(Frame.SEND, i, 16) + bytes(16)
-                                   for i in range(8)))
-        first = _frames(peer, 4, timeout=5.0)
-        early.set()
-        rest = _frames(peer, 4, timeout=5.0)
-        assert [f[0] for f in first + rest] == [Frame.SEND] * 8
-        assert _wait(lambda: seen_early)
-        # with the push, the first 4 came while the pass waited; without, only after it
-        # gave up waiting and sent all 8 at its end
-        assert seen_early == [push]
-    finally:
-        reactor.stop()
-        reactor.join(5)
-        lst.close()
-        if made:
-            made["cmid"].close()
-        reactor.close()
-        p.close()
+    def answered(qp) -> None:
+        answers.append(1)
+        if len(answers) == 4:
+            if push:
+                qp.push()
+            seen_early.append(early.wait(1.0))
+
+    state["answered"] = answered
+    peer = _answered_peer(port, accept, 8)
+    first = _frames(peer, 4)
+    early.set()
+    rest = _frames(peer, 4)
+    assert [f[0] for f in first + rest] == [Frame.SEND] * 8
+    assert _wait(lambda: seen_early)
+    # with the push, the first 4 came while the pass waited; without it, only once the
+    # pass gave up waiting and sent all 8 at its end
+    assert seen_early == [push]
 
 
 def test_an_owner_that_does_not_answer_still_acknowledges(reactor_side):
     port, accept, state = reactor_side
     state["answer"] = False
-    peer = RawPeer(port)
-    accept()
-    peer.established()
-    peer.sock.sendall(b"".join(wire.pack(Frame.SEND, i, 16) + bytes(16) for i in range(4)))
+    peer = _answered_peer(port, accept, 4)
     frames = _frames(peer, 1)
     while frames[-1][2] != 3:               # passes may have split the batch: ACKs coalesce
         frames += _frames(peer, 1)

@@ -396,10 +396,11 @@ class KernelFuse:
 
     def _note_depth(self, got: int) -> None:
         """After a wake-up that read ``got`` requests (the intake cap, or until none was
-        left): what is in flight now is the pipeline's depth as far as it could be seen.
+        left): the requests being served now (each holds a buffer; a request of several
+        MDTS pieces counts once) are the pipeline's depth as far as it could be seen.
         The estimate follows a deeper pipeline at once and a shallower one by an eighth of
         the gap per wake-up (one pass that found the queue half empty is no new depth)."""
-        seen = self._inflight
+        seen = self.nbuf - len(self.bufs.free)
         depth = self._depth
         if seen >= depth:
             self._depth = seen

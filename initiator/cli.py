@@ -239,8 +239,9 @@ def build_parser() -> CommandParser:
                         "and N-1 worker processes, each on a clone of the FUSE session "
                         "(FUSE_DEV_IOC_CLONE) with its own share of the controller's I/O "
                         "queues (-i is the total, raised to N), so that the host side can use "
-                        "N cores; 2 for streaming large I/O, 1 for small random I/O "
-                        "(measured: docs/performance.md); kernel binding only (docs/fuse.md)")
+                        "N cores; more than 1 only where the mount process's core is the "
+                        "limit and the machine has cores to spare (measured: "
+                        "docs/scaling.md); kernel binding only (docs/fuse.md)")
     add_cpus_flag(p, "the mount process")
     p.add_argument("--output-format", choices=("normal", "json"), default="normal",
                    help="output format")

@@ -66,11 +66,31 @@ def segments(seq: list[tuple[str, int]]) -> dict[str, list[float]]:
     return out
 
 
+def steps(seq: list[tuple[str, int]], reads: int) -> None:
+    """The median gap from each mark to the next mark of the same process."""
+    last: dict[str, tuple[str, int]] = {}
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for tag, ns in seq:
+        side = tag[0]
+        if side in last:
+            prev, at = last[side]
+            gaps.setdefault((prev, tag), []).append((ns - at) / 1e3)
+        last[side] = (tag, ns)
+    print("steps within one process (median us, how many per read):")
+    for (a, b), values in sorted(gaps.items(), key=lambda kv: (kv[0][0][0], -len(kv[1]))):
+        if len(values) * 4 >= reads:
+            print(f"  {a:>14} -> {b:<14} {statistics.median(values):6.1f}  "
+                  f"{len(values) / reads:4.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tree", type=pathlib.Path, help="a tree with marks.patch applied")
     ap.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma")
     ap.add_argument("--runtime", type=float, default=5.0)
+    ap.add_argument("--steps", action="store_true",
+                    help="also the median time between consecutive marks of one process "
+                         "(each pair of marks seen at least once per 4 reads)")
     args = ap.parse_args()
     systems.BIN = args.tree.resolve() / ".venv" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,6 +110,8 @@ def main() -> int:
     for name, values in segs.items():
         print(f"  {name:15s} {statistics.median(values):6.1f}")
     print(f"  {'sum':15s} {sum(statistics.median(v) for v in segs.values()):6.1f}")
+    if args.steps:
+        steps(seq, n)
     mid = len(seq) // 2
     while seq[mid][0] != CHAIN[0]:
         mid += 1

@@ -60,7 +60,7 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 GEN_MASK = 0xF
 #: A batch of at least this many responses that answers every command in flight is
 #: handled in two halves, the commands the first half issued pushed out in between
-#: (HostQueue.handle_raw).
+#: (HostQueue.handle_raw; on NVMe/TCP, TcpHostQueue._receive).
 SPLIT_MIN = 4
 #: the status field's SCT/SC bits in the CQE's last u16 (bit 0 is the phase tag)
 STATUS_BITS = 0x7FF << 1

@@ -35,7 +35,8 @@ from threading import get_ident as _get_ident
 from typing import TYPE_CHECKING, Any
 
 from blockfabric.errors import QueueDead
-from blockfabric.fabric.host_side import GEN_MASK, SLOT_BITS, HostQueue, Slot, inline_mismatch
+from blockfabric.fabric.host_side import (GEN_MASK, SLOT_BITS, SPLIT_MIN, HostQueue, Slot,
+                                         inline_mismatch)
 from blockfabric.fabric.tcp import Buf, PduConnection, resolve
 from blockfabric.protocol import SQE_SIZE, StatusCode
 from blockfabric.protocol import tcp_pdu
@@ -151,6 +152,8 @@ class TcpHostQueue(PduConnection, HostQueue):
         self._marks = [0] * depth
         #: the C2HData precheck passed last: (cccid, its slot's data, the end it reaches)
         self._checked: tuple[int, Any, int] = (0, None, 0)
+        self._half = -1
+        self._answered = 0
 
     def attach(self, reactor: Reactor) -> None:
         PduConnection.attach(self, reactor)
@@ -347,9 +350,24 @@ class TcpHostQueue(PduConnection, HostQueue):
                                        "asked for before", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
             return None
 
+    def _receive(self) -> bool:
+        """One receive, as the connection's; once it has brought the answers to half of
+        the commands in flight (at least SPLIT_MIN of them), what their completions issued
+        goes out at once, and the target starts on it while the rest are handled (as
+        HostQueue.handle_raw pushes on RDMA: two batches in motion, not one turn each)."""
+        n = self.depth - len(self._free)
+        self._half = n >> 1 if n >= SPLIT_MIN else -1
+        self._answered = 0
+        return PduConnection._receive(self)
+
     def on_pdu(self, ptype: int, flags: int, pdu: memoryview, pdo: int, dlen: int) -> None:
         if ptype == _C2H_DATA:                  # a read's data (and answer, with SUCCESS)
             self._c2h(flags, pdu, pdo, dlen, False)
+            if flags & tcp_pdu.F_DATA_SUCCESS:
+                k = self._answered = self._answered + 1
+                if k == self._half:
+                    self.flush()
+            return
         elif ptype == tcp_pdu.CAPSULE_RESP:
             raw = _CQE_RAW.unpack_from(pdu, 8)
             slot = self._slot_for(raw[3])
@@ -367,6 +385,9 @@ class TcpHostQueue(PduConnection, HostQueue):
                     # memory once the owner has it back
                     self.detach_unsent(self._marks[index])
             self._on_cqe(raw)
+            k = self._answered = self._answered + 1
+            if k == self._half:
+                self.flush()
         elif ptype == tcp_pdu.R2T:
             self._r2t(pdu)
         elif ptype == tcp_pdu.C2H_TERM:

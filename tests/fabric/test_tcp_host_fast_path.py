@@ -90,3 +90,58 @@ def test_in_capsule_data_of_another_length_is_refused_not_sent(pair):
     peer.settimeout(0.2)
     with pytest.raises(socket.timeout):
         peer.recv(1)                    # nothing went out
+
+
+class _Recorder:
+    def __init__(self, done: list, again=None) -> None:
+        self.done, self.again = done, again
+
+    def complete(self, raw, error) -> None:
+        self.done.append(raw[3])
+        if self.again is not None:
+            self.again()
+
+
+@pytest.mark.parametrize("answered", [4, 1])
+def test_answers_to_half_the_commands_in_flight_push_what_they_issued(pair, answered):
+    """4 reads in flight, answered in one segment: the reads their owners issue again go
+    out once the second answer is handled, before the third (the target starts on them
+    while this receive goes on); the rest leave at the end of the receive.  A receive
+    that answers fewer than half pushes nothing early."""
+    import select
+
+    queue, peer, mr = pair
+    completed: list[int] = []
+    flushes: list[tuple[int, int]] = []
+
+    def read(owner, i: int) -> None:
+        slot = queue._take(queue._free.pop(), owner)
+        queue._post_rw(slot, 0x02, 1, i, 0, mr.addr + 512 * i, 512, mr.rkey, None, False)
+
+    for i in range(4):
+        read(_Recorder(completed, lambda: read(_Recorder([]), 9)), i)
+    queue.flush()
+    capsules = b""
+    while len(capsules) < 4 * 72:
+        capsules += peer.recv(1 << 16)
+    cids = [int.from_bytes(capsules[72 * i + 10:72 * i + 12], "little") for i in range(4)]
+    real_flush = queue.flush
+    queue.flush = lambda: (flushes.append((len(completed), len(queue._out))), real_flush())
+    flags = tcp_pdu.F_DATA_LAST | tcp_pdu.F_DATA_SUCCESS
+    peer.sendall(b"".join(bytes(tcp_pdu.data_header(tcp_pdu.C2H_DATA, flags, cid, 0, 0, 512,
+                                                    False, False)) + bytes(512)
+                          for cid in cids[:answered]))
+    select.select([queue.sock], [], [], 5)
+    for _ in range(500):                        # every answer in, for one receive to take
+        if len(queue.sock.recv(1 << 16, socket.MSG_PEEK)) >= answered * (24 + 512):
+            break
+        select.select([], [], [], 0.01)
+    while len(completed) < answered:
+        assert queue._receive()
+    assert completed == cids[:answered]
+    # with all 4 answered: one early flush, after 2 answers, with their 2 reads queued
+    assert flushes == ([(2, 2)] if answered == 4 else []), flushes
+    again = b""
+    while len(again) < answered * 72:
+        again += peer.recv(1 << 16)
+    assert len(again) == answered * 72          # every read issued again went out

@@ -434,7 +434,8 @@ class HostQueue(Endpoint):
                               f"{CQE_SIZE}")
                 elif kind == KIND_RECV:
                     if k == half:
-                        self.qp.push()
+                        half = -1
+                        self._push()
                     raw = raws[k]
                     k += 1
                     # _on_cqe's common case inline: the response of a command in flight
@@ -455,6 +456,14 @@ class HostQueue(Endpoint):
             except Exception as exc:
                 self.completion_failed(wid, exc)
         return done
+
+    def _push(self) -> None:
+        """handle_raw's push half way: a failure fails this queue, and the batch's other
+        completions are still handled (as the queue's commands are failed)."""
+        try:
+            self.qp.push()
+        except Exception as exc:  # noqa: BLE001  (this queue's only)
+            self.on_fault(f"sending what the batch issued failed: {type(exc).__name__}: {exc}")
 
     def on_completion(self, wc: WC) -> None:
         self.handle_raw([(wc.wr_id, wc.status, wc.byte_len)])

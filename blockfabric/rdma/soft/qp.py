@@ -942,10 +942,17 @@ class SoftQP(QP):
                 self._flush()
 
     def push(self) -> None:
-        """What this thread's pass has queued here goes out now, with the ACK owed; the
-        pass goes on, and what it queues later leaves at its end."""
-        if self._dirty and self._outq:
-            self.end_pass()
+        """What the pass has queued here goes out now, with the ACK owed; the pass goes on
+        (the QP stays listed in it), and what it queues later leaves at its end."""
+        if not (self._dirty and self._outq):
+            return
+        with self._lock:
+            if self._dead or not self._outq:
+                return
+            if self._ack_due:
+                self._queue_ack()
+            if not self._blocked:
+                self._flush()
 
     def send_owed_ack(self) -> None:
         """The delay an acknowledgement could wait for traffic is over: send it, unless a

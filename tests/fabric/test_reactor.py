@@ -406,8 +406,9 @@ def test_a_spin_ends_as_soon_as_anything_else_of_the_loop_is_ready():
 def test_a_following_poller_never_makes_a_loop_spin_on_its_own():
     """The FUSE session's poller ``follows``: alone (a loop whose answers come from another
     thread, which a spin would keep from the GIL) it makes no spin; beside a transport's
-    poller it keeps that loop's spin going."""
-    reactor = _spinning_reactor(2_000.0)
+    poller it keeps that loop's spin going.  (A 10 ms spin, the longest: on a loaded machine
+    one turn, its sched_yield, took more than 2 ms, and the follower was asked only once.)"""
+    reactor = _spinning_reactor(10_000.0)
     reactor.spin_load = 100.0
     asked = [0]
 

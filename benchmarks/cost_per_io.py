@@ -55,6 +55,9 @@ WORKLOADS = {w.key: w for w in (
     Workload("randread-4k-qd16", "randread 4k QD16", "randread", 16),
     Workload("randread-4k-qd1", "randread 4k QD1", "randread", 1),
     Workload("randwrite-4k-qd16", "randwrite 4k QD16", "randwrite", 16),
+    Workload("randread-4k-qd4", "randread 4k QD4", "randread", 4),
+    Workload("randread-4k-qd8", "randread 4k QD8", "randread", 8),
+    Workload("randread-4k-qd32", "randread 4k QD32", "randread", 32),
     Workload("read-1m-qd8", "seq read 1M QD8", "read", 8, "1m"),
     Workload("write-1m-qd8", "seq write 1M QD8", "write", 8, "1m"),
 )}

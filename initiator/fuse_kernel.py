@@ -355,9 +355,9 @@ class KernelFuse:
         # Half the pipeline per wake-up: everything read in one pass leaves in one sendmsg
         # at its end, so a pass that took all a reader's requests (fio at depth 16: all 16)
         # would have the target work while this loop waits, then this loop while the
-        # target waits.  Taking at most half of the requests in the pipeline (_depth: in
-        # flight plus queued, as the last passes saw it) keeps two batches going, one at
-        # each end: at depth 4 to 32, 1.4-1.6x the reads per second for the same CPU.
+        # target waits.  Taking at most half of the requests in the pipeline (_depth: the
+        # requests being served, as the last passes saw them) keeps two batches going, one
+        # at each end: at depth 4 to 32, 1.4-1.6x the reads per second for the same CPU.
         got = 0
         if self._several or len(free) < self.nbuf:
             several = True

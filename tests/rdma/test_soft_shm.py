@@ -295,27 +295,63 @@ def test_a_peer_cannot_make_this_side_map_without_bound(passive, monkeypatch):
     _bystander_works(port, accept)
 
 
-def test_shared_read_after_the_write_lands_from_the_peers_memory(passive):
-    """The wire of a same-host RDMA READ: READ_REQ flagged SHM, the responder answers with a
-    READ_RESP flagged SHM and no payload, and the requester copies from the region."""
+def _quiet(peer, seconds: float = 0.1) -> bool:
+    """Nothing came from the provider for ``seconds``."""
+    peer.sock.settimeout(seconds)
+    try:
+        return not peer.sock.recv(1, socket.MSG_PEEK)  # (b"": it closed; not quiet either)
+    except TimeoutError:
+        return True
+    finally:
+        peer.sock.settimeout(5)
+
+
+def test_a_shared_read_copies_at_its_post_unless_a_socket_write_is_ahead(passive):
+    """A same-host RDMA READ copies from the peer's region at its post: no frame, no PSN,
+    completed at once when nothing is outstanding.  Behind an RDMA WRITE whose data went
+    through the socket (a region not shared) and is not yet acknowledged, it must not
+    overtake that data: it goes out as a READ_REQ flagged SHM, the responder answers with
+    a READ_RESP flagged SHM and no payload, and the requester copies then."""
     port, accept = passive
     peer = UnixPeer(port)
     side = accept()
     peer.established()
+    qp, cq = side["qp"], side["cq"]
     fd = _memfd(4096, SHARE_SEALS)
     os.pwrite(fd, b"R" * 32, 200)
     peer.share(fd, 4096, 0x4321, addr=0x20000)
-    assert _wait(lambda: 0x4321 in side["qp"]._peer)
+    assert _wait(lambda: 0x4321 in qp._peer)
     dst = side["pd"].reg_mr(bytearray(32), RW)
-    side["qp"].post_send(SendWR(9, WrOpcode.RDMA_READ, [SGE(dst.addr, 32, dst.lkey)],
-                                SendFlags.SIGNALED, remote_addr=0x20000 + 200, rkey=0x4321))
+    src = side["pd"].reg_mr(bytearray(b"W" * 16), RW)
+
+    def read(wr_id):
+        qp.post_send(SendWR(wr_id, WrOpcode.RDMA_READ, [SGE(dst.addr, 32, dst.lkey)],
+                            SendFlags.SIGNALED, remote_addr=0x20000 + 200, rkey=0x4321))
+
+    read(1)                             # nothing outstanding: copied and completed now
+    assert [(w.wr_id, w.status) for w in _completions(cq, 1)] == [(1, WcStatus.SUCCESS)]
+    assert bytes(dst.buf) == b"R" * 32
+    assert _quiet(peer), "a shared READ went on the wire"
+    # a WRITE to a region this side does not map: its data goes through the socket
+    qp.post_send(SendWR(2, WrOpcode.RDMA_WRITE, [SGE(src.addr, 16, src.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x90000, rkey=0x9999))
+    ftype, flags, psn, length, key, *_rest, body = peer.frame()
+    assert (ftype, flags & SHM, psn, key, body) == (Frame.WRITE, 0, 0, 0x9999, b"W" * 16)
+    read(3)                             # that WRITE unacknowledged: the READ waits its turn
     ftype, flags, psn, length, key = peer.frame()[:5]
-    assert (ftype, flags & SHM, psn, length, key) == (Frame.READ_REQ, SHM, 0, 32, 0x4321)
+    assert (ftype, flags & SHM, psn, length, key) == (Frame.READ_REQ, SHM, 1, 32, 0x4321)
     os.pwrite(fd, b"S" * 32, 200)       # what the region holds when the answer comes counts
-    peer.sock.sendall(wire.pack(Frame.READ_RESP, 0, 32, flags=SHM))
-    (wc,) = _completions(side["cq"], 1)
-    assert (wc.wr_id, wc.status) == (9, WcStatus.SUCCESS)
+    peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 32, flags=SHM))
+    got = _completions(cq, 2)
+    assert [(w.wr_id, w.status) for w in got] == [(2, WcStatus.SUCCESS), (3, WcStatus.SUCCESS)]
     assert bytes(dst.buf) == b"S" * 32
+    # everything acknowledged: copied at the post again, and the next request is PSN 2
+    read(4)
+    assert [w.wr_id for w in _completions(cq, 1)] == [4]
+    os.pwrite(fd, b"T" * 32, 200)
+    assert bytes(dst.buf) == b"S" * 32, "the copy was not made at the post"
+    qp.post_send(SendWR(5, WrOpcode.SEND, [SGE(src.addr, 16, src.lkey)], SendFlags.SIGNALED))
+    assert peer.frame()[0:3:2] == (Frame.SEND, 2)
     os.close(fd)
 
 
@@ -323,7 +359,8 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     """The target's answer to a read (an RDMA WRITE of the data, then the SEND of the
     response, in one post): on a same-host connection only the SEND goes out; the WRITE
     completes once what was posted before it has (here an RDMA READ, then a SEND), in
-    order, and the data is in the peer's region before the SEND leaves."""
+    order, and the data is in the peer's region before the SEND leaves.  A READ of a shared
+    region completes in order likewise."""
     port, accept = passive
     peer = UnixPeer(port)
     side = accept()
@@ -344,24 +381,36 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     assert [(w.wr_id, w.status) for w in _completions(cq, 1)] == [(1, WcStatus.SUCCESS)]
     peer.sock.sendall(wire.pack(Frame.ACK, 0))
     assert [w.wr_id for w in _completions(cq, 1)] == [2]
-    # behind a READ still unanswered: the WRITE waits for it, then the SEND for its ACK
+    # behind a READ still unanswered (of a region not shared: over the socket), the WRITE
+    # waits for it, then the SEND for its ACK
     dst = side["pd"].reg_mr(bytearray(16), RW)
     qp.post_send(SendWR(3, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
-                        SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
+                        SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
     qp.post_send([SendWR(4, WrOpcode.RDMA_WRITE, [SGE(local.addr, 100, local.lkey)],
                          SendFlags.SIGNALED, remote_addr=0x40000 + 200, rkey=0x5151),
                   SendWR(5, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
                          SendFlags.SIGNALED)])
-    assert peer.frame()[:3] == (Frame.READ_REQ, SHM, 1)
+    assert peer.frame()[:3] == (Frame.READ_REQ, 0, 1)
     assert peer.frame()[0:3:2] == (Frame.SEND, 2)
     time.sleep(0.05)
     assert not cq.poll(), "completed before the READ was answered"
-    os.pwrite(fd, b"Q" * 16, 4096)
-    peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 16, flags=SHM))
+    peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 16) + b"Q" * 16)
     assert [w.wr_id for w in _completions(cq, 2)] == [3, 4]
     assert bytes(dst.buf) == b"Q" * 16
     peer.sock.sendall(wire.pack(Frame.ACK, 2))
     assert [w.wr_id for w in _completions(cq, 1)] == [5]
+    # a READ of the shared region behind that SEND, still unacknowledged: copied at the
+    # post, completed with the SEND's ACK, in order
+    os.pwrite(fd, b"P" * 16, 4096)
+    qp.post_send(SendWR(6, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                        SendFlags.SIGNALED))
+    qp.post_send(SendWR(7, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
+    assert peer.frame()[0:3:2] == (Frame.SEND, 3)
+    assert _quiet(peer)
+    assert bytes(dst.buf) == b"P" * 16 and not cq.poll()
+    peer.sock.sendall(wire.pack(Frame.ACK, 3))
+    assert [w.wr_id for w in _completions(cq, 2)] == [6, 7]
     os.close(fd)
 
 
@@ -386,3 +435,39 @@ def test_without_memfds_buffer_pools_are_plain_memory(monkeypatch):
             pool.close()
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_long_shared_copy_lets_what_the_pass_queued_leave_first(passive, op):
+    """Inside a pass (sends corked until its end), an RDMA WRITE or READ through a shared
+    region of CORK_BYTES or more copies at its post: what the pass queued before it (here
+    a SEND, the answer to an earlier command) goes out first, not after the copy and the
+    rest of the pass."""
+    from blockfabric.rdma.soft import qp as qpmod
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    qp, ctx = side["qp"], side["pd"].ctx
+    size = qpmod.CORK_BYTES
+    fd = _memfd(size, SHARE_SEALS)
+    peer.share(fd, size, 0x7070, addr=0x80000)
+    assert _wait(lambda: 0x7070 in qp._peer)
+    local = side["pd"].reg_mr(bytearray(size + 64), RW)
+    tid = threading.get_ident()
+    assert ctx.begin_pass(tid)
+    try:
+        qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(local.addr + size, 64, local.lkey)],
+                            SendFlags.SIGNALED))
+        assert _quiet(peer), "a SEND left before the end of its pass"
+        opcode = WrOpcode.RDMA_WRITE if op == "write" else WrOpcode.RDMA_READ
+        qp.post_send(SendWR(2, opcode, [SGE(local.addr, size, local.lkey)],
+                            SendFlags.SIGNALED, remote_addr=0x80000, rkey=0x7070))
+        assert peer.frame()[0:3:2] == (Frame.SEND, 0), "the SEND waited for the pass's end"
+    finally:
+        ctx.end_pass(tid)
+    if op == "write":
+        assert peer.frame()[:3] == (Frame.WRITE, SHM, 1)
+    else:
+        assert _quiet(peer)     # the READ copied at its post: nothing on the wire
+    os.close(fd)

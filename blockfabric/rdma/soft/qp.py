@@ -221,6 +221,9 @@ class SoftQP(QP):
         self.ack_timeout = DEFAULT_ACK_TIMEOUT
         self._last_progress = 0.0
         self._acked = M          # the last PSN completed by the peer's answer
+        #: the last RDMA WRITE whose data went through the socket while regions are shared
+        #: (None: none, or acknowledged): a READ through a shared region waits behind it
+        self._wpsn: int | None = None
         # responder
         self._rq: deque[tuple] = deque()
         self._exp_psn = 0
@@ -529,6 +532,9 @@ class SoftQP(QP):
                     if not sq:
                         self._last_progress = now
                     e = self._build(wr, cap, self._ack_due)
+                    if e.psn is not None and not e.size:
+                        self._read_done(e)          # read through a shared region
+                        return
                     sq.append(e)
                     if e.psn is None:
                         self._stall = True          # (as below)
@@ -567,6 +573,9 @@ class SoftQP(QP):
             for wr in wrs:
                 # the first request that goes out now carries the ACK this side owes
                 e = self._build(wr, cap, go and self._ack_due, go)
+                if e.psn is not None and not e.size:
+                    self._read_done(e)              # read through a shared region
+                    continue
                 sq.append(e)
                 if e.psn is None:
                     # stop here until it reaches the head and moves the QP to ERR (_retire):
@@ -644,6 +653,8 @@ class SoftQP(QP):
             psn = self._next_psn
             psn2 = (psn + 1) & M
             self._next_psn = (psn + 2) & M
+            if self._peer:
+                self._wpsn = psn            # its data goes through the socket
             whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
                         write.remote_addr)
             shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
@@ -687,12 +698,38 @@ class SoftQP(QP):
         dst = self._peer_view(rkey, raddr, total, _REMOTE_WRITE)
         if dst is None:
             return False
+        if total >= CORK_BYTES:
+            self.push()     # what the pass queued leaves first, not after this long copy
         off = 0
         for v in views:
             n = len(v)
             dst[off:off + n] = v
             off += n
         return True
+
+    def _read_now(self) -> bool:
+        """Whether an RDMA READ through a shared region may copy at its post: no RDMA WRITE
+        this side sent through the socket (to a region not shared, or while held behind an
+        RNR NAK) waits for its ACK, so none the peer has yet to place can be overtaken."""
+        w = self._wpsn
+        if w is None:
+            return True
+        if (self._acked - w) & M >= 0x80000000:
+            return False
+        self._wpsn = None
+        return True
+
+    def _read_done(self, e: _Entry) -> None:
+        """An RDMA READ whose data :meth:`_build` copied from the peer's shared region:
+        it completes in order, behind what was posted before it (taking that one's PSN, it
+        completes with it), or at once when nothing is outstanding."""
+        sq = self._sq
+        if sq:
+            prev = sq[-1]
+            e.psn, e.end = prev.psn, prev.end
+            sq.append(e)
+        elif e.signaled:
+            self.send_cq.push(WC(e.wr_id, _WC_OK, _WC_READ, e.byte_len, self.qp_num))
 
     def _build(self, wr: SendWR, cap: QPCap, ack: bool = False, now: bool = True) -> _Entry:
         """A send-queue entry with its frame; ``psn`` None when local checks failed.  With
@@ -739,6 +776,19 @@ class SoftQP(QP):
                 raise RdmaError(f"{total} B inline > max_inline_data {cap.max_inline_data}",
                                 errno=_errno.EINVAL)
             views = [b"".join(views)] if views else []   # inline: the WR carries a copy
+        if op == _OP_READ and now and self._peer and total and self._read_now():
+            src = self._peer_view(wr.rkey, wr.remote_addr, total, _REMOTE_READ)
+            if src is not None:
+                # The peer's region is mapped here: the READ copies now, sends nothing
+                # and takes no PSN, and completes in order (see _read_done).
+                if total >= CORK_BYTES:
+                    self.push()     # (as _to_peer)
+                _place(views, src)
+                e.psn = e.size = 0
+                e.frame = []
+                e.src = None
+                e.sent = True
+                return e
         psn = e.psn = self._next_psn
         self._next_psn = (psn + 1) & M
         e.size = HDR if op == _OP_READ else HDR + total
@@ -758,6 +808,8 @@ class SoftQP(QP):
                 e.size = HDR
                 flags |= _F_SHM
                 views = []
+            elif self._peer:
+                self._wpsn = psn            # its data goes through the socket
             if op == _OP_WRITE:
                 e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
                                 wr.remote_addr), *views]
@@ -1377,7 +1429,7 @@ class SoftQP(QP):
             # e.psn <= psn in serial-number arithmetic (wire.psn_le, inline)
             if e.psn is None or (psn - e.psn) & M >= 0x80000000:
                 break
-            if not e.sent or e.end > sent or e.opcode == _WC_READ:
+            if not e.sent or e.end > sent or (e.opcode == _WC_READ and e.size):
                 raise wire.WireError(f"acknowledgement of PSN {psn}: request {e.psn} was "
                                      + ("never sent whole" if e.opcode != _WC_READ
                                         else "a READ not answered"))

@@ -134,9 +134,11 @@ class PduConnection:
         self._out: list[Buf] = []
         self._out_bytes = 0
         self._sent_total = 0            # bytes written since the start (send()'s marks)
-        #: given to :meth:`released` once what was queued before them is written or
-        #: copied (the memory it referenced may then be reused)
-        self._after: list[Any] = []
+        self._sent_upto = 0             # ... or copied, so they may be taken as written
+        #: (mark, item): ``item`` given to :meth:`released` once the stream is written up
+        #: to ``mark`` (or what is left of it copied): the memory it referenced may then
+        #: be reused
+        self._after: list[tuple[int, Any]] = []
         self._flush_queued = False
         #: PDUs of a receive are being handled: what they send goes out at its end
         self._in_pass = False
@@ -473,9 +475,9 @@ class PduConnection:
             for b in bufs:
                 out.append(b)
                 self._out_bytes += len(b)
-            if after is not None:
-                self._after.append(after)
             mark = self._sent_total + self._out_bytes
+            if after is not None:
+                self._after.append((mark, after))
             if self._in_pass or self._flush_queued or self.reactor is None:
                 return mark
             self._flush_queued = True
@@ -548,19 +550,36 @@ class PduConnection:
             if sent:
                 out[0] = memoryview(out[0])[sent:]
             # The socket is full: copy what is left (it may reference memory that its
-            # owner reuses once told, below) and try again shortly.
+            # owner reuses once told, below), unless this side's owners are told only
+            # once their bytes are written; and try again shortly.
             if self.copy_unsent:
                 self._out = out = [bytes(b) for b in out]
+                self._sent_upto = self._sent_total + self._out_bytes
             self._schedule_retry()
             break
         if self._after:
-            self._release_after("after send")
+            self._release_after("after send", self._sent_upto
+                                if self._sent_upto > self._sent_total else self._sent_total)
         if self._paused or self._out_bytes > self.max_unsent:
             self._pause_if_full()
 
-    def _release_after(self, when: str) -> None:
-        after, self._after = self._after, []
-        for item in after:
+    def _release_after(self, when: str, upto: int | None = None) -> None:
+        """:meth:`released` for every item queued up to stream position ``upto`` (None:
+        all of them)."""
+        after = self._after
+        if not after:
+            return
+        if upto is None or after[-1][0] <= upto:
+            self._after = []
+        else:
+            n = 0
+            while after[n][0] <= upto:
+                n += 1
+            if not n:
+                return
+            self._after = after[n:]
+            after = after[:n]
+        for _mark, item in after:
             try:
                 self.released(item)
             except Exception:

@@ -91,6 +91,11 @@ class TcpTargetQueue(PduConnection):
     """One NVMe/TCP connection at the target: a queue of :class:`Command` slots."""
 
     pass_limit = 64     # read by the target's pass sharing; one read per wake-up here
+    #: What the socket does not take stays queued by reference: a command is released
+    #: (its slot, the volume's or a bounce buffer's memory it sent from) only once its
+    #: bytes are written.  Copying instead cost a 1 MiB allocation and copy per 1 MiB read
+    #: whenever the socket's buffer was full.
+    copy_unsent = False
 
     def __init__(self, sock: socket.socket, pd: SoftPD[_LocalKeys], *, handler: TcpHandler,
                  inline_size: int, max_depth: Callable[[int], int], name: str,

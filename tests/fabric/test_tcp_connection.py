@@ -338,3 +338,40 @@ def test_what_a_full_socket_did_not_take_is_copied_only_where_memory_is_reused(c
     finally:
         a.close()
         conn.close()
+
+
+@pytest.mark.parametrize("copy_unsent", [True, False])
+def test_an_owner_is_told_once_its_bytes_are_written_or_copied(copy_unsent):
+    """``send(bufs, after)``: ``after`` is released once the stream is written up to the
+    end of ``bufs``.  A side that copies what a full socket did not take releases at the
+    copy; one that keeps it by reference (the target: its volume's or bounce buffers'
+    memory) releases each owner only as its bytes leave, in order."""
+    a, b = tcp_pair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = Recorder(b)
+    conn.copy_unsent = copy_unsent
+    told: list[str] = []
+    conn.released = told.append
+    first, big = bytearray(b"f" * 100), bytearray(os.urandom(1 << 20))
+    try:
+        conn.send([memoryview(first)], "first")
+        conn.send([memoryview(big)], "big")
+        conn.flush()
+        assert conn.unsent > 0
+        assert told == (["first", "big"] if copy_unsent else ["first"])
+        got = bytearray()
+        a.settimeout(0.02)
+        deadline = time.monotonic() + 20
+        while len(got) < len(first) + len(big) and time.monotonic() < deadline:
+            if not copy_unsent and conn.unsent:
+                assert told == ["first"], "released before its bytes were written"
+            conn.flush()
+            try:
+                got += a.recv(1 << 20)
+            except TimeoutError:
+                pass
+        assert got == first + big and conn.unsent == 0
+        assert told == ["first", "big"]
+    finally:
+        a.close()
+        conn.close()

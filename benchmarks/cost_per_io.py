@@ -60,6 +60,8 @@ WORKLOADS = {w.key: w for w in (
     Workload("randread-4k-qd32", "randread 4k QD32", "randread", 32),
     Workload("read-1m-qd8", "seq read 1M QD8", "read", 8, "1m"),
     Workload("write-1m-qd8", "seq write 1M QD8", "write", 8, "1m"),
+    Workload("randwrite-16k-qd16", "randwrite 16k QD16", "randwrite", 16, "16k"),
+    Workload("randwrite-64k-qd16", "randwrite 64k QD16", "randwrite", 16, "64k"),
 )}
 DEFAULT_WORKLOADS = "randread-4k-qd16,randread-4k-qd1"
 

@@ -14,7 +14,8 @@ EXPECTED = {"seqread-1m.fio": "rw=read", "seqwrite-1m.fio": "rw=write",
             "randread-4k-qd1.fio": "ioengine=psync", "randrw-70-30-4k-qd16.fio": "rwmixread=70",
             "randread-4k-psync-16jobs.fio": "numjobs=16", "verify-crc32c.fio": "verify=crc32c",
             "randread-4k-qd4.fio": "iodepth=4", "randread-4k-qd8.fio": "iodepth=8",
-            "randread-4k-qd32.fio": "iodepth=32"}
+            "randread-4k-qd32.fio": "iodepth=32", "randwrite-16k-qd16.fio": "bs=16k",
+            "randwrite-64k-qd16.fio": "bs=64k"}
 
 
 def test_every_promised_workload_has_a_job_file():

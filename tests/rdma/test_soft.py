@@ -31,13 +31,13 @@ def test_header_is_32_bytes_and_round_trips():
     raw = wire.pack(Frame.WRITE, psn=0x1_0000_0005, length=7, key=0xAABBCCDD, extra=9,
                     addr=0x7F00_0000_1234, flags=5, ack=0x1234)
     assert len(raw) == wire.HEADER_SIZE == 32
-    assert raw[0] == 0xBF and raw[1] == 2
+    assert raw[0] == 0xBF and raw[1] == 3
     assert wire.unpack(raw) == (Frame.WRITE, 5, 5, 7, 0xAABBCCDD, 9, 0x7F00_0000_1234)
     assert wire.decode(raw) == (Frame.WRITE, 5, 5, 7, 0xAABBCCDD, 9, 0x7F00_0000_1234, 0x1234)
     assert wire.unpack_ack(raw) == 0x1234 and wire.unpack_ack(wire.pack(Frame.SEND)) is None
 
 
-@pytest.mark.parametrize("offset,value", [(0, b"X"), (1, b"\x03"), (1, b"\x01")])
+@pytest.mark.parametrize("offset,value", [(0, b"X"), (1, b"\x04"), (1, b"\x02"), (1, b"\x01")])
 def test_foreign_or_future_headers_are_refused(offset, value):
     raw = bytearray(wire.pack(Frame.ACK))
     raw[offset:offset + len(value)] = value
@@ -53,9 +53,21 @@ def test_a_version_1_header_is_named_as_such():
     assert info.value.version == 1
 
 
+def test_a_version_2_header_is_named_as_such():
+    """Version 2 had no ACK_REQ: such a peer would end the connection at the first one, so
+    it is refused by name instead."""
+    raw = bytearray(wire.pack(Frame.CONN_REQ))
+    raw[1] = 2
+    with pytest.raises(wire.VersionError, match="version 2") as info:
+        wire.decode(raw)
+    assert info.value.version == 2
+
+
 @pytest.mark.parametrize("header", [
     wire.pack(Frame.SEND, ack=5),                               # an ack without its flag
     wire.pack(Frame.ACK, 3, flags=int(wire.FrameFlags.ACK)),    # only requests carry one
+    wire.pack(Frame.SEND, flags=int(wire.FrameFlags.ACK_REQ)),  # only an ACK frame asks
+    wire.pack(Frame.NAK, 1, key=9, flags=int(wire.FrameFlags.ACK_REQ)),
     wire.pack(Frame.READ_RESP, flags=int(wire.FrameFlags.ACK)),
     wire.pack(Frame.SEND, extra=7, flags=int(wire.FrameFlags.ACK)),  # ACK gives extra no meaning
 ])
@@ -343,31 +355,39 @@ def test_killed_peer_process_is_a_disconnect():
         p.close()
 
 
-# ---------------------------------------------------------------------- wire version 2
+# ---------------------------------------------------------------------- other wire versions
 
 
-def test_a_version_1_host_is_refused_with_a_version_1_rejection(caplog):
-    """A version-1 CONN_REQ gets a CONN_REJ the old peer can read (it reports a rejection,
-    not a reset), logged once per listener."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_host_is_refused_with_a_rejection_of_its_version(caplog, version):
+    """A version-1 or version-2 CONN_REQ gets a CONN_REJ the old peer can read (it reports a
+    rejection, not a reset), logged once per listener.  (Version 2 had this header, without
+    ACK_REQ.)"""
     p = SoftProvider(progress="poll")
     lst = p.listen("127.0.0.1", 0)
+    request = wire.pack_v1(Frame.CONN_REQ, 4) if version == 1 else \
+        wire.pack(Frame.CONN_REQ, length=4, version=2)
     try:
         for _ in range(2):
             with socket.create_connection(("127.0.0.1", lst.local_address[1]), 5) as old:
-                old.sendall(wire.pack_v1(Frame.CONN_REQ, 4) + b"v1v1")
+                old.sendall(request + b"vNvN")
                 assert lst.get_request(0.5) is None
                 old.settimeout(5)
                 answer = b""
                 while len(answer) < wire.HEADER_SIZE:
                     chunk = old.recv(64)
-                    assert chunk, "closed without the version-1 rejection"
+                    assert chunk, f"closed without the version-{version} rejection"
                     answer += chunk
-                assert wire.V1_HEADER.unpack(answer[:32])[:4] == (b"BFRD", 1, Frame.CONN_REJ, 0)
+                if version == 1:
+                    assert wire.V1_HEADER.unpack(answer[:32])[:4] == \
+                        (b"BFRD", 1, Frame.CONN_REJ, 0)
+                else:
+                    assert wire.HEADER.unpack(answer[:32])[:3] == (wire.MAGIC, 2, Frame.CONN_REJ)
                 assert old.recv(64) == b""      # and then closed
     finally:
         lst.close()
         p.close()
-    assert sum("wire version 1" in r.getMessage() for r in caplog.records) == 1
+    assert sum(f"wire version {version}" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_connecting_to_a_version_1_target_names_the_version():
@@ -578,18 +598,44 @@ def test_an_ack_with_nothing_to_ride_on_waits_for_traffic(reactor_side, monkeypa
     assert [f[:3] for f in _frames(peer, 2)] == [(Frame.ACK, 0, 2), (Frame.DREQ, 0, 0)]
 
 
-def test_a_deferred_ack_goes_out_after_ack_delay(reactor_side, monkeypatch):
+def _warm_peer(reactor_side, monkeypatch, delay: float) -> RawPeer:
+    """A RawPeer on ``reactor_side`` after :func:`_warm_up`, ACK_DELAY set to ``delay``."""
     from blockfabric.rdma.soft import device
-    monkeypatch.setattr(device, "ACK_DELAY", 0.5)
+    monkeypatch.setattr(device, "ACK_DELAY", delay)
     port, accept, state = reactor_side
     peer = RawPeer(port)
     accept()
     peer.established()
     _warm_up(peer, state)
+    return peer
+
+
+def test_a_deferred_ack_goes_out_after_ack_delay(reactor_side, monkeypatch):
+    peer = _warm_peer(reactor_side, monkeypatch, 0.5)
     start = time.monotonic()
     peer.sock.sendall(wire.pack(Frame.SEND, 1, 16) + bytes(16))
     assert _frames(peer, 1)[0][:3] == (Frame.ACK, 0, 1)
     assert time.monotonic() - start >= 0.4
+
+
+def test_an_ack_request_sends_the_deferred_ack_at_once(reactor_side, monkeypatch):
+    """An ACK frame flagged ACK_REQ (the peer waits on this side's acknowledgement, as
+    IB's AckReq asks) ends the wait for traffic: the ACK owed goes out in that pass, long
+    before ACK_DELAY.  With nothing owed, it asks for nothing."""
+    peer = _warm_peer(reactor_side, monkeypatch, 30.0)
+    state = reactor_side[2]
+    peer.sock.sendall(wire.pack(Frame.SEND, 1, 16) + bytes(16))
+    assert _wait(lambda: state["seen"] == 2)
+    peer.sock.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+        peer.sock.recv(64)                  # deferred: it waits for traffic
+    ask = wire.pack(Frame.ACK, 0, flags=int(wire.FrameFlags.ACK_REQ))
+    peer.sock.sendall(ask)
+    assert _frames(peer, 1, timeout=5)[0][:3] == (Frame.ACK, 0, 1)
+    peer.sock.sendall(ask)                  # nothing owed now: no answer
+    peer.sock.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+        peer.sock.recv(64)
 
 
 def test_an_owner_that_has_not_posted_lately_is_acknowledged_at_once(reactor_side,

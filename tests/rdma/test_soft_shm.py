@@ -400,17 +400,22 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     peer.sock.sendall(wire.pack(Frame.ACK, 2))
     assert [w.wr_id for w in _completions(cq, 1)] == [5]
     # a READ of the shared region behind that SEND, still unacknowledged: copied at the
-    # post, completed with the SEND's ACK, in order
+    # post, completed with the SEND's ACK, in order; and since the peer may be holding
+    # that ACK back for traffic, an ACK frame flagged ACK_REQ asks for it, once
     os.pwrite(fd, b"P" * 16, 4096)
     qp.post_send(SendWR(6, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
                         SendFlags.SIGNALED))
     qp.post_send(SendWR(7, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
                         SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
+    qp.post_send(SendWR(8, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
     assert peer.frame()[0:3:2] == (Frame.SEND, 3)
-    assert _quiet(peer)
+    ftype, flags = peer.frame()[:2]
+    assert ftype == Frame.ACK and flags == FrameFlags.ACK_REQ
+    assert _quiet(peer)                 # asked once for both READs, and no READ_REQ
     assert bytes(dst.buf) == b"P" * 16 and not cq.poll()
     peer.sock.sendall(wire.pack(Frame.ACK, 3))
-    assert [w.wr_id for w in _completions(cq, 2)] == [6, 7]
+    assert [w.wr_id for w in _completions(cq, 3)] == [6, 7, 8]
     os.close(fd)
 
 
@@ -468,6 +473,7 @@ def test_a_long_shared_copy_lets_what_the_pass_queued_leave_first(passive, op):
         ctx.end_pass(tid)
     if op == "write":
         assert peer.frame()[:3] == (Frame.WRITE, SHM, 1)
-    else:
-        assert _quiet(peer)     # the READ copied at its post: nothing on the wire
+    else:   # the READ copied at its post and waits for the SEND's ACK, which it asks for
+        assert peer.frame()[:2] == (Frame.ACK, FrameFlags.ACK_REQ)
+        assert _quiet(peer)
     os.close(fd)

@@ -6,15 +6,16 @@ every remote access is checked against rkey, bounds and access flags; payloads m
 the socket and registered memory with no intermediate copy; completions carry the real
 verbs statuses; an error moves the QP to ERR and flushes.
 
-Wire (one TCP connection per QP, both directions; little-endian; version 2)
+Wire (one TCP connection per QP, both directions; little-endian; version 3)
 ---------------------------------------------------------------------------
 Every frame starts with a 32-byte header (``wire.HEADER``)::
 
     0  magic   u8   0xBF
-    1  version u8   2 (a peer speaking another version is refused, see below)
+    1  version u8   3 (a peer speaking another version is refused, see below)
     2  type    u8   wire.Frame
     3  flags   u8   bit 0 WITH_IMM, bit 1 WITH_INV, bit 2 ACK (the ack field is valid),
-                    bit 3 SHM (same-host: the data moved through shared memory)
+                    bit 3 SHM (same-host: the data moved through shared memory),
+                    bit 4 ACK_REQ (ACK frames: acknowledge now, see below)
     4  psn     u32  request sequence number (per direction, from 0, wraps)
     8  length  u32  payload bytes that follow; READ_REQ: bytes asked for (nothing follows)
     12 key     u32  WRITE/READ_REQ: rkey; NAK: the WcStatus the requester reports
@@ -33,7 +34,11 @@ explicit ACK frame (psn: the last request executed), so an owner that stops post
 still acknowledged.  That frame goes out at the end of the pass when the pass sends the
 peer anything else; when it would leave alone, a reactor's pass lets it wait up to
 ``device.ACK_DELAY`` (1 ms) for a request to ride on (a host's next command), as TCP's
-delayed ACK; a disconnect sends one still owed before its DREQ.  A pass is one run of the
+delayed ACK; a disconnect sends one still owed before its DREQ.  A side that waits on
+that ACK (see READ below) asks for it: an ACK frame (its own cumulative ACK, psn: the last
+request it executed) flagged ACK_REQ, once per request of its own it waits behind; the peer
+then sends the ACK it owes at the end of the pass that read the request, not later (IB's
+AckReq).  A pass is one run of the
 engine (and, under a reactor, its owners' work after it); everything a pass has for one
 connection goes out in one sendmsg.
 
@@ -46,20 +51,27 @@ memfd (``pd.shared_slab``) registered for remote access, the memfd travelling wi
 frame's bytes or ahead of them (SCM_RIGHTS), and FORGET (key) when such a region closes.
 A requester whose peer shared the region a WRITE or READ names (and that fits it) moves the
 data with a copy: a WRITE is copied at its post and goes out as its header with flag SHM
-and no payload; a READ_REQ with flag SHM is answered by a READ_RESP with flag SHM and no
-payload, and the requester copies from the region then.  A target's answer to a read (an
+and no payload.  A READ is copied at its post too and sends nothing: it takes no PSN and
+completes in order, at once when nothing is outstanding, else with the request before it
+(and asks for that one's ACK, above).  Only behind an RDMA WRITE whose data went through
+the socket and is not acknowledged yet does it go out, as a READ_REQ with flag SHM,
+answered by a READ_RESP with flag SHM and no payload, the requester copying from the
+region then: a READ never overtakes data the peer has yet to place.  A copy of 32 KiB or
+more first sends what the pass queued for that peer.  A target's answer to a read (an
 RDMA WRITE of the data and the SEND of the response, posted together) sends only the SEND:
 the WRITE, copied at the post, takes no PSN and completes, in order, once everything posted
-before it has (at once when nothing is outstanding).  Everything else is unchanged:
-each request takes its PSN, the responder checks the key, bounds and access on the header
-as it would the payload (NAK REM_ACCESS_ERR), and that the region is one it shared
-(REM_INV_REQ_ERR), and completions come from its ACKs in order.
+before it has (at once when nothing is outstanding).  Everything else is unchanged: each
+request that goes out takes its PSN, the responder checks the key, bounds and access on
+the header as it would the payload (NAK REM_ACCESS_ERR), and that the region is one it
+shared (REM_INV_REQ_ERR), and completions come from its ACKs in order.
 
 Version 1 (until 2026-12; headers began b"BFRD", a 16-bit flags field and no ack field, and
-every ACK was a frame of its own) is not spoken.  A listener answers a version-1 CONN_REQ
+every ACK was a frame of its own) is not spoken, nor is version 2 (2026-12-03 to 12-07: no
+ACK_REQ, which such a peer would take for a violation); a version-2 peer is refused by
+name, as any header of another version.  A listener answers a version-1 CONN_REQ
 with a version-1 CONN_REJ (so an old host reports a rejection, not a reset) and logs the
 first one at WARNING; an active side that gets a version-1 answer fails ``connect`` with an
-RdmaError naming the version (an old listener closes on a version-2 CONN_REQ without an
+RdmaError naming the version (a version-1 listener closes on a newer CONN_REQ without an
 answer: that error says a peer of another version may be why).
 
 Validation: the peer is not trusted
@@ -70,7 +82,7 @@ both sides and in the CM exchange:
 * type: one of ``wire.Frame``; CM frames only during set-up (CONN_RTU once, as the passive
   side's first frame), never on a connected QP;
 * flags: only WITH_IMM or WITH_INV on SEND (not both), only WITH_IMM on WRITE, ACK on
-  the three requests only, none elsewhere;
+  the three requests only, ACK_REQ on ACK frames only, none elsewhere;
 * length: private data <= 56 B (CONN_REQ) or 196 B (CONN_REP, CONN_REJ); 0 for CONN_RTU,
   DREQ, ACK, NAK, RNR_NAK; at most MAX_MESSAGE (2 GiB) for the rest; a SEND no longer than
   its posted receive, a WRITE/READ_REQ inside the MR its rkey names (else the NAKs below);

@@ -514,7 +514,8 @@ class SoftListener(Listener):
 
     def _refuse_version(self, sock: socket.socket, exc: wire.VersionError) -> None:
         """A connect request in another version of the wire: refused in a way that version
-        understands (a version-1 CONN_REJ, so an old host reports a rejection, not a reset),
+        understands (a version-1 or -2 CONN_REJ, so an old host reports a rejection, not a
+        reset),
         logged once per listener and version."""
         if exc.version not in self._versions_refused:
             self._versions_refused.add(exc.version)
@@ -532,6 +533,8 @@ class SoftListener(Listener):
         try:
             if exc.version == 1:
                 sock.send(wire.pack_v1(Frame.CONN_REJ))     # 32 bytes: the buffer takes them
+            elif exc.version == 2:                          # (the same header, then)
+                sock.send(wire.pack(Frame.CONN_REJ, version=2))
         except OSError:
             pass
         finally:

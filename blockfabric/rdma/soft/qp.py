@@ -101,6 +101,7 @@ _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _F_IMM, _F_INV, _F_ACK = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV), int(FrameFlags.ACK)
 _F_SHM = int(FrameFlags.SHM)
+_F_ACK_REQ = int(FrameFlags.ACK_REQ)
 _SEND, _WRITE, _READ_REQ = int(Frame.SEND), int(Frame.WRITE), int(Frame.READ_REQ)
 _SHARE, _FORGET = int(Frame.SHARE), int(Frame.FORGET)
 _NOT_ACK = 0xFF & ~_F_ACK       # header flag bits other than ACK
@@ -209,6 +210,11 @@ class SoftQP(QP):
         self._tx_queued = 0      # bytes handed to the socket queue since the start ...
         self._tx_sent = 0        # ... and how many of them the kernel took
         self._last_ack: bytes | None = None     # the ACK at the tail of _outq, if any
+        #: this side waits on the peer's ACK (a READ behind requests it has not acknowledged):
+        #: the pass's end asks for it (an ACK frame flagged ACK_REQ) ...
+        self._want_ack = False
+        self._asked = M          # ... unless it asked already since its last request
+        self._ack_asked = False  # the peer asked: the ACK owed does not wait for traffic
         self._rtu_due = False    # passive side: the peer's CONN_RTU comes first
         # requester
         self._sq: deque[_Entry] = deque()
@@ -728,6 +734,19 @@ class SoftQP(QP):
             prev = sq[-1]
             e.psn, e.end = prev.psn, prev.end
             sq.append(e)
+            # The peer may hold its ACK of those for traffic (ACK_DELAY) that waits for
+            # this READ's answer: ask for it.
+            psn = prev.psn
+            if psn is not None and self._asked != psn:
+                self._asked = psn
+                self._want_ack = True
+                if not self._dirty:
+                    dirty = self.ctx.corks.get(_get_ident())
+                    if dirty is None:
+                        self._ask_ack()
+                    else:
+                        self._dirty = True
+                        dirty.append(self)
         elif e.signaled:
             self.send_cq.push(WC(e.wr_id, _WC_OK, _WC_READ, e.byte_len, self.qp_num))
 
@@ -988,9 +1007,12 @@ class SoftQP(QP):
             self._dirty = False
             if self._dead:
                 return
-            if self._ack_due and (self._outq or not self.ctx.defer_ack(self)):
+            if self._ack_due and (self._outq or self._ack_asked or self._want_ack
+                                  or not self.ctx.defer_ack(self)):
                 self._queue_ack()
-            if self._outq and not self._blocked:    # (an ACK deferred: nothing to send)
+            if self._want_ack:
+                self._ask_ack()
+            elif self._outq and not self._blocked:  # (an ACK deferred: nothing to send)
                 self._flush()
 
     def push(self) -> None:
@@ -1015,8 +1037,24 @@ class SoftQP(QP):
                 if not self._blocked:
                     self._flush()
 
+    def _ask_ack(self) -> None:
+        """Ask the peer for its acknowledgement now: this side's ACK (its cumulative one
+        again when none is owed) flagged ACK_REQ, with whatever is queued."""
+        self._want_ack = False
+        ack = _pack(_ACK, self._done_psn, flags=_F_ACK_REQ)
+        q = self._outq
+        if q and q[-1] is self._last_ack:
+            q[-1] = ack         # (the same cumulative ACK, now asking too)
+        else:
+            self._tx_queued += HDR
+            q.append(ack)
+        self._last_ack = None   # (a later ACK does not replace it: it asks)
+        if not self._blocked:
+            self._flush()
+
     def _queue_ack(self) -> None:
         self._ack_due = False
+        self._ack_asked = False
         ack = _pack(_ACK, self._done_psn)
         q = self._outq
         if q and q[-1] is self._last_ack:
@@ -1206,6 +1244,11 @@ class SoftQP(QP):
             sq = self._sq
             if sq and sq[0].psn is None:
                 self._retire()
+            if flags & _F_ACK_REQ and self._ack_due:
+                # the peer waits on what this side owes: at the end of this pass, or now
+                self._ack_asked = True
+                if not self._dirty:
+                    self._owe_ack()
         elif ftype == _NAK:
             self._answered(psn, "NAK")
             self._fail_head(WcStatus(key))

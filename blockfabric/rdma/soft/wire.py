@@ -11,7 +11,7 @@ import enum
 import struct
 
 MAGIC = 0xBF
-VERSION = 2
+VERSION = 3
 PSN_MASK = 0xFFFFFFFF
 
 #: magic u8, version u8, type u8, flags u8, psn u32, length u32, key u32, extra u32, ack u32,
@@ -61,6 +61,8 @@ class FrameFlags(enum.IntFlag):
     ACK = 4         # the ack field carries a cumulative ACK of the other direction's requests
     SHM = 8         # WRITE, READ_REQ, READ_RESP: the data moves through the shared region
                     # under key (same-host connections), no payload follows
+    ACK_REQ = 16    # ACK: the sender waits on the other direction's acknowledgement:
+                    # send it at the end of this pass, not later (IB's AckReq)
 
 
 REQUEST_FRAMES = frozenset((Frame.SEND, Frame.WRITE, Frame.READ_REQ))
@@ -69,9 +71,10 @@ PAYLOAD_FRAMES = frozenset((Frame.CONN_REQ, Frame.CONN_REP, Frame.CONN_REJ, Fram
 
 
 def pack(ftype: int, psn: int = 0, length: int = 0, key: int = 0, extra: int = 0,
-         addr: int = 0, flags: int = 0, ack: int = 0) -> bytes:
-    """One header, ready for the wire (``ack`` means something only with FrameFlags.ACK)."""
-    return HEADER.pack(MAGIC, VERSION, ftype, flags, psn & PSN_MASK, length, key, extra, ack,
+         addr: int = 0, flags: int = 0, ack: int = 0, version: int = VERSION) -> bytes:
+    """One header, ready for the wire (``ack`` means something only with FrameFlags.ACK;
+    ``version``: another only to refuse a peer of that version in its own terms)."""
+    return HEADER.pack(MAGIC, version, ftype, flags, psn & PSN_MASK, length, key, extra, ack,
                        addr)
 
 
@@ -129,6 +132,7 @@ NAK_STATUSES = frozenset((9, 10, 11))
 _PSN, _KEY, _EXTRA, _ADDR = 1, 2, 4, 8
 _F_IMM, _F_INV = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV)
 _F_ACK, _F_SHM = int(FrameFlags.ACK), int(FrameFlags.SHM)
+_F_ACK_REQ = int(FrameFlags.ACK_REQ)
 _RULES: dict[int, tuple[int, int, int]] = {
     Frame.CONN_REQ: (0, MAX_REQ_PRIVATE_DATA, _PSN | _KEY | _ADDR),
     Frame.CONN_REP: (0, MAX_REP_PRIVATE_DATA, _PSN | _KEY | _ADDR),
@@ -141,7 +145,7 @@ _RULES: dict[int, tuple[int, int, int]] = {
     Frame.WRITE: (_F_IMM | _F_ACK | _F_SHM, MAX_MESSAGE, _EXTRA),
     Frame.READ_REQ: (_F_ACK | _F_SHM, MAX_MESSAGE, _EXTRA),
     Frame.READ_RESP: (_F_SHM, MAX_MESSAGE, _KEY | _EXTRA | _ADDR),
-    Frame.ACK: (0, 0, _KEY | _EXTRA | _ADDR),
+    Frame.ACK: (_F_ACK_REQ, 0, _KEY | _EXTRA | _ADDR),
     Frame.NAK: (0, 0, _EXTRA | _ADDR),
     Frame.RNR_NAK: (0, 0, _KEY | _EXTRA | _ADDR),
 }

@@ -600,6 +600,19 @@ class SoftQP(QP):
             if sq and sq[0].psn is None:
                 self._retire()
 
+    def _carry(self, sq: deque) -> tuple[int, int]:
+        """A request is posted now (its time noted): the header flags and ack field that
+        carry the cumulative ACK this side owes (no longer owed then), else (0, 0)."""
+        self.posted = now = _now()
+        if not sq:
+            self._last_progress = now
+        if self._ack_due:
+            self._ack_due = False
+            if self.ack_group is not None:     # it waited for this request (defer_ack)
+                self.ack_group.carried(self)
+            return _F_ACK, self._done_psn
+        return 0, 0
+
     def _post_send1(self, sq: deque, cap: QPCap, wr: SendWR) -> bool:
         """The SEND of every I/O (a host's capsule, a target's response to a write): one
         SGE read from registered memory, not inline.  Checked, then built and sent as
@@ -616,16 +629,7 @@ class SoftQP(QP):
         if (flags & _INLINE or mr is None or mr.pd is not self.pd or addr < mr.addr
                 or addr + total > mr.end or total <= 0 or total > _MAX_MESSAGE):
             return False
-        self.posted = now = _now()
-        if not sq:
-            self._last_progress = now
-        if self._ack_due:               # the SEND carries the ACK this side owes
-            self._ack_due = False
-            hflags, done = _F_ACK, self._done_psn
-            if self.ack_group is not None:
-                self.ack_group.carried(self)
-        else:
-            hflags = done = 0
+        hflags, done = self._carry(sq)
         off = addr - mr.addr
         view = mr.buf[off:off + total]
         psn = self._next_psn
@@ -635,8 +639,9 @@ class SoftQP(QP):
         e.signaled = self.sig_all or bool(flags & _SIGNALED)
         e.status = e.rnr = 0
         e.views = [view]
-        e.frame = frame = [_hdr(_MAGIC, _VERSION, _SEND, hflags, psn, total, 0, 0, done, 0),
-                           view]
+        frame: list[bytes | memoryview] = [
+            _hdr(_MAGIC, _VERSION, _SEND, hflags, psn, total, 0, 0, done, 0), view]
+        e.frame = frame
         e.sent = True
         e.size = size = HDR + total
         e.end = self._tx_queued + size
@@ -666,16 +671,7 @@ class SoftQP(QP):
                 or baddr < mb.addr or baddr + blen > mb.end or blen <= 0
                 or alen > _MAX_MESSAGE or blen > _MAX_MESSAGE):
             return False
-        self.posted = now = _now()
-        if not sq:
-            self._last_progress = now
-        if self._ack_due:               # the WRITE carries the ACK this side owes
-            self._ack_due = False
-            flags, done = _F_ACK, self._done_psn
-            if self.ack_group is not None:
-                self.ack_group.carried(self)
-        else:
-            flags = done = 0
+        flags, done = self._carry(sq)   # (on the WRITE, or the SEND when it goes alone)
         off = aaddr - ma.addr
         data = ma.buf[off:off + alen]
         off = baddr - mb.addr

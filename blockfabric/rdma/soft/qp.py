@@ -227,8 +227,9 @@ class SoftQP(QP):
         self.ack_timeout = DEFAULT_ACK_TIMEOUT
         self._last_progress = 0.0
         self._acked = M          # the last PSN completed by the peer's answer
-        #: the last RDMA WRITE whose data went through the socket while regions are shared
-        #: (None: none, or acknowledged): a READ through a shared region waits behind it
+        #: the last RDMA WRITE whose data went through the socket (None: none, or it was
+        #: acknowledged): a READ through a shared region waits behind it (the region may
+        #: have been shared only since)
         self._wpsn: int | None = None
         # responder
         self._rq: deque[tuple] = deque()
@@ -701,8 +702,7 @@ class SoftQP(QP):
             psn = self._next_psn
             psn2 = (psn + 1) & M
             self._next_psn = (psn + 2) & M
-            if self._peer:
-                self._wpsn = psn            # its data goes through the socket
+            self._wpsn = psn                # its data goes through the socket
             whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
                         write.remote_addr)
             shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
@@ -869,7 +869,7 @@ class SoftQP(QP):
                 e.size = HDR
                 flags |= _F_SHM
                 views = []
-            elif self._peer:
+            else:
                 self._wpsn = psn            # its data goes through the socket
             if op == _OP_WRITE:
                 e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,

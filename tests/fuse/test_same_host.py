@@ -78,3 +78,27 @@ def test_a_mount_on_the_targets_machine_moves_data_through_shared_memory(target,
             assert all(p.startswith("127.0.0.1:") for p in peers), peers
     finally:
         m.cleanup()
+
+
+def test_writes_fetched_through_shared_memory_verify_at_depth(target, tmp_path):
+    """Writes larger than a capsule carries (16 KiB and 1 MiB, 16 in flight, two jobs at
+    once) are fetched by the target with RDMA READs that copy out of the host's FUSE
+    buffers at their post; they complete behind answers the host has yet to acknowledge,
+    which the target asks for (ACK_REQ).  Every block reads back as written."""
+    m = Mount(target, tmp_path, name="fetched")
+    m.start()
+    try:
+        jobs = [["--name=mid", "--bs=16k", "--size=8M", "--offset=0"],
+                ["--name=big", "--bs=1m", "--size=16M", "--offset=16M"]]
+        procs = [subprocess.Popen(
+            ["fio", *job, f"--filename={m.file('n1')}", "--direct=1", "--ioengine=libaio",
+             "--iodepth=16", "--rw=randwrite", "--verify=crc32c", "--verify_fatal=1",
+             "--do_verify=1", "--randrepeat=1", "--verify_state_save=0",
+             "--output-format=terse"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
+        for proc in procs:
+            out, err = proc.communicate(timeout=90)
+            assert proc.returncode == 0, out + err
+        assert "same host: data through shared memory" in m.status()
+    finally:
+        m.cleanup()

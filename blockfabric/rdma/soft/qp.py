@@ -1083,6 +1083,7 @@ class SoftQP(QP):
         """Ask the peer for its acknowledgement now: this side's ACK (its cumulative one
         again when none is owed) flagged ACK_REQ, with whatever is queued."""
         self._want_ack = False
+        self._ack_due = self._ack_asked = False     # (the frame acknowledges all executed)
         ack = _pack(_ACK, self._done_psn, flags=_F_ACK_REQ)
         q = self._outq
         if q and q[-1] is self._last_ack:

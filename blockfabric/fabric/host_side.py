@@ -402,7 +402,8 @@ class HostQueue(Endpoint):
                 again.append(wrs[index])
         if again and not self.closed:
             try:
-                self.qp.post_recv(again)
+                # (one, as at QD1: the provider's single-WR path, no list to walk)
+                self.qp.post_recv(again if len(again) > 1 else again[0])
             except Exception as exc:  # noqa: BLE001  (as a failed repost would: this queue)
                 self.on_fault(f"reposting {len(again)} receives failed: "
                               f"{type(exc).__name__}: {exc}")

@@ -375,3 +375,53 @@ def test_an_owner_is_told_once_its_bytes_are_written_or_copied(copy_unsent):
     finally:
         a.close()
         conn.close()
+
+
+def test_a_full_socket_is_retried_soon_while_it_drains_and_less_often_while_it_does_not():
+    """What the socket did not take is written again after RETRY_FIRST while each write
+    moves bytes (a peer reading at full speed), after twice the last wait up to RETRY_MAX
+    while none does (a peer that stopped reading), and soon again once it reads."""
+    from blockfabric.fabric import tcp
+
+    class Timers:                           # the reactor's timer API, recording the delays
+        ident = threading.get_ident()
+
+        def __init__(self) -> None:
+            self.delays: list[float] = []
+
+        def call_later(self, delay, callback):
+            self.delays.append(delay)
+            return None                     # (no timer object: the test calls flush)
+
+    a, b = tcp_pair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = Recorder(b)
+    conn.reactor = timers = Timers()
+    try:
+        conn.send_now([memoryview(bytearray(32 << 20))])
+        assert conn.unsent > 0 and timers.delays == [tcp.RETRY_FIRST]
+        while True:                         # until the peer's buffers are full too
+            time.sleep(0.01)
+            sent = conn._sent_total
+            conn._retry = None
+            conn.flush()
+            if conn._sent_total == sent:
+                break
+            assert timers.delays[-1] == tcp.RETRY_FIRST     # it moved: soon again
+        assert conn.unsent > 0
+        del timers.delays[:-1]
+        for _ in range(5):                  # the peer reads nothing
+            conn._retry = None
+            conn.flush()
+        assert timers.delays == [min(tcp.RETRY_FIRST * 2 ** k, tcp.RETRY_MAX)
+                                 for k in range(1, 7)]
+        assert timers.delays[-1] == tcp.RETRY_MAX
+        a.settimeout(1)
+        a.recv(1 << 20)                     # it reads: the next write moves bytes again
+        conn._retry = None
+        conn.flush()
+        assert conn.unsent > 0 and timers.delays[-1] == tcp.RETRY_FIRST
+    finally:
+        conn.reactor = None
+        a.close()
+        conn.close()

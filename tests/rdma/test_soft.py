@@ -653,17 +653,24 @@ def test_an_owner_that_has_not_posted_lately_is_acknowledged_at_once(reactor_sid
     assert _frames(peer, 1, timeout=5)[0][:3] == (Frame.ACK, 0, 0)
 
 
+def _raw_owner(passive) -> tuple:
+    """A RawPeer connected to the passive side, whose CQ hands out raw completions (as the
+    reactor's queues do)."""
+    port, accept = passive
+    peer = RawPeer(port)
+    made = accept()
+    peer.established()
+    made["cq"].set_raw()
+    return peer, made
+
+
 def test_a_reposted_receive_follows_its_sge_and_region_and_raw_completions(passive):
     """The fast path of the reactor's queues: a RecvWR posted with ``resolved=False`` keeps
     the views it resolved to, and a raw CQ hands out (wr_id, status, byte_len).  A changed
     SGE lands the next SEND in the new place; a closed region fails it (LOC_PROT_ERR), never
     writes through an old view."""
-    port, accept = passive
-    peer = RawPeer(port)
-    made = accept()
-    peer.established()
+    peer, made = _raw_owner(passive)
     qp, cq, pd = made["qp"], made["cq"], made["pd"]
-    cq.set_raw()
     bufs = [bytearray(64), bytearray(64)]
     mrs = [pd.reg_mr(b, RW) for b in bufs]
     sge = SGE(mrs[0].addr, 64, mrs[0].lkey)
@@ -686,3 +693,52 @@ def test_a_reposted_receive_follows_its_sge_and_region_and_raw_completions(passi
     assert one_send(3, 4) == (7, WcStatus.LOC_PROT_ERR, 0)
     assert bufs[0][:16] == b"\x02" * 16
     mrs[0].close()
+
+
+@pytest.mark.parametrize("case", ["ahead", "behind", "acks-unsent", "ack-without-flag",
+                                  "too-long", "no-receive"])
+def test_raw_receives_check_each_send_as_any(passive, case):
+    """A SEND for an owner of raw completions is placed and completed straight from staging
+    (the per-I/O path): the same checks hold there as on the general path.  An out-of-order
+    PSN or an acknowledgement of what was never sent ends the connection; a SEND longer than
+    its receive is NAKed REM_INV_REQ_ERR with the receive failed LOC_LEN_ERR; one with no
+    receive posted gets an RNR NAK; the honest SEND before each lands whole."""
+    peer, made = _raw_owner(passive)
+    qp, cq, pd = made["qp"], made["cq"], made["pd"]
+    buf = bytearray(64)
+    mr = pd.reg_mr(buf, RW)
+    rwr = RecvWR(7, [SGE(mr.addr, 32, mr.lkey)], False)
+    qp.post_recv(rwr)
+    qp.post_recv(rwr)
+    peer.sock.sendall(wire.pack(Frame.SEND, 0, 16) + b"A" * 16)
+    got: list = []
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    assert got == [(7, WcStatus.SUCCESS, 16)] and buf[:16] == b"A" * 16
+    if case == "no-receive":
+        peer.sock.sendall(wire.pack(Frame.SEND, 1, 16) + b"B" * 16)
+        assert _wait(lambda: got.extend(cq.poll()) or len(got) > 1)
+        peer.sock.sendall(wire.pack(Frame.SEND, 2, 16) + b"C" * 16)
+        while (frame := peer.frame())[0] == Frame.ACK:
+            pass
+        assert frame[:3] == (Frame.RNR_NAK, 0, 2)
+        assert qp.state != QPState.ERR and buf[:16] == b"B" * 16
+        return
+    frames = {
+        "ahead": wire.pack(Frame.SEND, 2, 16) + b"X" * 16,
+        "behind": wire.pack(Frame.SEND, 0, 16) + b"X" * 16,
+        "acks-unsent": wire.pack(Frame.SEND, 1, 16, flags=wire.FrameFlags.ACK, ack=5)
+        + b"X" * 16,
+        "ack-without-flag": wire.pack(Frame.SEND, 1, 16, ack=5) + b"X" * 16,
+        "too-long": wire.pack(Frame.SEND, 1, 48) + b"X" * 48,
+    }
+    peer.sock.sendall(frames[case])
+    if case == "too-long":
+        while (frame := peer.frame())[0] == Frame.ACK:
+            pass
+        assert frame[:5] == (Frame.NAK, 0, 1, 0, WcStatus.REM_INV_REQ_ERR)
+        assert _wait(lambda: got.extend(cq.poll()) or len(got) > 1)
+        assert got[1] == (7, WcStatus.LOC_LEN_ERR, 0)
+    else:
+        assert made["cmid"].get_event(5).type == CMEventType.DISCONNECTED
+    assert qp.state == QPState.ERR
+    assert buf[:16] == b"A" * 16 and b"X" not in buf

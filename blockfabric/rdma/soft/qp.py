@@ -1204,6 +1204,40 @@ class SoftQP(QP):
                     continue
                 if end - pos < HDR:
                     break
+                # The per-I/O frame (a capsule, a response: a SEND with no flag but ACK, staged
+                # whole, in order, into a receive of one view, for an owner of raw
+                # completions) placed and completed here; anything else, or anything this
+                # finds not so, goes to _on_header, which says what is wrong with it (the
+                # ACK it carried, taken here first, is then taken again: a no-op).
+                (magic, version, ftype, flags, psn, length, key, extra, ack,
+                 addr) = _unpack_header(stage, pos)
+                if (ftype == _SEND and (flags == _F_ACK or not (flags or ack))
+                        and magic == _MAGIC and version == _VERSION
+                        and not (key or extra or addr) and 0 < length <= end - pos - HDR
+                        and length <= _MAX_MESSAGE and self._state is not _ERR):
+                    if flags:
+                        self._ack_upto(ack)
+                    rq = self._rq
+                    if (rq and psn == self._exp_psn and self._state is not _ERR
+                            and self.recv_cq.raw and not (self._sq and self._sq[0].psn is None)):
+                        wr_id, views, total, status = rq[0]
+                        if not status and length <= total and len(views) == 1:
+                            rq.popleft()
+                            pos += HDR
+                            views[0][:length] = stage[pos:pos + length]
+                            pos += length
+                            self._rnr_sent = False
+                            self._exp_psn = (psn + 1) & M
+                            self._rx_psn = self._done_psn = psn
+                            if self._dirty:
+                                self._ack_due = True
+                            else:
+                                self._owe_ack()
+                            cq = self.recv_cq
+                            cq._q.append((wr_id, 0, length))
+                            if not cq.listed:
+                                cq.note()
+                            continue
                 self._on_header(pos)
                 pos += HDR
                 if self._dead:

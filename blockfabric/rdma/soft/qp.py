@@ -1222,10 +1222,10 @@ class SoftQP(QP):
                             and self.recv_cq.raw and not (self._sq and self._sq[0].psn is None)):
                         wr_id, views, total, status = rq[0]
                         if not status and length <= total and len(views) == 1:
-                            rq.popleft()
-                            pos += HDR
-                            views[0][:length] = stage[pos:pos + length]
-                            pos += length
+                            at = pos + HDR
+                            views[0][:length] = stage[at:at + length]
+                            rq.popleft()            # (only once placed: a copy that
+                            pos = at + length       # failed leaves it to be flushed)
                             self._rnr_sent = False
                             self._exp_psn = (psn + 1) & M
                             self._rx_psn = self._done_psn = psn

@@ -70,6 +70,10 @@ class Runner:
         #: workload -> side -> per round {"server", "host"} CPU us per I/O
         self.lib_cpu: dict[str, dict[str, list[dict[str, float]]]] = {}
         self.load: list[float] = [report.loadavg()]
+        #: CPU steal per fio job and library run, percent of the machine's time; and the
+        #: /proc/stat reading the whole run's is counted from
+        self.steal: list[float] = []
+        self.stat0 = report.cpu_times()
         self.fio_cmd = ""
         self.lib_cmds: dict[str, str] = {}
 
@@ -86,9 +90,11 @@ class Runner:
         argv = ["fio", f"--filename={system.path}", "--output-format=json",
                 str(self.job_file(job))]
         self.fio_cmd = "fio --filename=FILE --output-format=json JOBFILE"
+        stat = report.cpu_times()
         with cpu.Sampler({"server": system.server_pid, "host": system.client_pid}) as smp:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                                   stdin=subprocess.DEVNULL, cwd=self.ws.tmp)
+        self.steal.append(report.steal_pct(stat, report.cpu_times()))
         if done.returncode != 0:
             raise systems.SetupError(f"fio {job.key} on {system.label}: {done.stderr}")
         out = json.loads(done.stdout[done.stdout.index("{"):])
@@ -187,6 +193,7 @@ def markdown(r: Runner, order: list[systems.System], started: str, elapsed: floa
            f"- machine: {m['cores']} cores, {m['cpu']}, {m['memory']} RAM, Linux {m['kernel']}",
            f"- load average (1 min) during the run: min {min(load):.2f}, median "
            f"{statistics.median(load):.2f}, max {max(load):.2f} (sampled after every job)",
+           steal_line(r),
            f"- {m['fio']}, {m['nbdkit']}, {m['nbdfuse']}, Python {m['python']}",
            "",
            "## fio through the mounts",
@@ -215,6 +222,16 @@ def markdown(r: Runner, order: list[systems.System], started: str, elapsed: floa
             "", "Library level (one round):", "", "```"]
     out += list(r.lib_cmds.values()) + ["```", ""]
     return "\n".join(out)
+
+
+def steal_line(r: Runner) -> str:
+    """How much CPU the hypervisor gave to other guests: what a load average inside this
+    machine cannot show, and why a peer's rate can halve from one run to the next."""
+    whole = report.steal_pct(r.stat0, report.cpu_times())
+    per = r.steal or [whole]
+    return (f"- CPU steal (time the hypervisor gave this machine's CPUs to other guests): "
+            f"{whole:.1f} % over the run; per fio job median {statistics.median(per):.1f} %, "
+            f"max {max(per):.1f} %")
 
 
 def busy_note(load: list[float], cores: int) -> str:

@@ -75,6 +75,8 @@ def test_quick_run_reports_every_system_and_job(quick):
         # a cell per system, none empty
         assert "-" not in [c.strip() for c in row.split("|")[2:-1]], row
     assert re.search(r"load average \(1 min\) during the run: min \d", text)
+    assert re.search(r"CPU steal .*: \d+\.\d % over the run; per fio job median \d+\.\d %, "
+                     r"max \d+\.\d %", text)
     assert "nbdfuse -P" in text and "blockfabric mount -a 127.0.0.1" in text
     numbers = json.loads((out / "compare-quick.json").read_text())
     for job in report.JOBS:

@@ -73,7 +73,7 @@ class Runner:
         #: CPU steal per fio job and library run, percent of the machine's time; and the
         #: /proc/stat reading the whole run's is counted from
         self.steal: list[float] = []
-        self.stat0 = report.cpu_times()
+        self.stat0 = cpu.cpu_times()
         self.fio_cmd = ""
         self.lib_cmds: dict[str, str] = {}
 
@@ -90,11 +90,11 @@ class Runner:
         argv = ["fio", f"--filename={system.path}", "--output-format=json",
                 str(self.job_file(job))]
         self.fio_cmd = "fio --filename=FILE --output-format=json JOBFILE"
-        stat = report.cpu_times()
+        stat = cpu.cpu_times()
         with cpu.Sampler({"server": system.server_pid, "host": system.client_pid}) as smp:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                                   stdin=subprocess.DEVNULL, cwd=self.ws.tmp)
-        self.steal.append(report.steal_pct(stat, report.cpu_times()))
+        self.steal.append(cpu.steal_pct(stat, cpu.cpu_times()))
         if done.returncode != 0:
             raise systems.SetupError(f"fio {job.key} on {system.label}: {done.stderr}")
         out = json.loads(done.stdout[done.stdout.index("{"):])
@@ -227,7 +227,7 @@ def markdown(r: Runner, order: list[systems.System], started: str, elapsed: floa
 def steal_line(r: Runner) -> str:
     """How much CPU the hypervisor gave to other guests: what a load average inside this
     machine cannot show, and why a peer's rate can halve from one run to the next."""
-    whole = report.steal_pct(r.stat0, report.cpu_times())
+    whole = cpu.steal_pct(r.stat0, cpu.cpu_times())
     per = r.steal or [whole]
     return (f"- CPU steal (time the hypervisor gave this machine's CPUs to other guests): "
             f"{whole:.1f} % over the run; per fio job median {statistics.median(per):.1f} %, "

@@ -56,12 +56,31 @@ def cpu_seconds(pid: int) -> float:
     return _precise((int(fields[11]) + int(fields[12])) / TICK, pid)
 
 
+def _all_cpus() -> list[int]:
+    """The jiffies of /proc/stat's first line (all CPUs): user nice system idle iowait irq
+    softirq steal, then guest and guest_nice (counted inside user and nice)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        return [int(v) for v in f.readline().split()[1:]]
+
+
 def machine_busy() -> tuple[float, float]:
     """(busy, total) jiffies of all CPUs, from /proc/stat."""
-    with open("/proc/stat", encoding="ascii") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
+    vals = _all_cpus()
     idle = vals[3] + vals[4]
     return sum(vals) - idle, sum(vals)
+
+
+def cpu_times() -> tuple[int, int]:
+    """(all, steal): the machine's CPU time in jiffies, and the part of it the hypervisor
+    gave to other guests (a virtual machine's hidden neighbours)."""
+    vals = _all_cpus()
+    return sum(vals[:8]), (vals[7] if len(vals) > 7 else 0)
+
+
+def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Percent of the CPU time between two cpu_times() readings that was stolen."""
+    total = after[0] - before[0]
+    return 100.0 * (after[1] - before[1]) / total if total > 0 else 0.0
 
 
 class Window:

@@ -176,21 +176,6 @@ def loadavg() -> float:
         return float(f.read().split()[0])
 
 
-def cpu_times() -> tuple[int, int]:
-    """(all, steal): the machine's CPU time in clock ticks from /proc/stat, and the part of
-    it the hypervisor gave to other guests (a virtual machine's hidden neighbours)."""
-    with open("/proc/stat", encoding="ascii") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal [guest guest_nice: inside user/nice]
-    return sum(fields[:8]), (fields[7] if len(fields) > 7 else 0)
-
-
-def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
-    """Percent of the CPU time between two cpu_times() readings that was stolen."""
-    total = after[0] - before[0]
-    return 100.0 * (after[1] - before[1]) / total if total > 0 else 0.0
-
-
 def chart(path: pathlib.Path, results: dict[str, dict[str, list[float]]],
           labels: dict[str, str], title: str,
           cpu: dict[str, dict[str, list[dict[str, float]]]] | None = None) -> None:

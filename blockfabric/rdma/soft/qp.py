@@ -61,6 +61,7 @@ _hdr = wire.HEADER.pack         # (MAGIC, VERSION, type, flags, psn, length, key
 _MAGIC, _VERSION = wire.MAGIC, wire.VERSION     # addr): wire.pack without its call
 _decode = wire.decode
 _unpack_header = wire.HEADER.unpack_from
+_TYPE_AT = 2                    # the frame type's byte in a header (after magic, version)
 _MAX_MESSAGE = wire.MAX_MESSAGE
 _now = time.monotonic
 _get_ident = threading.get_ident
@@ -1208,36 +1209,38 @@ class SoftQP(QP):
                 # whole, in order, into a receive of one view, for an owner of raw
                 # completions) placed and completed here; anything else, or anything this
                 # finds not so, goes to _on_header, which says what is wrong with it (the
-                # ACK it carried, taken here first, is then taken again: a no-op).
-                (magic, version, ftype, flags, psn, length, key, extra, ack,
-                 addr) = _unpack_header(stage, pos)
-                if (ftype == _SEND and (flags == _F_ACK or not (flags or ack))
-                        and magic == _MAGIC and version == _VERSION
-                        and not (key or extra or addr) and 0 < length <= end - pos - HDR
-                        and length <= _MAX_MESSAGE and self._state is not _ERR):
-                    if flags:
-                        self._ack_upto(ack)
-                    rq = self._rq
-                    if (rq and psn == self._exp_psn and self._state is not _ERR
-                            and self.recv_cq.raw and not (self._sq and self._sq[0].psn is None)):
-                        wr_id, views, total, status = rq[0]
-                        if not status and length <= total and len(views) == 1:
-                            at = pos + HDR
-                            views[0][:length] = stage[at:at + length]
-                            rq.popleft()            # (only once placed: a copy that
-                            pos = at + length       # failed leaves it to be flushed)
-                            self._rnr_sent = False
-                            self._exp_psn = (psn + 1) & M
-                            self._rx_psn = self._done_psn = psn
-                            if self._dirty:
-                                self._ack_due = True
-                            else:
-                                self._owe_ack()
-                            cq = self.recv_cq
-                            cq._q.append((wr_id, 0, length))
-                            if not cq.listed:
-                                cq.note()
-                            continue
+                # ACK it carried, taken here first, is then taken again: a no-op).  Its type
+                # byte is looked at first, so other frames are unpacked once, there.
+                if stage[pos + _TYPE_AT] == _SEND and self.recv_cq.raw:
+                    (magic, version, _, flags, psn, length, key, extra, ack,
+                     addr) = _unpack_header(stage, pos)
+                    if ((flags == _F_ACK or not (flags or ack))
+                            and magic == _MAGIC and version == _VERSION
+                            and not (key or extra or addr) and 0 < length <= end - pos - HDR
+                            and length <= _MAX_MESSAGE and self._state is not _ERR):
+                        if flags:
+                            self._ack_upto(ack)
+                        rq = self._rq
+                        if (rq and psn == self._exp_psn and self._state is not _ERR
+                                and not (self._sq and self._sq[0].psn is None)):
+                            wr_id, views, total, status = rq[0]
+                            if not status and length <= total and len(views) == 1:
+                                at = pos + HDR
+                                views[0][:length] = stage[at:at + length]
+                                rq.popleft()            # (only once placed: a copy that
+                                pos = at + length       # failed leaves it to be flushed)
+                                self._rnr_sent = False
+                                self._exp_psn = (psn + 1) & M
+                                self._rx_psn = self._done_psn = psn
+                                if self._dirty:
+                                    self._ack_due = True
+                                else:
+                                    self._owe_ack()
+                                cq = self.recv_cq
+                                cq._q.append((wr_id, 0, length))
+                                if not cq.listed:
+                                    cq.note()
+                                continue
                 self._on_header(pos)
                 pos += HDR
                 if self._dead:

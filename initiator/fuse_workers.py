@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_conns
 from typing import Any, Callable
 
 from blockfabric.initiator.connection import share_qids
@@ -157,10 +158,9 @@ class FuseWorkers:
                         for i in range(1, self.count)]
         for w in self.workers:
             self._spawn(w)
-        for w in self.workers:
-            why = self._wait_ready(w)
-            if why:
-                raise OSError(f"FUSE worker {w.index}: {why}")
+        failed, why = self._wait_ready(self.workers)
+        if failed is not None:
+            raise OSError(f"FUSE worker {failed.index}: {why}")
 
     def _config(self, w: _Worker) -> dict[str, Any]:
         ctrl = self.ctrl
@@ -190,36 +190,47 @@ class FuseWorkers:
         w.send(("config", self._config(w)))
         log.info("FUSE worker %d: pid %d, I/O queues %s", w.index, w.pid, _qids(w.qids))
 
-    def _wait_ready(self, w: _Worker) -> str:
-        """'' once worker ``w`` serves, else why not (it is then stopped)."""
-        conn = w.conn
-        assert conn is not None
-        why = ""
+    def _wait_ready(self, workers: list[_Worker]) -> tuple[_Worker | None, str]:
+        """Wait until each of ``workers`` serves, answering every one's questions while
+        they start (a worker connecting its queues asks where the controller stands, and
+        one left unanswered would go on the last word it heard). ``(w, why)`` for the first
+        that will not serve (it is then stopped), ``(None, '')`` once all do."""
+        pending = list(workers)
         deadline = time.monotonic() + SETUP_TIMEOUT
-        try:
-            while True:
-                if not conn.poll(max(0.0, deadline - time.monotonic())):
-                    why = f"not ready within {SETUP_TIMEOUT:g} s"
-                    break
-                msg = conn.recv()
+        while pending:
+            conns: list[Any] = [w.conn for w in pending]
+            ready = wait_conns(conns, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return pending[0], self._not_started(
+                    pending[0], f"not ready within {SETUP_TIMEOUT:g} s")
+            for w in [w for w in pending if w.conn in ready]:
+                conn = w.conn
+                assert conn is not None
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError) as exc:
+                    return w, self._not_started(
+                        w, f"exited while starting ({exc or 'no message'})")
                 if msg[0] == "ctrl?":       # connecting, it asks where the controller is
                     w.send(self._ctrl_word())
                     continue
                 if msg[0] != "ready":
-                    why = str(msg[1]) if msg[0] == "error" else f"unexpected {msg[0]!r}"
-                break
-        except (EOFError, OSError) as exc:
-            why = f"exited while starting ({exc or 'no message'})"
-        if why:
-            self._kill(w)
-            conn.close()
+                    return w, self._not_started(
+                        w, str(msg[1]) if msg[0] == "error" else f"unexpected {msg[0]!r}")
+                pending.remove(w)
+                w.state = "running"
+                w.reader = threading.Thread(target=self._read, args=(w, conn), daemon=True,
+                                            name=f"fuse-worker-{w.index}")
+                w.reader.start()
+        return None, ""
+
+    def _not_started(self, w: _Worker, why: str) -> str:
+        """Stop worker ``w``, which will not serve; ``why``."""
+        self._kill(w)
+        if w.conn is not None:
+            w.conn.close()
             w.conn = None
-            return why
-        w.state = "running"
-        w.reader = threading.Thread(target=self._read, args=(w, conn), daemon=True,
-                                    name=f"fuse-worker-{w.index}")
-        w.reader.start()
-        return ""
+        return why
 
     # -- watching -----------------------------------------------------------------------
     def _read(self, w: _Worker, conn: Connection) -> None:
@@ -311,7 +322,7 @@ class FuseWorkers:
                 self._spawn(w)
             except OSError as exc:
                 return f"could not be started ({exc})"
-        why = self._wait_ready(w)
+        _, why = self._wait_ready([w])
         if why:
             return f"did not start: {why}"
         self._changed()

@@ -115,12 +115,13 @@ def fio_verify(mount: Mount, cwd) -> subprocess.Popen:
 def test_fio_verify_through_a_target_restart(target, tmp_path, fuse_workers):
     """With --fuse-workers 2 the worker's queues follow the controller: held, then
     connected to the controller the mount process reconnected, and re-issued."""
-    mount = FaultMount(target, tmp_path, loss_tmo=20,
+    # the controller outlives the target's restart (slow under TCG: start_timeout)
+    mount = FaultMount(target, tmp_path, loss_tmo=int(2 * start_timeout(20)),
                        extra=("--fuse-workers", str(fuse_workers))).start()
     try:
         # the mount is ready (its record written) once its workers serve; a fault before
         # that is a worker's first connect, not the reconnect this test is about
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + start_timeout(30)
         while True:
             try:
                 mount.pid
@@ -151,14 +152,27 @@ def test_fio_verify_through_a_target_restart(target, tmp_path, fuse_workers):
 def test_workers_start_through_a_target_restart(target, tmp_path):
     """The target dies while the mount's 3 workers connect their queues (they start once
     the kernel's INIT is answered, ~1 s after the mount appears): each asks the mount
-    process where the controller stands and connects once it is live again, to the
-    controller it names; the mount comes up whole and fio verifies through it."""
-    mount = FaultMount(target, tmp_path, loss_tmo=20, extra=("--fuse-workers", "3")).start()
+    process where the controller stands, and every one is answered while the others still
+    start (the target stays down until each worker heard "reconnecting"); each connects
+    once the controller is live again, to the controller it names; the mount comes up
+    whole and fio verifies through it."""
+    # the outage lasts as long as the workers take to start, then a target's start: the
+    # mount's controller must outlive both (slow under TCG: BLOCKFABRIC_TEST_START_TIMEOUT)
+    loss_tmo = int(3 * start_timeout(20))
+    mount = FaultMount(target, tmp_path, loss_tmo=loss_tmo,
+                       extra=("--fuse-workers", "3")).start()
     try:
         target.kill()
-        time.sleep(1.0)
+        deadline = time.monotonic() + start_timeout(20)
+        heard = re.compile(r"fuse-worker-(\d) INFO __main__: connecting queues \S+: the "
+                           r"mount's controller is reconnecting; waiting")
+        while set(heard.findall(mount.log_path.read_text())) != {"1", "2"}:
+            assert mount.proc.poll() is None, mount.logs(target)
+            assert time.monotonic() < deadline, \
+                "a starting worker's question went unanswered" + mount.logs(target)
+            time.sleep(0.2)
         target.start()
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + start_timeout(20) * 2
         while True:
             try:
                 mount.pid           # the record: written once every worker serves
@@ -173,6 +187,7 @@ def test_workers_start_through_a_target_restart(target, tmp_path):
         status = mount.status()
         assert status.count(", running, I/O queues") == 3, status + mount.logs(target)
         assert mount.counter("errors") == 0
+        assert "CONNECT_INVALID_PARAM" not in mount.log_path.read_text(), mount.logs(target)
     finally:
         mount.cleanup()
 

@@ -291,6 +291,7 @@ bench: venv
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/compare $(BENCH_ARGS)
 	$(PY) benchmarks/cost_per_io.py --systems all --rounds 3 --runtime 5
+	$(PY) benchmarks/cpu_split.py --rounds 3 --out benchmarks/results
 	$(PY) benchmarks/scaling.py --progress thread
 	$(PY) benchmarks/scaling.py --progress poll
 

@@ -64,8 +64,6 @@ SETUP_TIMEOUT = 60.0
 STOP_TIMEOUT = 10.0
 #: Seconds .status waits for a worker's counters.
 STATS_TIMEOUT = 2.0
-#: what WorkerController._ask says when the mount process did not answer in STATS_TIMEOUT
-UNANSWERED = "unanswered"
 #: A worker that dies this often within DEATH_WINDOW seconds is not started again.
 MAX_DEATHS, DEATH_WINDOW = 3, 60.0
 RESTART_DELAY = 1.0
@@ -518,12 +516,11 @@ class WorkerController(Controller):
                 time.sleep(CONNECT_PAUSE)
                 seq, cntlid, state = self._ask()
                 if state != CtrlState.LIVE.value:
-                    why = "no answer from the mount process" if state == UNANSWERED \
-                        else f"the mount's controller is {state}"
-                    log.info("connecting queues %s: %s; waiting", _qids(self.qids), why)
+                    log.info("connecting queues %s: the mount's controller is %s; waiting",
+                             _qids(self.qids), state)
                     if state in (CtrlState.FAILED.value, CtrlState.CLOSED.value) or \
                             time.monotonic() > deadline:
-                        raise ConnectionError(why)
+                        raise ConnectionError(f"the mount's controller is {state}")
                     continue
                 self.cntlid, self._seq_used = cntlid, seq
             attempt += 1
@@ -557,16 +554,11 @@ class WorkerController(Controller):
             self._lost(f"the mount's controller reconnected as {cntlid}")
 
     def _ask(self) -> tuple[int, int, str]:
-        """Where the mount's controller stands now; with no answer within STATS_TIMEOUT
-        (a mount process slow to answer), the state :data:`UNANSWERED`: the last word
-        heard may be stale (the live controller it named may be gone), so it is not
-        acted on."""
+        """Where the mount's controller stands now (the last word heard, if no answer)."""
         if self.ask_ctrl is not None:
             self._wake.clear()
             self.ask_ctrl()
-            if not self._wake.wait(STATS_TIMEOUT):
-                seq, cntlid, _state = self._announced
-                return seq, cntlid, UNANSWERED
+            self._wake.wait(STATS_TIMEOUT)
         return self._announced
 
     def _recover(self) -> None:

@@ -140,6 +140,13 @@ def start_timeout(default: float) -> float:
     return max(default, START_TIMEOUT)
 
 
+def case_timeout(default: float) -> float:
+    """A whole test's cap (pytest-timeout) of ``default`` seconds, lengthened in proportion
+    where ``BLOCKFABRIC_TEST_START_TIMEOUT`` is above its default of 20 s (a slow machine,
+    the lab's TCG guest: its daemons start and its restarts run that much slower)."""
+    return default * max(1.0, START_TIMEOUT / 20)
+
+
 def addr_of(transport: str | None = None) -> str:
     """The address a listener of ``transport`` (default :data:`RDMA`) listens on, and its
     hosts connect to: loopback, or ``BLOCKFABRIC_TEST_ADDR`` for verbs."""

@@ -17,12 +17,12 @@ import pytest
 from fuse.conftest import NQN as FUSE_NQN
 from fuse.conftest import BIN, Mount, mounted_at
 
-from e2e.conftest import addr_of, start_timeout
+from e2e.conftest import addr_of, case_timeout, start_timeout
 
 from .conftest import Restartable, file_config, free_port
 from .proxy import THROUGH_A_PROXY, TcpProxy
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(case_timeout(90))   # restarts: slower under TCG
 if shutil.which("fio") is None:
     pytest.skip("fio is missing (Debian package fio)", allow_module_level=True)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import shutil
 import statistics
@@ -69,13 +68,10 @@ def ensure_perf() -> None:
     if shutil.which("perf") is not None and subprocess.run(
             ["perf", "--version"], capture_output=True).returncode == 0:
         return
-    if os.getuid() != 0:
-        raise SystemExit("perf is missing: install Debian's linux-perf (or run as root)")
-    print("installing Debian packages: linux-perf", flush=True)
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdin=subprocess.DEVNULL)
-    subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "linux-perf"],
-                   check=True, env=env, stdin=subprocess.DEVNULL)
+    try:
+        systems.apt_install(["linux-perf"])
+    except systems.SetupError as exc:
+        raise SystemExit(f"perf is missing: {exc}") from None
 
 
 def measure(s: systems.System, args: argparse.Namespace, tmp: pathlib.Path

@@ -89,7 +89,11 @@ def missing_packages() -> list[str]:
 
 def install_peers() -> None:
     """apt-get the missing peers (as root), so that one command sets the comparison up."""
-    missing = missing_packages()
+    apt_install(missing_packages())
+
+
+def apt_install(missing: list[str]) -> None:
+    """apt-get the Debian packages ``missing`` (as root; SetupError otherwise)."""
     if not missing:
         return
     if os.getuid() != 0:

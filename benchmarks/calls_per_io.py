@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import pstats
 import signal
@@ -38,15 +39,41 @@ from blockfabric.fabric import reactor as _r
 _orig = _r.Reactor.run_forever
 _profiles = []
 _out = sys.argv[1]
+import os as _os
+_opcodes = _os.environ.get("CALLS_PER_IO_OPCODES") == "1"
 def run_forever(self):
     p = cProfile.Profile()
     _profiles.append(p)
+    if _opcodes:
+        _run_counting_opcodes(self, _out + f".{len(_profiles)}")
+        return
     p.enable()
     try:
         _orig(self)
     finally:
         p.disable()
         p.dump_stats(_out + f".{len(_profiles)}")
+def _run_counting_opcodes(self, out):
+    # every bytecode the reactor's thread executes, per code object (sys.settrace with
+    # f_trace_opcodes): what the interpreter's eval loop, most of a side's CPU, works through
+    counts = {}
+    def local(frame, event, arg):
+        if event == "opcode":
+            code = frame.f_code
+            counts[code] = counts.get(code, 0) + 1
+        return local
+    def enter(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+    sys.settrace(enter)
+    try:
+        _orig(self)
+    finally:
+        sys.settrace(None)
+        import json
+        with open(out, "w") as f:
+            json.dump([[c.co_filename, c.co_firstlineno, c.co_name, n]
+                       for c, n in counts.items()], f)
 _r.Reactor.run_forever = run_forever
 _reactors = []
 _orig_init = _r.Reactor.__init__
@@ -83,12 +110,18 @@ def main() -> int:
     ap.add_argument("--builtins", action="store_true", help="list built-ins too")
     ap.add_argument("--by-time", action="store_true",
                     help="order by own time per I/O (cProfile's, inflated) instead of calls")
+    ap.add_argument("--opcodes", action="store_true",
+                    help="count the bytecodes each function executes (sys.settrace, opcode "
+                         "events) instead of calls: deterministic, and what the interpreter's "
+                         "time follows; much slower, so use a smaller --size")
     ap.add_argument("--mount", action="store_true",
                     help="fio (direct, QD1 psync or libaio) through the FUSE mount instead of "
                          "bench, and the mount's reactor profiled too")
     ap.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
                     help="rdma: the soft provider, poll progress (default); tcp: NVMe/TCP")
     args = ap.parse_args()
+    if args.opcodes:
+        os.environ["CALLS_PER_IO_OPCODES"] = "1"   # the wrapper, in the spawned processes
     if args.mount:
         return mount_counts(args)
     with systems.Workspace() as ws, tempfile.TemporaryDirectory() as tmp:
@@ -120,6 +153,9 @@ def main() -> int:
 
 def report(label: str, dumps: list[pathlib.Path], ios: int, args) -> None:
     """Calls per I/O in the profiles ``dumps`` of one process, and the functions most called."""
+    if args.opcodes:
+        report_opcodes(label, dumps, ios, args)
+        return
     st = pstats.Stats(*map(str, dumps))
     total = sum(v[1] for v in st.stats.values())
     python = sum(v[1] for k, v in st.stats.items() if k[0] != "~")
@@ -135,6 +171,22 @@ def report(label: str, dumps: list[pathlib.Path], ios: int, args) -> None:
         where = "/".join(pathlib.Path(path).parts[-2:]) if path != "~" else ""
         extra = f"  {tt * 1e6 / ios:6.2f} us" if by_time else ""
         print(f"  {nc / ios:6.2f}{extra}  {func}  {where}:{line}")
+
+
+def report_opcodes(label: str, dumps: list[pathlib.Path], ios: int, args) -> None:
+    """Bytecodes per I/O in the counts ``dumps`` of one process, and the functions that
+    executed most."""
+    per: dict[tuple[str, int, str], int] = {}
+    for dump in dumps:
+        for path, line, func, n in json.loads(dump.read_text()):
+            key = (path, line, func)
+            per[key] = per.get(key, 0) + n
+    total = sum(per.values())
+    print(f"{args.rw} 4k QD{args.qd} ({args.transport}): {ios} I/Os; the {label}'s reactor "
+          f"executed {total / ios:.0f} bytecodes per I/O")
+    for (path, line, func), n in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
+        where = "/".join(pathlib.Path(path).parts[-2:])
+        print(f"  {n / ios:7.1f}  {func}  {where}:{line}")
 
 
 def mount_counts(args) -> int:

@@ -432,18 +432,12 @@ class TargetQueue(Endpoint):
         t = cmd.sgl_type
         if t == TYPE_KEYED and length:
             # _post_data and _post_response, inline: the slot's RDMA WRITE then its SEND
-            sge = cmd.data_sge
-            sge.addr = addr
-            sge.length = length
-            sge.lkey = lkey
-            wr = cmd.data_wr
-            wr.remote_addr = cmd.sgl_addr
-            wr.rkey = cmd.sgl_key
             send = cmd.send_wr
             if send.invalidate_rkey or send.opcode != _WR_SEND:
                 send.opcode = _WR_SEND
                 send.invalidate_rkey = 0
-            qp.post_send(cmd.chain_data)
+            qp.post_write_send(cmd.data_wr, send, addr, length, lkey, cmd.sgl_addr,
+                               cmd.sgl_key)
         elif length and t == TYPE_KEYED_INVALIDATE:
             self._post_data(cmd, addr, length, lkey)
         else:

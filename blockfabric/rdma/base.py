@@ -333,6 +333,23 @@ class QP(_Closable):
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
         """Post one receive or a chain, with the same rules as :meth:`post_send`."""
 
+    def post_write_send(self, write: SendWR, send: SendWR, addr: int, length: int, lkey: int,
+                        remote_addr: int, rkey: int) -> None:
+        """An RDMA WRITE of ``length`` bytes at local ``addr`` (under ``lkey``) to the
+        peer's ``remote_addr`` (under ``rkey``), then ``send``, as one chain: ``write``'s
+        one SGE and remote address are aimed at those, then ``post_send([write, send])``.
+        What a target answers a read with, per I/O.  Like ibv_wr_rdma_write and
+        ibv_wr_set_sge, a provider may take the numbers as they are and never read them
+        back from ``write`` (the soft provider does, on its per-I/O path); the same
+        checks and errors as post_send either way."""
+        sge = write.sg_list[0]
+        sge.addr = addr
+        sge.length = length
+        sge.lkey = lkey
+        write.remote_addr = remote_addr
+        write.rkey = rkey
+        self.post_send((write, send))
+
     def push(self) -> None:
         """Let the peer start on what this thread posted so far, now, rather than at the
         end of the reactor's pass (a provider that batches a pass's work requests into one

@@ -355,26 +355,49 @@ def test_a_shared_read_copies_at_its_post_unless_a_socket_write_is_ahead(passive
     os.close(fd)
 
 
-def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order(passive):
-    """The target's answer to a read (an RDMA WRITE of the data, then the SEND of the
-    response, in one post): on a same-host connection only the SEND goes out; the WRITE
-    completes once what was posted before it has (here an RDMA READ, then a SEND), in
-    order, and the data is in the peer's region before the SEND leaves.  A READ of a shared
-    region completes in order likewise."""
+def _sharing_peer(passive) -> tuple[UnixPeer, dict, int]:
+    """A same-host peer connected to ``passive`` that shared 8 KiB of a sealed memfd as
+    rkey 0x5151 at 0x40000, once the accepted side maps it: (peer, side, the memfd)."""
     port, accept = passive
     peer = UnixPeer(port)
     side = accept()
     peer.established()
     fd = _memfd(8192, SHARE_SEALS)
     peer.share(fd, 8192, 0x5151, addr=0x40000)
+    assert _wait(lambda: 0x5151 in side["qp"]._peer)
+    return peer, side, fd
+
+
+def _post_pair(qp, how: str, write: SendWR, send: SendWR) -> None:
+    """Post ``write`` then ``send`` as one chain: with post_send, or with post_write_send
+    (the WRITE's SGE and remote address given as numbers: ``write`` goes in with a dummy
+    SGE, which the numbers must override)."""
+    if how == "post_send":
+        qp.post_send([write, send])
+        return
+    sge = write.sg_list[0]
+    dummy = SendWR(write.wr_id, write.opcode, [SGE(0, 0, 0)], write.send_flags)
+    qp.post_write_send(dummy, send, sge.addr, sge.length, sge.lkey, write.remote_addr,
+                       write.rkey)
+
+
+@pytest.mark.parametrize("how", ["post_send", "post_write_send"])
+def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order(passive,
+                                                                                 how):
+    """The target's answer to a read (an RDMA WRITE of the data, then the SEND of the
+    response, in one post): on a same-host connection only the SEND goes out; the WRITE
+    completes once what was posted before it has (here an RDMA READ, then a SEND), in
+    order, and the data is in the peer's region before the SEND leaves.  A READ of a shared
+    region completes in order likewise.  The same whether posted as a chain or with
+    post_write_send (the target's per-I/O call)."""
+    peer, side, fd = _sharing_peer(passive)
     qp, cq = side["qp"], side["cq"]
-    assert _wait(lambda: 0x5151 in qp._peer)
     local = side["pd"].reg_mr(bytearray(b"L" * 4096 + b"RESP" * 16), RW)
     # nothing outstanding: the WRITE completes at once, the SEND carries its PSN 0
-    qp.post_send([SendWR(1, WrOpcode.RDMA_WRITE, [SGE(local.addr, 4096, local.lkey)],
-                         SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151),
-                  SendWR(2, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
-                         SendFlags.SIGNALED)])
+    _post_pair(qp, how, SendWR(1, WrOpcode.RDMA_WRITE, [SGE(local.addr, 4096, local.lkey)],
+                               SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151),
+               SendWR(2, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                      SendFlags.SIGNALED))
     ftype, flags, psn, length = peer.frame()[:4]
     assert (ftype, psn, length) == (Frame.SEND, 0, 64)
     assert os.pread(fd, 4096, 0) == b"L" * 4096
@@ -386,10 +409,10 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     dst = side["pd"].reg_mr(bytearray(16), RW)
     qp.post_send(SendWR(3, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
                         SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
-    qp.post_send([SendWR(4, WrOpcode.RDMA_WRITE, [SGE(local.addr, 100, local.lkey)],
-                         SendFlags.SIGNALED, remote_addr=0x40000 + 200, rkey=0x5151),
-                  SendWR(5, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
-                         SendFlags.SIGNALED)])
+    _post_pair(qp, how, SendWR(4, WrOpcode.RDMA_WRITE, [SGE(local.addr, 100, local.lkey)],
+                               SendFlags.SIGNALED, remote_addr=0x40000 + 200, rkey=0x5151),
+               SendWR(5, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                      SendFlags.SIGNALED))
     assert peer.frame()[:3] == (Frame.READ_REQ, 0, 1)
     assert peer.frame()[0:3:2] == (Frame.SEND, 2)
     time.sleep(0.05)
@@ -416,6 +439,70 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     assert bytes(dst.buf) == b"P" * 16 and not cq.poll()
     peer.sock.sendall(wire.pack(Frame.ACK, 3))
     assert [w.wr_id for w in _completions(cq, 3)] == [6, 7, 8]
+    os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["post_send", "post_write_send"])
+def test_an_unsignaled_shared_write_has_nothing_left_to_complete_or_flush(passive, how):
+    """An unsignaled RDMA WRITE through a shared region (the target's read data) is in the
+    peer's memory at its post: behind work still outstanding it gives no completion when
+    that work completes, and when the connection then fails only the work that was really
+    outstanding is flushed, not that WRITE (whose effect cannot be undone).  A bad WRITE
+    (beyond the shared region) still fails the chain as post_send's checks say."""
+    peer, side, fd = _sharing_peer(passive)
+    qp, cq = side["qp"], side["cq"]
+    local = side["pd"].reg_mr(bytearray(b"D" * 4096 + b"RESP" * 16), RW)
+    dst = side["pd"].reg_mr(bytearray(16), RW)
+    quiet = SendFlags(0)
+
+    def answer(write_id: int, send_id: int, at: int) -> None:
+        _post_pair(qp, how, SendWR(write_id, WrOpcode.RDMA_WRITE,
+                                   [SGE(local.addr, 4096, local.lkey)], quiet,
+                                   remote_addr=0x40000 + at, rkey=0x5151),
+                   SendWR(send_id, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                          SendFlags.SIGNALED))
+
+    qp.post_send(SendWR(1, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
+    answer(2, 3, 0)
+    assert peer.frame()[:3] == (Frame.READ_REQ, 0, 0)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 1)       # the WRITE took no PSN
+    assert os.pread(fd, 4096, 0) == b"D" * 4096        # placed at the post
+    peer.sock.sendall(wire.pack(Frame.READ_RESP, 0, 16) + b"Q" * 16)
+    assert [w.wr_id for w in _completions(cq, 1)] == [1]
+    peer.sock.sendall(wire.pack(Frame.ACK, 1))
+    assert [w.wr_id for w in _completions(cq, 1)] == [3]
+    time.sleep(0.05)
+    assert not cq.poll(), "the unsignaled WRITE completed"
+    # behind another READ: the connection fails, and only the READ and the SEND flush
+    os.pwrite(fd, b"\0" * 4096, 4096)
+    qp.post_send(SendWR(4, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
+    answer(5, 6, 4096)
+    assert os.pread(fd, 4096, 4096) == b"D" * 4096
+    peer.sock.close()
+    got = _completions(cq, 2)
+    assert [(w.wr_id, w.status) for w in got] == [(4, WcStatus.WR_FLUSH_ERR),
+                                                   (6, WcStatus.WR_FLUSH_ERR)]
+    time.sleep(0.05)
+    assert not cq.poll()
+    os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["post_send", "post_write_send"])
+def test_a_shared_write_beyond_the_region_fails_as_posted(passive, how):
+    """post_write_send checks what post_send checks: a WRITE past the end of the peer's
+    shared region is not copied there; it goes to the peer, which refuses it."""
+    peer, side, fd = _sharing_peer(passive)
+    qp = side["qp"]
+    local = side["pd"].reg_mr(bytearray(b"E" * 4096 + b"RESP" * 16), RW)
+    _post_pair(qp, how, SendWR(1, WrOpcode.RDMA_WRITE, [SGE(local.addr, 4096, local.lkey)],
+                               SendFlags(0), remote_addr=0x40000 + 8192 - 100, rkey=0x5151),
+               SendWR(2, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
+                      SendFlags.SIGNALED))
+    ftype, _flags, psn, length = peer.frame()[:4]
+    assert (ftype, psn, length) == (Frame.WRITE, 0, 4096)     # over the socket, to be refused
+    assert os.pread(fd, 100, 8192 - 100) == b"\0" * 100
     os.close(fd)
 
 

@@ -24,6 +24,7 @@ from blockfabric.protocol.capsule import pack_cqe_into
 from blockfabric.protocol.controller import ControllerState, Phase
 from blockfabric.protocol.rw import CQE_FIELDS, keyed_word, offset_word, pack_rw_into
 from blockfabric.rdma import WC, SendWR, WcOpcode, WcStatus, WrOpcode
+from blockfabric.rdma.base import QP
 from blockfabric.rdma.soft.device import SoftContext
 from blockfabric.target import config as cfg
 from blockfabric.target.controller import Controller
@@ -50,6 +51,9 @@ class StandInQP:
 
     def post_recv(self, wrs) -> None:
         self.recv_posts += 1
+
+    # the base class's: the WRITE's SGE and remote address aimed, then post_send
+    post_write_send = QP.post_write_send
 
 
 class StandInCMId:

@@ -58,9 +58,13 @@ the socket and is not acknowledged yet does it go out, as a READ_REQ with flag S
 answered by a READ_RESP with flag SHM and no payload, the requester copying from the
 region then: a READ never overtakes data the peer has yet to place.  A copy of 32 KiB or
 more first sends what the pass queued for that peer.  A target's answer to a read (an
-RDMA WRITE of the data and the SEND of the response, posted together) sends only the SEND:
-the WRITE, copied at the post, takes no PSN and completes, in order, once everything posted
-before it has (at once when nothing is outstanding).  Everything else is unchanged: each
+RDMA WRITE of the data and the SEND of the response, posted together, or with
+``QP.post_write_send``) sends only the SEND: the WRITE, copied at the post, takes no PSN
+and, signaled, completes in order, once everything posted before it has (at once when
+nothing is outstanding).  Unsignaled, it takes no send-queue entry at all: its data is in
+place and it has no completion to give, nor a flush should the connection then fail (an
+HCA flushes an unacknowledged WRITE, whose effect may not have happened; this one's has).
+Everything else is unchanged: each
 request that goes out takes its PSN, the responder checks the key, bounds and access on
 the header as it would the payload (NAK REM_ACCESS_ERR), and that the region is one it
 shared (REM_INV_REQ_ERR), and completions come from its ACKs in order.

@@ -682,19 +682,9 @@ class SoftQP(QP):
         end = self._tx_queued
         if self._peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
             # The data is in the peer's shared region already: the WRITE takes no PSN and
-            # sends nothing.  It completes, in order, once everything posted before it has
-            # (at once if nothing is outstanding), as the SEND after it carries the proof.
-            w = _Entry()
-            w.wr_id, w.opcode, w.byte_len = write.wr_id, _WC_WRITE, alen
-            w.signaled = sig_all or bool(wflags & _SIGNALED)
-            if sq:
-                prev = sq[-1]
-                w.psn, w.end = prev.psn, prev.end
-                w.status = w.rnr = w.size = 0
-                w.views, w.frame, w.sent = [data], [], True
-                sq.append(w)
-            elif w.signaled:
-                self.send_cq.push(WC(w.wr_id, _WC_OK, _WC_WRITE, alen, self.qp_num))
+            # sends nothing.
+            if sig_all or wflags & _SIGNALED:
+                self._shared_write_done(write.wr_id, alen)
             psn2 = self._next_psn
             self._next_psn = (psn2 + 1) & M
             shdr = _hdr(_MAGIC, _VERSION, _SEND, flags, psn2, blen, 0, 0, done, 0)
@@ -728,6 +718,84 @@ class SoftQP(QP):
         sq.append(e)
         self._xmit(bufs, e.end - self._tx_queued)
         return True
+
+    def _shared_write_done(self, wr_id: int, length: int) -> None:
+        """A signaled RDMA WRITE whose data was copied into the peer's shared region at its
+        post: it completes, in order, once everything posted before it has (at once when
+        nothing is outstanding), as the SEND after it carries the proof.  An unsignaled one
+        takes no send-queue entry at all: its data is in place already and it has no
+        completion to give (nor a flush to report: unlike an HCA's unacknowledged WRITE,
+        it cannot be undone by an error now)."""
+        sq = self._sq
+        if sq:
+            prev = sq[-1]
+            w = _Entry()
+            w.wr_id, w.opcode, w.byte_len, w.signaled = wr_id, _WC_WRITE, length, True
+            w.psn, w.end = prev.psn, prev.end
+            w.status = w.rnr = w.size = 0
+            w.views, w.frame, w.sent = [], [], True
+            sq.append(w)
+        else:
+            self.send_cq.push(WC(wr_id, _WC_OK, _WC_WRITE, length, self.qp_num))
+
+    def post_write_send(self, write: SendWR, send: SendWR, addr: int, length: int, lkey: int,
+                        remote_addr: int, rkey: int) -> None:
+        """:meth:`QP.post_write_send`.  Over a same-host connection whose peer shares the
+        target region, and with nothing out of the ordinary (a plain SEND of one SGE, no
+        inline data, room on the send queue), the data is copied into the peer's region
+        now and only the SEND goes on the wire, from the numbers given, with no read of
+        ``write``'s SGE and no step of the general path (what _post_pair does for this
+        chain, in one frame).  Anything else takes the general path, which says what is
+        wrong."""
+        with self._lock:
+            sq = self._sq
+            cap = self.cap
+            got = self._peer.get(rkey) if self._peer else None
+            if (got is not None and self._state is _RTS and not (self._hold or self._stall)
+                    and write.opcode is _OP_WRITE and send.opcode is _OP_SEND
+                    and len(sq) + 2 <= cap.max_send_wr and cap.max_send_sge >= 1
+                    and got[2] & _REMOTE_WRITE and got[0] <= remote_addr
+                    and remote_addr + length <= got[1] and 0 < length <= _MAX_MESSAGE):
+                ssg = send.sg_list
+                lkeys, pd = self.ctx.lkeys, self.pd
+                ma = lkeys.get(lkey)
+                b = ssg[0]
+                mb = lkeys.get(b.lkey)
+                baddr, blen = b.addr, b.length
+                wflags, sflags = int(write.send_flags), int(send.send_flags)
+                if (ma is not None and mb is not None and ma.pd is pd and mb.pd is pd
+                        and len(ssg) == 1 and not (wflags | sflags) & _INLINE
+                        and ma.addr <= addr and addr + length <= ma.end
+                        and mb.addr <= baddr and baddr + blen <= mb.end
+                        and 0 < blen <= _MAX_MESSAGE):
+                    if length >= CORK_BYTES:
+                        self.push()     # what the pass queued leaves first
+                    off = addr - ma.addr
+                    at = remote_addr - got[0]
+                    got[3][at:at + length] = ma.buf[off:off + length]
+                    flags, done = self._carry(sq)
+                    # The WRITE takes no PSN and sends nothing (see _post_pair).
+                    sig_all = self.sig_all
+                    if sig_all or wflags & _SIGNALED:
+                        self._shared_write_done(write.wr_id, length)
+                    psn = self._next_psn
+                    self._next_psn = (psn + 1) & M
+                    off = baddr - mb.addr
+                    resp = mb.buf[off:off + blen]
+                    frame: list[bytes | memoryview] = [
+                        _hdr(_MAGIC, _VERSION, _SEND, flags, psn, blen, 0, 0, done, 0), resp]
+                    e = _Entry()
+                    e.psn, e.wr_id, e.opcode, e.byte_len = psn, send.wr_id, _WC_SEND, blen
+                    e.signaled = sig_all or bool(sflags & _SIGNALED)
+                    e.status = e.rnr = 0
+                    e.views, e.frame = [resp], frame
+                    e.sent = True
+                    e.size = size = HDR + blen
+                    e.end = self._tx_queued + size
+                    sq.append(e)
+                    self._xmit(frame, size)
+                    return
+        QP.post_write_send(self, write, send, addr, length, lkey, remote_addr, rkey)
 
     def _peer_view(self, rkey: int, raddr: int, total: int, need: int) -> memoryview | None:
         """The bytes [raddr, raddr+total) of the peer's shared region ``rkey``, if it is one
@@ -896,18 +964,17 @@ class SoftQP(QP):
     def post_recv(self, wrs: RecvWR | Sequence[RecvWR]) -> None:
         if isinstance(wrs, RecvWR):
             # One WR (a receive reposted, per I/O), its views resolved before and still
-            # good (see _post_recvs): appended with no list, loop or limit loop.
+            # good (see _post_recvs): its receive-queue entry appended again as it was.
             c = wrs.resolved
             if c and c[0] is self:
-                sg = wrs.sg_list
-                with self._lock:
-                    if (c[1] is sg and len(sg) == 1 and sg[0] is c[2]
-                            and c[2].addr == c[3] and c[2].length == c[4]
-                            and c[2].lkey == c[5] and not c[6].closed
-                            and self._state is not _ERR
-                            and len(self._rq) < self.cap.max_recv_wr):
-                        self._rq.append((wrs.wr_id, c[7], c[8], 0))
-                        return
+                _, sg, sge, addr, length, lkey, mr, entry = c
+                if (wrs.sg_list is sg and len(sg) == 1 and sg[0] is sge and sge.addr == addr
+                        and sge.length == length and sge.lkey == lkey and not mr.closed
+                        and entry[0] == wrs.wr_id):
+                    with self._lock:
+                        if self._state is not _ERR and len(self._rq) < self.cap.max_recv_wr:
+                            self._rq.append(entry)
+                            return
             wrs = (wrs,)
         self._post_recvs(wrs)
 
@@ -923,29 +990,39 @@ class SoftQP(QP):
             if len(rq) + len(wrs) > cap.max_recv_wr:
                 raise RdmaError(f"receive queue full ({cap.max_recv_wr} WRs)",
                                 errno=_errno.ENOMEM)
+            entries: list[tuple | None] = []
+            append = entries.append
+            fresh = False
             for wr in wrs:
+                # The entry a WR of one SGE made when last posted on this QP, while that SGE
+                # still says the same and its region is still registered (a closed region
+                # is never reached through an old view); else its views resolved afresh.
+                # (All checked before any is posted: a bad one posts none.)
+                c = wr.resolved
+                if c and c[0] is self:
+                    _, sg, sge, addr, length, lkey, mr, entry = c
+                    if (wr.sg_list is sg and len(sg) == 1 and sg[0] is sge
+                            and sge.addr == addr and sge.length == length and sge.lkey == lkey
+                            and not mr.closed and entry[0] == wr.wr_id):
+                        append(entry)
+                        continue
                 if len(wr.sg_list) > cap.max_recv_sge:
                     raise RdmaError(f"recv WR {wr.wr_id}: {len(wr.sg_list)} SGEs > "
                                     f"{cap.max_recv_sge}", errno=_errno.EINVAL)
-            for wr in wrs:
-                # The views a WR of one SGE resolved to when last posted on this QP, while
-                # that SGE still says the same and its region is still registered (a closed
-                # region is never reached through an old view); else resolved afresh.
+                append(None)            # (resolved below, once all passed this check)
+                fresh = True
+            for i, wr in enumerate(wrs) if fresh else ():
+                if entries[i] is not None:
+                    continue
                 sg = wr.sg_list
-                c = wr.resolved
-                if c and c[0] is self and c[1] is sg and len(sg) == 1:
-                    sge = sg[0]
-                    if (sge is c[2] and sge.addr == c[3] and sge.length == c[4]
-                            and sge.lkey == c[5] and not c[6].closed):
-                        rq.append((wr.wr_id, c[7], c[8], 0))
-                        continue
                 views, total, status = self._resolve(sg, True)
-                rq.append((wr.wr_id, views, total, status))
+                entry = entries[i] = (wr.wr_id, views, total, status)
+                c = wr.resolved
                 if c is not None and not status and len(sg) == 1:      # opted in
                     sge = sg[0]
-                    mr = self.ctx.lkeys[sge.lkey]
-                    wr.resolved = (self, sg, sge, sge.addr, sge.length, sge.lkey, mr, views,
-                                   total)
+                    wr.resolved = (self, sg, sge, sge.addr, sge.length, sge.lkey,
+                                   self.ctx.lkeys[sge.lkey], entry)
+            rq.extend(entries)  # type: ignore[arg-type]  # (each None replaced above)
 
     # ------------------------------------------------------------------ transmit
     def _xmit(self, bufs: list, size: int) -> None:
@@ -963,10 +1040,11 @@ class SoftQP(QP):
                 if not self._dirty:
                     self._dirty = True
                     dirty.append(self)
-                if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
-                    self._flush()       # a long pass: let the peer start on this much
-                if q and self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q) > \
-                        (self.max_unsent or DEFAULT_MAX_UNSENT):
+                # (one test for the usual case: little queued, no limit below CORK_BYTES)
+                queued = self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q)
+                if queued >= CORK_BYTES or self.max_unsent and queued > self.max_unsent:
+                    if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
+                        self._flush()   # a long pass: let the peer start on this much
                     self._check_unsent()
                 return
         if not q and len(bufs) <= IOV_BATCH:

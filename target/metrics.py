@@ -1,8 +1,9 @@
 """I/O counters and latency histograms, and their Prometheus text exposition.
 
 The hot path pays for one ``perf_counter_ns`` pair, one ``bisect`` over 16 bucket bounds and a
-few integer additions per I/O (for the namespace and the controller together: :func:`done_pair`),
-on the reactor thread, with no lock: only the reactor writes
+few integer additions per I/O (for the namespace and the controller together: :func:`done_pair`;
+the count of I/Os is the buckets' sum, not kept apart), on the reactor thread, with no lock:
+only the reactor writes
 these numbers, and a scrape copies them on the reactor (``Reactor.call_sync``) before
 formatting.  That is why the exposition is written by hand instead of using
 prometheus_client: its metric objects take a lock on every increment, and it would be a new
@@ -39,10 +40,9 @@ READ, WRITE = 0, 1
 class IoStats:
     """Counts for one namespace, controller or subsystem; index 0 reads, 1 writes."""
 
-    __slots__ = ("ops", "bytes", "errors", "buckets", "latency_ns", "inflight")
+    __slots__ = ("bytes", "errors", "buckets", "latency_ns", "inflight")
 
     def __init__(self) -> None:
-        self.ops = [0, 0]
         self.bytes = [0, 0]
         self.errors = 0
         # One more bucket than bounds: the +Inf bucket.  Stored per bucket, cumulated when
@@ -51,11 +51,16 @@ class IoStats:
         self.latency_ns = [0, 0]
         self.inflight = 0
 
+    @property
+    def ops(self) -> list[int]:
+        """Reads and writes completed without error: the sum of each one's buckets (every
+        one lands in exactly one, so the per-I/O path counts it there only)."""
+        return [sum(self.buckets[READ]), sum(self.buckets[WRITE])]
+
     def done(self, direction: int, nbytes: int, started_ns: int, ok: bool) -> None:
         """One read or write finished (``started_ns`` from ``time.perf_counter_ns``)."""
         elapsed = time.perf_counter_ns() - started_ns
         if ok:
-            self.ops[direction] += 1
             self.bytes[direction] += nbytes
             self.buckets[direction][bisect.bisect_left(_BOUNDS_NS, elapsed)] += 1
             self.latency_ns[direction] += elapsed
@@ -65,7 +70,6 @@ class IoStats:
     def add(self, other: IoStats) -> None:
         """Fold ``other`` in (a subsystem keeps the history of a removed namespace)."""
         for d in (READ, WRITE):
-            self.ops[d] += other.ops[d]
             self.bytes[d] += other.bytes[d]
             self.latency_ns[d] += other.latency_ns[d]
             self.buckets[d] = [a + b for a, b in zip(self.buckets[d], other.buckets[d])]
@@ -88,11 +92,9 @@ def done_pair(a: IoStats, b: IoStats, direction: int, nbytes: int, started_ns: i
     and a controller) with one clock read and one bucket search: the per-I/O path."""
     elapsed = perf_counter_ns() - started_ns
     bucket = bisect_left(_BOUNDS_NS, elapsed)
-    a.ops[direction] += 1
     a.bytes[direction] += nbytes
     a.buckets[direction][bucket] += 1
     a.latency_ns[direction] += elapsed
-    b.ops[direction] += 1
     b.bytes[direction] += nbytes
     b.buckets[direction][bucket] += 1
     b.latency_ns[direction] += elapsed

@@ -506,6 +506,22 @@ def test_a_shared_write_beyond_the_region_fails_as_posted(passive, how):
     os.close(fd)
 
 
+@pytest.mark.parametrize("how", ["post_send", "post_write_send"])
+def test_a_shared_write_then_a_send_of_no_bytes(passive, how):
+    """A SEND with no SGE after a shared WRITE (legal: a message of 0 bytes) is no case
+    for the per-I/O path: it goes the general way, and both arrive."""
+    peer, side, fd = _sharing_peer(passive)
+    local = side["pd"].reg_mr(bytearray(b"Z" * 4096), RW)
+    _post_pair(side["qp"], how, SendWR(1, WrOpcode.RDMA_WRITE,
+                                       [SGE(local.addr, 4096, local.lkey)], SendFlags(0),
+                                       remote_addr=0x40000, rkey=0x5151),
+               SendWR(2, WrOpcode.SEND, [], SendFlags.SIGNALED))
+    got = [peer.frame()[:4] for _ in range(2)]
+    assert [(f[0], f[3]) for f in got] == [(Frame.WRITE, 4096), (Frame.SEND, 0)]
+    assert os.pread(fd, 4096, 0) == b"Z" * 4096
+    os.close(fd)
+
+
 def test_without_memfds_buffer_pools_are_plain_memory(monkeypatch):
     """A machine whose memfd_create fails (a seccomp filter, an old kernel) still registers
     its pools; they are only not shared."""

@@ -753,6 +753,7 @@ class SoftQP(QP):
             got = self._peer.get(rkey) if self._peer else None
             if (got is not None and self._state is _RTS and not (self._hold or self._stall)
                     and write.opcode is _OP_WRITE and send.opcode is _OP_SEND
+                    and len(send.sg_list) == 1
                     and len(sq) + 2 <= cap.max_send_wr and cap.max_send_sge >= 1
                     and got[2] & _REMOTE_WRITE and got[0] <= remote_addr
                     and remote_addr + length <= got[1] and 0 < length <= _MAX_MESSAGE):
@@ -764,7 +765,7 @@ class SoftQP(QP):
                 baddr, blen = b.addr, b.length
                 wflags, sflags = int(write.send_flags), int(send.send_flags)
                 if (ma is not None and mb is not None and ma.pd is pd and mb.pd is pd
-                        and len(ssg) == 1 and not (wflags | sflags) & _INLINE
+                        and not (wflags | sflags) & _INLINE
                         and ma.addr <= addr and addr + length <= ma.end
                         and mb.addr <= baddr and baddr + blen <= mb.end
                         and 0 < blen <= _MAX_MESSAGE):

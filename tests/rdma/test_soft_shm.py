@@ -355,15 +355,16 @@ def test_a_shared_read_copies_at_its_post_unless_a_socket_write_is_ahead(passive
     os.close(fd)
 
 
-def _sharing_peer(passive) -> tuple[UnixPeer, dict, int]:
-    """A same-host peer connected to ``passive`` that shared 8 KiB of a sealed memfd as
-    rkey 0x5151 at 0x40000, once the accepted side maps it: (peer, side, the memfd)."""
+def _sharing_peer(passive, size: int = 8192) -> tuple[UnixPeer, dict, int]:
+    """A same-host peer connected to ``passive`` that shared ``size`` bytes of a sealed
+    memfd as rkey 0x5151 at 0x40000, once the accepted side maps it: (peer, side, the
+    memfd)."""
     port, accept = passive
     peer = UnixPeer(port)
     side = accept()
     peer.established()
-    fd = _memfd(8192, SHARE_SEALS)
-    peer.share(fd, 8192, 0x5151, addr=0x40000)
+    fd = _memfd(size, SHARE_SEALS)
+    peer.share(fd, size, 0x5151, addr=0x40000)
     assert _wait(lambda: 0x5151 in side["qp"]._peer)
     return peer, side, fd
 
@@ -519,6 +520,37 @@ def test_a_shared_write_then_a_send_of_no_bytes(passive, how):
     got = [peer.frame()[:4] for _ in range(2)]
     assert [(f[0], f[3]) for f in got] == [(Frame.WRITE, 4096), (Frame.SEND, 0)]
     assert os.pread(fd, 4096, 0) == b"Z" * 4096
+    os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["post_send", "post_write_send"])
+def test_a_peer_gone_during_a_long_shared_write_flushes_what_was_posted(passive, how):
+    """A shared WRITE of 32 KiB or more first sends what the pass queued; when that send
+    finds the peer gone, the QP goes to ERR in the middle of the post.  The post then
+    raises nothing (the shared region's mapping is gone with the connection) and its SEND
+    is flushed, not left on a send queue nothing will ever complete."""
+    size = 64 << 10
+    peer, side, fd = _sharing_peer(passive, size)
+    qp, cq = side["qp"], side["cq"]
+    local = side["pd"].reg_mr(bytearray(b"L" * size + b"RESP" * 16), RW)
+    ctx, tid = qp.ctx, threading.get_ident()
+    assert ctx.begin_pass(tid)
+    try:
+        with qp._lock:      # (the engine's thread must not see the close first)
+            qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(local.addr + size, 64, local.lkey)],
+                                SendFlags.SIGNALED))          # queued in the pass
+            peer.sock.close()
+            time.sleep(0.05)
+            _post_pair(qp, how, SendWR(2, WrOpcode.RDMA_WRITE,
+                                       [SGE(local.addr, size, local.lkey)], SendFlags(0),
+                                       remote_addr=0x40000, rkey=0x5151),
+                       SendWR(3, WrOpcode.SEND, [SGE(local.addr + size, 64, local.lkey)],
+                              SendFlags.SIGNALED))
+    finally:
+        ctx.end_pass(tid)
+    assert qp.state == QPState.ERR and not qp._sq
+    got = {w.wr_id: w.status for w in _completions(cq, 2)}
+    assert got[1] == got[3] == WcStatus.WR_FLUSH_ERR
     os.close(fd)
 
 

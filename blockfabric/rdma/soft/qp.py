@@ -490,11 +490,14 @@ class SoftQP(QP):
         self._hold = False
         self.ctx.rnr_waiters.discard(self)
         self._abort_rx()
+        self._flush_sq()
+        self._flush_rq()
+
+    def _flush_sq(self) -> None:
         sq, push, qpn = self._sq, self.send_cq.push, self.qp_num
         while sq:
             e = sq.popleft()
             push(WC(e.wr_id, WcStatus.WR_FLUSH_ERR, e.opcode, 0, qpn))
-        self._flush_rq()
 
     def _flush_rq(self) -> None:
         rq, push, qpn = self._rq, self.recv_cq.push, self.qp_num
@@ -769,34 +772,44 @@ class SoftQP(QP):
                         and ma.addr <= addr and addr + length <= ma.end
                         and mb.addr <= baddr and baddr + blen <= mb.end
                         and 0 < blen <= _MAX_MESSAGE):
+                    flags, done = self._carry(sq)   # (the SEND carries the ACK owed)
                     if length >= CORK_BYTES:
                         self.push()     # what the pass queued leaves first
-                    off = addr - ma.addr
-                    at = remote_addr - got[0]
-                    got[3][at:at + length] = ma.buf[off:off + length]
-                    flags, done = self._carry(sq)
-                    # The WRITE takes no PSN and sends nothing (see _post_pair).
-                    sig_all = self.sig_all
-                    if sig_all or wflags & _SIGNALED:
-                        self._shared_write_done(write.wr_id, length)
-                    psn = self._next_psn
-                    self._next_psn = (psn + 1) & M
-                    off = baddr - mb.addr
-                    resp = mb.buf[off:off + blen]
-                    frame: list[bytes | memoryview] = [
-                        _hdr(_MAGIC, _VERSION, _SEND, flags, psn, blen, 0, 0, done, 0), resp]
-                    e = _Entry()
-                    e.psn, e.wr_id, e.opcode, e.byte_len = psn, send.wr_id, _WC_SEND, blen
-                    e.signaled = sig_all or bool(sflags & _SIGNALED)
-                    e.status = e.rnr = 0
-                    e.views, e.frame = [resp], frame
-                    e.sent = True
-                    e.size = size = HDR + blen
-                    e.end = self._tx_queued + size
-                    sq.append(e)
-                    self._xmit(frame, size)
-                    return
+                    if not self._dead:  # (that send may have found the peer gone: ERR)
+                        off = addr - ma.addr
+                        at = remote_addr - got[0]
+                        got[3][at:at + length] = ma.buf[off:off + length]
+                        self._answer_send(send, sflags, wflags, write.wr_id, length, flags,
+                                          done, mb.buf, baddr - mb.addr, blen)
+                        return
         QP.post_write_send(self, write, send, addr, length, lkey, remote_addr, rkey)
+
+    def _answer_send(self, send: SendWR, sflags: int, wflags: int, write_id: int,
+                     length: int, flags: int, done: int, buf: memoryview, off: int,
+                     blen: int) -> None:
+        """post_write_send's last step, its checks made and the data placed: the WRITE
+        completes as _shared_write_done says, and the SEND goes out carrying ``flags`` and
+        ``done`` (_carry's)."""
+        sq = self._sq
+        # The WRITE takes no PSN and sends nothing (see _post_pair).
+        sig_all = self.sig_all
+        if sig_all or wflags & _SIGNALED:
+            self._shared_write_done(write_id, length)
+        psn = self._next_psn
+        self._next_psn = (psn + 1) & M
+        resp = buf[off:off + blen]
+        frame: list[bytes | memoryview] = [
+            _hdr(_MAGIC, _VERSION, _SEND, flags, psn, blen, 0, 0, done, 0), resp]
+        e = _Entry()
+        e.psn, e.wr_id, e.opcode, e.byte_len = psn, send.wr_id, _WC_SEND, blen
+        e.signaled = sig_all or bool(sflags & _SIGNALED)
+        e.status = e.rnr = 0
+        e.views, e.frame = [resp], frame
+        e.sent = True
+        e.size = size = HDR + blen
+        e.end = self._tx_queued + size
+        sq.append(e)
+        self._xmit(frame, size)
 
     def _peer_view(self, rkey: int, raddr: int, total: int, need: int) -> memoryview | None:
         """The bytes [raddr, raddr+total) of the peer's shared region ``rkey``, if it is one
@@ -1030,6 +1043,10 @@ class SoftQP(QP):
         """Send now from the caller's thread (``size``: the bytes of ``bufs``); queue what the
         socket does not take, up to ``max_unsent``."""
         if self._dead:
+            # The post that built these found the peer gone on its way (a long copy's push
+            # sent what the pass had queued, and that failed): the QP is in ERR and flushed
+            # already, so what this post appended since is flushed too, not left for good.
+            self._flush_sq()
             return
         self._tx_queued += size
         q = self._outq

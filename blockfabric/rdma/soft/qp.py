@@ -679,37 +679,30 @@ class SoftQP(QP):
         flags, done = self._carry(sq)   # (on the WRITE, or the SEND when it goes alone)
         off = aaddr - ma.addr
         data = ma.buf[off:off + alen]
+        if self._peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
+            # The data is in the peer's shared region already: the rest as post_write_send
+            self._answer_send(send, sflags, wflags, write.wr_id, alen, flags, done, mb.buf,
+                              baddr - mb.addr, blen)
+            return True
+        sig_all = self.sig_all
         off = baddr - mb.addr
         resp = mb.buf[off:off + blen]
-        sig_all = self.sig_all
-        end = self._tx_queued
-        if self._peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
-            # The data is in the peer's shared region already: the WRITE takes no PSN and
-            # sends nothing.
-            if sig_all or wflags & _SIGNALED:
-                self._shared_write_done(write.wr_id, alen)
-            psn2 = self._next_psn
-            self._next_psn = (psn2 + 1) & M
-            shdr = _hdr(_MAGIC, _VERSION, _SEND, flags, psn2, blen, 0, 0, done, 0)
-            bufs: list = [shdr, resp]
-        else:
-            psn = self._next_psn
-            psn2 = (psn + 1) & M
-            self._next_psn = (psn + 2) & M
-            self._wpsn = psn                # its data goes through the socket
-            whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
-                        write.remote_addr)
-            shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
-            e = _Entry()
-            e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
-            e.signaled = sig_all or bool(wflags & _SIGNALED)
-            e.status = e.rnr = 0
-            e.views, e.frame = [data], [whdr, data]
-            e.sent = True
-            e.size = HDR + alen
-            e.end = end = end + HDR + alen
-            sq.append(e)
-            bufs = [whdr, data, shdr, resp]
+        psn = self._next_psn
+        psn2 = (psn + 1) & M
+        self._next_psn = (psn + 2) & M
+        self._wpsn = psn                # its data goes through the socket
+        whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
+                    write.remote_addr)
+        shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
+        e = _Entry()
+        e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
+        e.signaled = sig_all or bool(wflags & _SIGNALED)
+        e.status = e.rnr = 0
+        e.views, e.frame = [data], [whdr, data]
+        e.sent = True
+        e.size = HDR + alen
+        e.end = end = self._tx_queued + HDR + alen
+        sq.append(e)
         e = _Entry()
         e.psn, e.wr_id, e.opcode, e.byte_len = psn2, send.wr_id, _WC_SEND, blen
         e.signaled = sig_all or bool(sflags & _SIGNALED)
@@ -719,7 +712,7 @@ class SoftQP(QP):
         e.size = HDR + blen
         e.end = end + HDR + blen
         sq.append(e)
-        self._xmit(bufs, e.end - self._tx_queued)
+        self._xmit([whdr, data, shdr, resp], e.end - self._tx_queued)
         return True
 
     def _shared_write_done(self, wr_id: int, length: int) -> None:
@@ -787,11 +780,12 @@ class SoftQP(QP):
     def _answer_send(self, send: SendWR, sflags: int, wflags: int, write_id: int,
                      length: int, flags: int, done: int, buf: memoryview, off: int,
                      blen: int) -> None:
-        """post_write_send's last step, its checks made and the data placed: the WRITE
-        completes as _shared_write_done says, and the SEND goes out carrying ``flags`` and
-        ``done`` (_carry's)."""
+        """The last step of a read answer whose WRITE was copied into the peer's shared
+        region (post_write_send's, _post_pair's), its checks made: the WRITE completes as
+        _shared_write_done says, and the SEND of ``blen`` bytes at ``buf[off:]`` goes out
+        carrying ``flags`` and ``done`` (_carry's)."""
         sq = self._sq
-        # The WRITE takes no PSN and sends nothing (see _post_pair).
+        # The WRITE takes no PSN and sends nothing: its data is in place already.
         sig_all = self.sig_all
         if sig_all or wflags & _SIGNALED:
             self._shared_write_done(write_id, length)

@@ -34,7 +34,7 @@ import systems  # noqa: E402
 
 # Run inside the target process: profile every thread that runs a reactor, dump on the way out.
 WRAPPER = r"""
-import cProfile, sys, threading
+import cProfile, json, sys, threading
 from blockfabric.fabric import reactor as _r
 _orig = _r.Reactor.run_forever
 _profiles = []
@@ -42,11 +42,12 @@ _out = sys.argv[1]
 import os as _os
 _opcodes = _os.environ.get("CALLS_PER_IO_OPCODES") == "1"
 def run_forever(self):
-    p = cProfile.Profile()
-    _profiles.append(p)
     if _opcodes:
+        _profiles.append(None)      # (numbers this reactor's dump, as for cProfile)
         _run_counting_opcodes(self, _out + f".{len(_profiles)}")
         return
+    p = cProfile.Profile()
+    _profiles.append(p)
     p.enable()
     try:
         _orig(self)
@@ -70,7 +71,6 @@ def _run_counting_opcodes(self, out):
         _orig(self)
     finally:
         sys.settrace(None)
-        import json
         with open(out, "w") as f:
             json.dump([[c.co_filename, c.co_firstlineno, c.co_name, n]
                        for c, n in counts.items()], f)

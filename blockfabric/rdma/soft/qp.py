@@ -33,6 +33,7 @@ import mmap
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 from collections import deque
@@ -61,6 +62,11 @@ _hdr = wire.HEADER.pack         # (MAGIC, VERSION, type, flags, psn, length, key
 _MAGIC, _VERSION = wire.MAGIC, wire.VERSION     # addr): wire.pack without its call
 _decode = wire.decode
 _unpack_header = wire.HEADER.unpack_from
+# The per-I/O SEND's header read in one go (_parse): magic, version, type and flags as one
+# little-endian word, psn, length, key and extra as one (both zero in a SEND), ack, addr.
+_unpack_fast = struct.Struct("<IIIQIQ").unpack_from
+_W_SEND = wire.MAGIC | wire.VERSION << 8 | int(Frame.SEND) << 16
+_W_SEND_ACK = _W_SEND | int(FrameFlags.ACK) << 24
 _TYPE_AT = 2                    # the frame type's byte in a header (after magic, version)
 _MAX_MESSAGE = wire.MAX_MESSAGE
 _now = time.monotonic
@@ -1271,6 +1277,10 @@ class SoftQP(QP):
         """Consume every complete frame (and the staged part of a payload) from staging."""
         stage = self._smv
         pos, end = self._spos, self._sfill
+        rq = self._rq
+        cq = self.recv_cq
+        fast = cq.raw            # (the per-I/O frame's path: an owner of raw completions)
+        append = cq._q.append
         try:
             while pos < end:
                 left = self._rleft
@@ -1299,20 +1309,20 @@ class SoftQP(QP):
                 # whole, in order, into a receive of one view, for an owner of raw
                 # completions) placed and completed here; anything else, or anything this
                 # finds not so, goes to _on_header, which says what is wrong with it (the
-                # ACK it carried, taken here first, is then taken again: a no-op).  Its type
-                # byte is looked at first, so other frames are unpacked once, there.
-                if stage[pos + _TYPE_AT] == _SEND and self.recv_cq.raw:
-                    (magic, version, _, flags, psn, length, key, extra, ack,
-                     addr) = _unpack_header(stage, pos)
-                    if ((flags == _F_ACK or not (flags or ack))
-                            and magic == _MAGIC and version == _VERSION
-                            and not (key or extra or addr) and 0 < length <= end - pos - HDR
-                            and length <= _MAX_MESSAGE and self._state is not _ERR):
-                        if flags:
+                # ACK it carried, taken here first, is then taken again: a no-op).  Magic,
+                # version, type and flags are one word; key and extra one more.  A length
+                # that fits in staging is below MAX_MESSAGE (STAGE is far smaller).
+                if fast:
+                    word, psn, length, keys, ack, addr = _unpack_fast(stage, pos)
+                    if ((word == _W_SEND and not ack) or word == _W_SEND_ACK) and not (
+                            keys or addr) and 0 < length <= end - pos - HDR \
+                            and self._state is not _ERR:
+                        if word != _W_SEND:
                             self._ack_upto(ack)
-                        rq = self._rq
-                        if (rq and psn == self._exp_psn and self._state is not _ERR
-                                and not (self._sq and self._sq[0].psn is None)):
+                        # (after an ACK, a WR that failed its checks at the head of the
+                        # send queue goes first: _on_header retires it)
+                        if rq and psn == self._exp_psn and (word == _W_SEND or not (
+                                self._sq and self._sq[0].psn is None)):
                             wr_id, views, total, status = rq[0]
                             if not status and length <= total and len(views) == 1:
                                 at = pos + HDR
@@ -1326,8 +1336,7 @@ class SoftQP(QP):
                                     self._ack_due = True
                                 else:
                                     self._owe_ack()
-                                cq = self.recv_cq
-                                cq._q.append((wr_id, 0, length))
+                                append((wr_id, 0, length))
                                 if not cq.listed:
                                     cq.note()
                                 continue

@@ -40,7 +40,8 @@ _orig = _r.Reactor.run_forever
 _profiles = []
 _out = sys.argv[1]
 import os as _os
-_opcodes = _os.environ.get("CALLS_PER_IO_OPCODES") == "1"
+_opcodes = _os.environ.get("CALLS_PER_IO_OPCODES") in ("1", "lines")
+_by_line = _os.environ.get("CALLS_PER_IO_OPCODES") == "lines"
 def run_forever(self):
     if _opcodes:
         _profiles.append(None)      # (numbers this reactor's dump, as for cProfile)
@@ -60,8 +61,8 @@ def _run_counting_opcodes(self, out):
     counts = {}
     def local(frame, event, arg):
         if event == "opcode":
-            code = frame.f_code
-            counts[code] = counts.get(code, 0) + 1
+            key = (frame.f_code, frame.f_lineno) if _by_line else (frame.f_code, 0)
+            counts[key] = counts.get(key, 0) + 1
         return local
     def enter(frame, event, arg):
         frame.f_trace_opcodes = True
@@ -72,8 +73,8 @@ def _run_counting_opcodes(self, out):
     finally:
         sys.settrace(None)
         with open(out, "w") as f:
-            json.dump([[c.co_filename, c.co_firstlineno, c.co_name, n]
-                       for c, n in counts.items()], f)
+            json.dump([[c.co_filename, c.co_firstlineno, c.co_name, n, line]
+                       for (c, line), n in counts.items()], f)
 _r.Reactor.run_forever = run_forever
 _reactors = []
 _orig_init = _r.Reactor.__init__
@@ -114,6 +115,9 @@ def main() -> int:
                     help="count the bytecodes each function executes (sys.settrace, opcode "
                          "events) instead of calls: deterministic, and what the interpreter's "
                          "time follows; much slower, so use a smaller --size")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="with --opcodes: also the N lines of each listed function that "
+                         "executed most bytecodes (per I/O)")
     ap.add_argument("--mount", action="store_true",
                     help="fio (direct, QD1 psync or libaio) through the FUSE mount instead of "
                          "bench, and the mount's reactor profiled too")
@@ -121,7 +125,8 @@ def main() -> int:
                     help="rdma: the soft provider, poll progress (default); tcp: NVMe/TCP")
     args = ap.parse_args()
     if args.opcodes:
-        os.environ["CALLS_PER_IO_OPCODES"] = "1"   # the wrapper, in the spawned processes
+        # (the wrapper, in the spawned processes)
+        os.environ["CALLS_PER_IO_OPCODES"] = "lines" if args.lines else "1"
     if args.mount:
         return mount_counts(args)
     with systems.Workspace() as ws, tempfile.TemporaryDirectory() as tmp:
@@ -177,16 +182,24 @@ def report_opcodes(label: str, dumps: list[pathlib.Path], ios: int, args) -> Non
     """Bytecodes per I/O in the counts ``dumps`` of one process, and the functions that
     executed most."""
     per: dict[tuple[str, int, str], int] = {}
+    lines: dict[tuple[str, int, str], dict[int, int]] = {}
     for dump in dumps:
-        for path, line, func, n in json.loads(dump.read_text()):
+        for path, line, func, n, at in json.loads(dump.read_text()):
             key = (path, line, func)
             per[key] = per.get(key, 0) + n
+            if at:
+                own = lines.setdefault(key, {})
+                own[at] = own.get(at, 0) + n
     total = sum(per.values())
     print(f"{args.rw} 4k QD{args.qd} ({args.transport}): {ios} I/Os; the {label}'s reactor "
           f"executed {total / ios:.0f} bytecodes per I/O")
-    for (path, line, func), n in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
+    for key, n in sorted(per.items(), key=lambda kv: -kv[1])[:args.top]:
+        path, line, func = key
         where = "/".join(pathlib.Path(path).parts[-2:])
         print(f"  {n / ios:7.1f}  {func}  {where}:{line}")
+        own = sorted(lines.get(key, {}).items(), key=lambda kv: -kv[1])[:args.lines]
+        for at, k in own:
+            print(f"           {k / ios:6.1f}  line {at}")
 
 
 def mount_counts(args) -> int:

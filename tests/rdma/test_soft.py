@@ -13,8 +13,8 @@ import time
 import pytest
 
 from blockfabric.errors import RdmaError
-from blockfabric.rdma import (SGE, Access, CMEventType, QPState, RecvWR, SendWR, WcFlags,
-                              WcStatus, WrOpcode)
+from blockfabric.rdma import (SGE, Access, CMEventType, QPState, RecvWR, SendFlags, SendWR,
+                              WcFlags, WcStatus, WrOpcode)
 from blockfabric.rdma.soft import SoftProvider, wire
 from blockfabric.rdma.soft.wire import Frame
 
@@ -297,6 +297,63 @@ def test_raw_peer_sending_garbage_is_disconnected(passive):
     peer.sock.sendall(b"\x00" * 64)
     assert side["cmid"].get_event(5).type == CMEventType.DISCONNECTED
     assert side["qp"].state == QPState.ERR
+
+
+def test_a_request_before_the_peers_rtu_ends_the_connection(passive):
+    """CONN_RTU is the passive side's first frame: a SEND before it is a violation, not a
+    message (the receive it would have taken is flushed, never completed with data)."""
+    port, accept = passive
+    peer = RawPeer(port)
+    side = accept()
+    assert peer.frame()[0] == Frame.CONN_REP
+    mr = side["pd"].reg_mr(bytearray(64), RW)
+    side["qp"].post_recv(RecvWR(7, [SGE(mr.addr, 64, mr.lkey)]))
+    peer.sock.sendall(wire.pack(Frame.SEND, 0, 4) + b"abcd")     # no CONN_RTU first
+    assert side["cmid"].get_event(5).type == CMEventType.DISCONNECTED
+    wcs: list = []
+    assert _wait(lambda: wcs.extend(side["cq"].poll()) or wcs)
+    assert [(w.wr_id, w.status) for w in wcs] == [(7, WcStatus.WR_FLUSH_ERR)]
+    assert bytes(mr.buf[:4]) == bytes(4)
+
+
+def test_a_chain_refused_for_its_inline_size_posts_nothing(passive):
+    """EINVAL for a chain whose later WR is inline past max_inline_data: nothing of the
+    chain is posted (no PSN taken, nothing queued), so the next post is PSN 0."""
+    port, accept = passive
+    peer = RawPeer(port)
+    side = accept()
+    peer.established()
+    qp = side["qp"]
+    mr = side["pd"].reg_mr(bytearray(b"x" * 64), RW)
+    ok = SendWR(1, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)], SendFlags.SIGNALED)
+    big = qp.cap.max_inline_data + 1
+    bad = SendWR(2, WrOpcode.SEND, [SGE(mr.addr, big, mr.lkey)],
+                 SendFlags.SIGNALED | SendFlags.INLINE)
+    with pytest.raises(RdmaError) as exc:
+        qp.post_send([ok, bad])
+    assert exc.value.errno == errno.EINVAL
+    assert not qp._sq
+    qp.post_send(SendWR(3, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)], SendFlags.SIGNALED))
+    assert peer.frame()[0:3:2] == (Frame.SEND, 0)
+
+
+def test_a_write_with_immediate_gives_a_raw_cq_its_tuple(passive):
+    """An owner of raw completions (set_raw) gets (wr_id, status, byte_len) for the receive
+    a WRITE_WITH_IMM consumes, as for a SEND: never a WC object it cannot unpack."""
+    port, accept = passive
+    peer = RawPeer(port)
+    side = accept()
+    peer.established()
+    cq = side["cq"]
+    cq.set_raw()
+    mr = side["pd"].reg_mr(bytearray(64), RW)
+    side["qp"].post_recv(RecvWR(7, [SGE(mr.addr, 64, mr.lkey)]))
+    peer.sock.sendall(wire.pack(Frame.WRITE, 0, 4, mr.rkey, 0x55, mr.addr,
+                                flags=int(wire.FrameFlags.WITH_IMM)) + b"abcd")
+    got: list = []
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    assert got == [(7, 0, 4)]
+    assert bytes(mr.buf[:4]) == b"abcd"
 
 
 def test_silent_responder_gives_retry_exceeded():

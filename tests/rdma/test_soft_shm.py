@@ -17,6 +17,7 @@ import pytest
 from blockfabric.rdma import (SGE, Access, CMEventType, QPState, SendFlags, SendWR, WcStatus,
                               WrOpcode)
 from blockfabric.rdma.soft import SoftProvider, wire
+from blockfabric.rdma.soft import qp as qpmod
 from blockfabric.rdma.soft.cm import shm_name
 from blockfabric.rdma.soft.memory import SHARE_SEALS
 from blockfabric.rdma.soft.wire import Frame, FrameFlags
@@ -194,13 +195,25 @@ def _bystander_works(port: int, accept) -> None:
 
 
 @pytest.mark.parametrize("case", ["unsealed", "no-descriptor", "longer-than-memfd",
-                                  "not-a-memfd", "read-only-descriptor"])
+                                  "not-a-memfd", "read-only-descriptor", "huge-pages"])
 def test_a_share_that_could_fault_or_lie_ends_only_that_connection(passive, case, tmp_path):
     port, accept = passive
+    length = 4096
+    fd = None
+    if case == "huge-pages":
+        # hugetlbfs: a hole its owner punches (which the shrink seal allows) frees the pages
+        # and their reservation, and a copy into the mapping could then die of SIGBUS
+        try:
+            fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+                                 | os.MFD_HUGETLB)
+        except OSError as exc:
+            pytest.skip(f"no hugetlbfs memfd here: {exc}")
+        length = os.fstat(fd).st_blksize        # one huge page: mappable as it is
+        os.ftruncate(fd, length)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SHARE_SEALS)
     peer = UnixPeer(port)
     side = accept()
     peer.established()
-    fd = None
     if case == "unsealed":
         fd = _memfd(4096)               # could be truncated under the mapping: SIGBUS
     elif case == "longer-than-memfd":
@@ -214,7 +227,7 @@ def test_a_share_that_could_fault_or_lie_ends_only_that_connection(passive, case
         ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
         os.close(fd)
         fd = ro
-    peer.share(fd, 8192 if case == "longer-than-memfd" else 4096, 0x77)
+    peer.share(fd, 8192 if case == "longer-than-memfd" else length, 0x77)
     if fd is not None:
         os.close(fd)
     assert _disconnected(side)
@@ -387,8 +400,9 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
                                                                                  how):
     """The target's answer to a read (an RDMA WRITE of the data, then the SEND of the
     response, in one post): on a same-host connection only the SEND goes out; the WRITE
-    completes once what was posted before it has (here an RDMA READ, then a SEND), in
-    order, and the data is in the peer's region before the SEND leaves.  A READ of a shared
+    completes once what was posted before it has (a SEND), in order, and the data is in
+    the peer's region before the SEND leaves (behind a READ answered later, the WRITE goes
+    through the socket instead).  A READ of a shared
     region completes in order likewise.  The same whether posted as a chain or with
     post_write_send (the target's per-I/O call)."""
     peer, side, fd = _sharing_peer(passive)
@@ -406,7 +420,9 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
     peer.sock.sendall(wire.pack(Frame.ACK, 0))
     assert [w.wr_id for w in _completions(cq, 1)] == [2]
     # behind a READ still unanswered (of a region not shared: over the socket), the WRITE
-    # waits for it, then the SEND for its ACK
+    # is not copied at its post: the peer executes that READ later, and it must not see
+    # the WRITE's data (two keys may name the same memory).  It goes through the socket,
+    # in order, and completes with its ACK, then the SEND
     dst = side["pd"].reg_mr(bytearray(16), RW)
     qp.post_send(SendWR(3, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
                         SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
@@ -415,14 +431,17 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
                SendWR(5, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
                       SendFlags.SIGNALED))
     assert peer.frame()[:3] == (Frame.READ_REQ, 0, 1)
-    assert peer.frame()[0:3:2] == (Frame.SEND, 2)
+    ftype, flags, psn, *_rest, body = peer.frame()
+    assert (ftype, flags & SHM, psn, body) == (Frame.WRITE, 0, 2, b"L" * 100)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 3)
+    assert os.pread(fd, 100, 200) == b"L" * 100     # (the first answer's copy, still)
     time.sleep(0.05)
     assert not cq.poll(), "completed before the READ was answered"
     peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 16) + b"Q" * 16)
-    assert [w.wr_id for w in _completions(cq, 2)] == [3, 4]
+    assert [w.wr_id for w in _completions(cq, 1)] == [3]
     assert bytes(dst.buf) == b"Q" * 16
-    peer.sock.sendall(wire.pack(Frame.ACK, 2))
-    assert [w.wr_id for w in _completions(cq, 1)] == [5]
+    peer.sock.sendall(wire.pack(Frame.ACK, 3))
+    assert [w.wr_id for w in _completions(cq, 2)] == [4, 5]
     # a READ of the shared region behind that SEND, still unacknowledged: copied at the
     # post, completed with the SEND's ACK, in order; and since the peer may be holding
     # that ACK back for traffic, an ACK frame flagged ACK_REQ asks for it, once
@@ -433,12 +452,12 @@ def test_a_read_answer_through_shared_memory_is_one_frame_and_completes_in_order
                         SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
     qp.post_send(SendWR(8, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
                         SendFlags.SIGNALED, remote_addr=0x40000 + 4096, rkey=0x5151))
-    assert peer.frame()[0:3:2] == (Frame.SEND, 3)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 4)
     ftype, flags = peer.frame()[:2]
     assert ftype == Frame.ACK and flags == FrameFlags.ACK_REQ
     assert _quiet(peer)                 # asked once for both READs, and no READ_REQ
     assert bytes(dst.buf) == b"P" * 16 and not cq.poll()
-    peer.sock.sendall(wire.pack(Frame.ACK, 3))
+    peer.sock.sendall(wire.pack(Frame.ACK, 4))
     assert [w.wr_id for w in _completions(cq, 3)] == [6, 7, 8]
     os.close(fd)
 
@@ -463,22 +482,24 @@ def test_an_unsignaled_shared_write_has_nothing_left_to_complete_or_flush(passiv
                    SendWR(send_id, WrOpcode.SEND, [SGE(local.addr + 4096, 64, local.lkey)],
                           SendFlags.SIGNALED))
 
-    qp.post_send(SendWR(1, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
-                        SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
+    def send(wr_id: int) -> None:
+        qp.post_send(SendWR(wr_id, WrOpcode.SEND, [SGE(dst.addr, 16, dst.lkey)],
+                            SendFlags.SIGNALED))
+
+    send(1)
     answer(2, 3, 0)
-    assert peer.frame()[:3] == (Frame.READ_REQ, 0, 0)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 0)
     assert peer.frame()[0:3:2] == (Frame.SEND, 1)       # the WRITE took no PSN
     assert os.pread(fd, 4096, 0) == b"D" * 4096        # placed at the post
-    peer.sock.sendall(wire.pack(Frame.READ_RESP, 0, 16) + b"Q" * 16)
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))
     assert [w.wr_id for w in _completions(cq, 1)] == [1]
     peer.sock.sendall(wire.pack(Frame.ACK, 1))
     assert [w.wr_id for w in _completions(cq, 1)] == [3]
     time.sleep(0.05)
     assert not cq.poll(), "the unsignaled WRITE completed"
-    # behind another READ: the connection fails, and only the READ and the SEND flush
+    # behind another SEND: the connection fails, and only the two SENDs flush
     os.pwrite(fd, b"\0" * 4096, 4096)
-    qp.post_send(SendWR(4, WrOpcode.RDMA_READ, [SGE(dst.addr, 16, dst.lkey)],
-                        SendFlags.SIGNALED, remote_addr=0x70000, rkey=0x6161))
+    send(4)
     answer(5, 6, 4096)
     assert os.pread(fd, 4096, 4096) == b"D" * 4096
     peer.sock.close()
@@ -523,35 +544,155 @@ def test_a_shared_write_then_a_send_of_no_bytes(passive, how):
     os.close(fd)
 
 
+def _post_with_the_peer_gone(qp, peer, post) -> None:
+    """In one pass: a SEND (wr 1, signaled) queued, the peer's socket closed, then
+    ``post()``, whose long shared copy first sends what the pass queued and finds the peer
+    gone, the QP going to ERR in the middle of that post."""
+    ctx, tid = qp.ctx, threading.get_ident()
+    local = qp.pd.reg_mr(bytearray(64), RW)
+    assert ctx.begin_pass(tid)
+    try:
+        with qp._lock:      # (the engine's thread must not see the close first)
+            qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(local.addr, 64, local.lkey)],
+                                SendFlags.SIGNALED))
+            peer.sock.close()
+            time.sleep(0.05)
+            post()
+    finally:
+        ctx.end_pass(tid)
+
+
 @pytest.mark.parametrize("how", ["post_send", "post_write_send"])
-def test_a_peer_gone_during_a_long_shared_write_flushes_what_was_posted(passive, how):
+@pytest.mark.parametrize("signaled", [False, True])
+def test_a_peer_gone_during_a_long_shared_write_flushes_what_was_posted(passive, how,
+                                                                         signaled):
     """A shared WRITE of 32 KiB or more first sends what the pass queued; when that send
     finds the peer gone, the QP goes to ERR in the middle of the post.  The post then
     raises nothing (the shared region's mapping is gone with the connection) and its SEND
-    is flushed, not left on a send queue nothing will ever complete."""
+    is flushed, not left on a send queue nothing will ever complete; a signaled WRITE is
+    flushed with the rest, in order, not completed with SUCCESS between two flushed WRs
+    (an HCA never reports that)."""
     size = 64 << 10
     peer, side, fd = _sharing_peer(passive, size)
     qp, cq = side["qp"], side["cq"]
     local = side["pd"].reg_mr(bytearray(b"L" * size + b"RESP" * 16), RW)
-    ctx, tid = qp.ctx, threading.get_ident()
-    assert ctx.begin_pass(tid)
-    try:
-        with qp._lock:      # (the engine's thread must not see the close first)
-            qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(local.addr + size, 64, local.lkey)],
-                                SendFlags.SIGNALED))          # queued in the pass
-            peer.sock.close()
-            time.sleep(0.05)
-            _post_pair(qp, how, SendWR(2, WrOpcode.RDMA_WRITE,
-                                       [SGE(local.addr, size, local.lkey)], SendFlags(0),
-                                       remote_addr=0x40000, rkey=0x5151),
-                       SendWR(3, WrOpcode.SEND, [SGE(local.addr + size, 64, local.lkey)],
-                              SendFlags.SIGNALED))
-    finally:
-        ctx.end_pass(tid)
+    _post_with_the_peer_gone(qp, peer, lambda: _post_pair(
+        qp, how, SendWR(2, WrOpcode.RDMA_WRITE, [SGE(local.addr, size, local.lkey)],
+                        SendFlags.SIGNALED if signaled else SendFlags(0),
+                        remote_addr=0x40000, rkey=0x5151),
+        SendWR(3, WrOpcode.SEND, [SGE(local.addr + size, 64, local.lkey)],
+               SendFlags.SIGNALED)))
     assert qp.state == QPState.ERR and not qp._sq
-    got = {w.wr_id: w.status for w in _completions(cq, 2)}
-    assert got[1] == got[3] == WcStatus.WR_FLUSH_ERR
+    # (posted to a QP in ERR, the WRITE is flushed signaled or not, as verbs flushes)
+    got = [(w.wr_id, w.status) for w in _completions(cq, 3)]
+    assert got == [(i, WcStatus.WR_FLUSH_ERR) for i in (1, 2, 3)]
+    time.sleep(0.05)
+    assert not cq.poll()
     os.close(fd)
+
+
+def test_a_long_shared_read_with_the_peer_gone_mid_post_is_flushed(passive):
+    """The same for an RDMA READ through a shared region of 32 KiB or more."""
+    size = 64 << 10
+    peer, side, fd = _sharing_peer(passive, size)
+    qp, cq = side["qp"], side["cq"]
+    local = side["pd"].reg_mr(bytearray(size), RW)
+    _post_with_the_peer_gone(qp, peer, lambda: qp.post_send(SendWR(
+        2, WrOpcode.RDMA_READ, [SGE(local.addr, size, local.lkey)], SendFlags.SIGNALED,
+        remote_addr=0x40000, rkey=0x5151)))
+    assert qp.state == QPState.ERR and not qp._sq
+    got = [(w.wr_id, w.status) for w in _completions(cq, 2)]
+    assert got == [(1, WcStatus.WR_FLUSH_ERR), (2, WcStatus.WR_FLUSH_ERR)]
+    os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["post_send", "post_write_send"])
+def test_a_shared_write_waits_behind_a_socket_write_still_in_flight(passive, how,
+                                                                     monkeypatch):
+    """Write after write: an RDMA WRITE whose data went through the socket (posted while
+    held behind an RNR NAK) and is not acknowledged yet has still to be placed by the
+    peer.  A WRITE posted after it, to the same bytes of a shared region, must not be
+    copied at its post (the peer would then place the older data last): it goes through
+    the socket too, in order.  Once all is acknowledged, a WRITE copies at its post
+    again."""
+    monkeypatch.setattr(qpmod, "RNR_FIRST", 0.3)
+    monkeypatch.setattr(qpmod, "RNR_MAX", 0.3)
+    peer, side, fd = _sharing_peer(passive)
+    qp, cq = side["qp"], side["cq"]
+    local = side["pd"].reg_mr(bytearray(b"A" * 64 + b"B" * 64 + b"R" * 64 + b"C" * 64), RW)
+    qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(local.addr + 128, 64, local.lkey)],
+                        SendFlags.SIGNALED))
+    assert peer.frame()[0:3:2] == (Frame.SEND, 0)
+    peer.sock.sendall(wire.pack(Frame.RNR_NAK, 0))          # no receive: back to PSN 0
+    assert _wait(lambda: qp._hold)
+    qp.post_send(SendWR(2, WrOpcode.RDMA_WRITE, [SGE(local.addr, 64, local.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151))
+    assert peer.frame()[0:3:2] == (Frame.SEND, 0)            # replayed
+    ftype, flags, psn, *_rest, body = peer.frame()
+    assert (ftype, flags & SHM, psn, body) == (Frame.WRITE, 0, 1, b"A" * 64)
+    _post_pair(qp, how, SendWR(3, WrOpcode.RDMA_WRITE, [SGE(local.addr + 64, 64, local.lkey)],
+                               SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151),
+               SendWR(4, WrOpcode.SEND, [SGE(local.addr + 128, 64, local.lkey)],
+                      SendFlags.SIGNALED))
+    assert os.pread(fd, 64, 0) == bytes(64), "copied ahead of the WRITE still in flight"
+    ftype, flags, psn, *_rest, body = peer.frame()
+    assert (ftype, flags & SHM, psn, body) == (Frame.WRITE, 0, 2, b"B" * 64)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 3)
+    peer.sock.sendall(wire.pack(Frame.ACK, 3))
+    assert [w.wr_id for w in _completions(cq, 4)] == [1, 2, 3, 4]
+    qp.post_send(SendWR(5, WrOpcode.RDMA_WRITE, [SGE(local.addr + 192, 64, local.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151))
+    assert os.pread(fd, 64, 0) == b"C" * 64, "not copied at its post once all was answered"
+    ftype, flags, psn = peer.frame()[:3]
+    assert (ftype, flags & SHM, psn) == (Frame.WRITE, SHM, 4)
+    os.close(fd)
+
+
+def test_a_shared_write_waits_behind_a_read_answered_later(passive):
+    """Write after read: a READ that went out as a READ_REQ (behind a socket WRITE) reads
+    the region when its answer comes.  A WRITE to the same bytes posted after it must not
+    be copied before then, or the READ would see it: it goes through the socket, as the
+    responder would execute it, after the READ."""
+    peer, side, fd = _sharing_peer(passive)
+    qp, cq = side["qp"], side["cq"]
+    os.pwrite(fd, b"O" * 32, 0)
+    src = side["pd"].reg_mr(bytearray(b"W" * 16 + b"N" * 32), RW)
+    dst = side["pd"].reg_mr(bytearray(32), RW)
+    qp.post_send(SendWR(1, WrOpcode.RDMA_WRITE, [SGE(src.addr, 16, src.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x90000, rkey=0x9999))
+    assert peer.frame()[0:3:2] == (Frame.WRITE, 0)           # not a shared region
+    qp.post_send(SendWR(2, WrOpcode.RDMA_READ, [SGE(dst.addr, 32, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151))
+    ftype, flags, psn = peer.frame()[:3]
+    assert (ftype, flags & SHM, psn) == (Frame.READ_REQ, SHM, 1)
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))              # the socket WRITE is placed
+    assert [w.wr_id for w in _completions(cq, 1)] == [1]
+    qp.post_send(SendWR(3, WrOpcode.RDMA_WRITE, [SGE(src.addr + 16, 32, src.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x40000, rkey=0x5151))
+    assert os.pread(fd, 32, 0) == b"O" * 32, "copied before the READ ahead of it read"
+    ftype, flags, psn, *_rest, body = peer.frame()
+    assert (ftype, flags & SHM, psn, body) == (Frame.WRITE, 0, 2, b"N" * 32)
+    peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 32, flags=SHM))
+    assert [w.wr_id for w in _completions(cq, 1)] == [2]
+    assert bytes(dst.buf) == b"O" * 32
+    os.close(fd)
+
+
+def test_a_write_with_a_stray_ack_value_ends_the_connection(passive):
+    """A shared WRITE's header with a non-zero ack field and no ACK flag: wire.decode
+    refuses it, and so does the receive path's inline check (it falls through to decode)."""
+    port, accept = passive
+    peer = UnixPeer(port)
+    side = accept()
+    peer.established()
+    slab = side["pd"].shared_slab(4096)
+    mr = side["pd"].reg_mr(slab, RW)
+    while peer.frame()[0] != Frame.SHARE:       # this side's SHARE of the region
+        pass
+    peer.sock.sendall(wire.pack(Frame.WRITE, 0, 16, mr.rkey, 0, mr.addr, flags=SHM, ack=5))
+    assert _disconnected(side)
+    with pytest.raises(wire.WireError):
+        wire.decode(wire.pack(Frame.WRITE, 0, 16, mr.rkey, 0, mr.addr, flags=SHM, ack=5))
 
 
 def test_without_memfds_buffer_pools_are_plain_memory(monkeypatch):

@@ -53,10 +53,14 @@ A requester whose peer shared the region a WRITE or READ names (and that fits it
 data with a copy: a WRITE is copied at its post and goes out as its header with flag SHM
 and no payload.  A READ is copied at its post too and sends nothing: it takes no PSN and
 completes in order, at once when nothing is outstanding, else with the request before it
-(and asks for that one's ACK, above).  Only behind an RDMA WRITE whose data went through
-the socket and is not acknowledged yet does it go out, as a READ_REQ with flag SHM,
-answered by a READ_RESP with flag SHM and no payload, the requester copying from the
-region then: a READ never overtakes data the peer has yet to place.  A copy of 32 KiB or
+(and asks for that one's ACK, above).  No copy at a post overtakes a request whose data
+moves later: behind an RDMA WRITE whose data went through the socket (a region not shared,
+or posted while held behind an RNR NAK) and is not acknowledged yet, or behind a READ not
+answered yet, a WRITE goes out with its data, as any, and a READ as a READ_REQ with flag
+SHM, answered by a READ_RESP with flag SHM and no payload, the requester copying from the
+region then.  So a READ never overtakes data the peer has yet to place, a WRITE never lands
+before an older one, and no READ sees a WRITE posted after it (as a responder executes
+them in order; two keys may name the same memory).  A copy of 32 KiB or
 more first sends what the pass queued for that peer.  A target's answer to a read (an
 RDMA WRITE of the data and the SEND of the response, posted together, or with
 ``QP.post_write_send``) sends only the SEND: the WRITE, copied at the post, takes no PSN
@@ -97,9 +101,11 @@ both sides and in the CM exchange:
 * NAK key: a remote error status (REM_INV_REQ_ERR, REM_ACCESS_ERR, REM_OP_ERR);
 * shared memory: SHARE, FORGET and flag SHM only on a same-host (unix socket) connection;
   a SHARE's descriptor must be a memfd sealed against shrinking (F_SEAL_SHRINK: no page of
-  the mapping can go away, so no SIGBUS), at least as long as the region and mappable for
-  writing, its key new; at most 16 descriptors may wait for their SHARE frames; regions past
-  64 or past 1 GiB mapped per connection are declined (requests to them use the socket);
+  the mapping can go away, so no SIGBUS) and of ordinary pages (not hugetlbfs, where a hole
+  its owner punches frees the pages and their reservation), at least as long as the region
+  and mappable for writing, its key new; at most 16 descriptors may wait for their SHARE
+  frames; regions past 64 or past 1 GiB mapped per connection are declined (requests to
+  them use the socket);
 * PSNs: a request must carry the next PSN (another only while go-back-N after an RNR NAK,
   when it is dropped, or once the QP is in ERR); an ACK, NAK, RNR_NAK or READ_RESP must name
   a request that was sent (ACK, a request's ack field, READ_RESP: sent *whole*, every byte
@@ -137,7 +143,8 @@ Semantics, and where a choice was made (as an IB HCA does it unless said otherwi
   LOCAL_WRITE): post succeeds; the WR completes LOC_PROT_ERR when it reaches the head of the
   send queue (earlier WRs complete normally), then the QP goes to ERR.
 * Queue limits are checked at post time for the whole chain: more WRs than the free slots
-  -> RdmaError(ENOMEM), too many SGEs or an unknown opcode -> EINVAL; nothing is posted then
+  -> RdmaError(ENOMEM), too many SGEs, an unknown opcode or inline data past
+  ``max_inline_data`` -> EINVAL; nothing is posted then
   (verbs would post the WRs before the bad one: all-or-nothing is simpler to reason about).
   A send slot is free once its WR is acknowledged.
 * SEND_WITH_INV delivers ``invalidated_rkey`` and WcFlags.WITH_INV.  MRs from reg_mr are

@@ -237,7 +237,9 @@ class SoftQP(QP):
         #: the last RDMA WRITE whose data went through the socket (None: none, or it was
         #: acknowledged): a READ through a shared region waits behind it (the region may
         #: have been shared only since)
-        self._wpsn: int | None = None
+        # the last request whose data moves after its post (an RDMA WRITE sent through the
+        # socket, a READ answered later): a copy at a post waits for it (_copy_now)
+        self._later_psn: int | None = None
         # responder
         self._rq: deque[tuple] = deque()
         self._exp_psn = 0
@@ -354,6 +356,12 @@ class SoftQP(QP):
                     or st.st_size < length:
                 raise wire.WireError(f"shared region {key:#x}: its memfd is not sealed "
                                      f"against shrinking, or shorter than {length} B")
+            if st.st_blksize != mmap.PAGESIZE:
+                # hugetlbfs (MFD_HUGETLB): a hole its owner punches frees the pages and
+                # their reservation, and a copy into it here could then die of SIGBUS (the
+                # shrink seal does not stop a punched hole; on shmem the page comes back)
+                raise wire.WireError(f"shared region {key:#x}: its memfd is not of "
+                                     f"{mmap.PAGESIZE}-byte pages (huge pages?)")
             try:
                 m = mmap.mmap(fd, length)
             except (OSError, ValueError) as exc:
@@ -583,6 +591,13 @@ class SoftQP(QP):
                     raise RdmaError(f"bad send WR {wr.wr_id}: opcode {wr.opcode}, "
                                     f"{len(wr.sg_list)} SGEs (max {cap.max_send_sge})",
                                     errno=_errno.EINVAL)
+                if int(wr.send_flags) & _INLINE and wr.opcode is not _OP_READ:
+                    # (_build checks it too, but a chain must fail before any WR is built)
+                    total = sum(sge.length for sge in wr.sg_list)
+                    if total > cap.max_inline_data:
+                        raise RdmaError(f"bad send WR {wr.wr_id}: {total} B inline > "
+                                        f"max_inline_data {cap.max_inline_data}",
+                                        errno=_errno.EINVAL)
             self.posted = now = _now()
             if not sq:
                 self._last_progress = now
@@ -685,7 +700,10 @@ class SoftQP(QP):
         flags, done = self._carry(sq)   # (on the WRITE, or the SEND when it goes alone)
         off = aaddr - ma.addr
         data = ma.buf[off:off + alen]
-        if self._peer and self._to_peer(write.rkey, write.remote_addr, [data], alen):
+        if self._peer and self._copy_now() and \
+                self._to_peer(write.rkey, write.remote_addr, [data], alen):
+            if self._dead:      # a long copy's push found the peer gone: the general path
+                return False    # flushes both (as post_write_send)
             # The data is in the peer's shared region already: the rest as post_write_send
             self._answer_send(send, sflags, wflags, write.wr_id, alen, flags, done, mb.buf,
                               baddr - mb.addr, blen)
@@ -696,7 +714,7 @@ class SoftQP(QP):
         psn = self._next_psn
         psn2 = (psn + 1) & M
         self._next_psn = (psn + 2) & M
-        self._wpsn = psn                # its data goes through the socket
+        self._later_psn = psn           # its data goes through the socket
         whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
                     write.remote_addr)
         shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
@@ -754,6 +772,7 @@ class SoftQP(QP):
             cap = self.cap
             got = self._peer.get(rkey) if self._peer else None
             if (got is not None and self._state is _RTS and not (self._hold or self._stall)
+                    and (self._later_psn is None or self._copy_now())
                     and write.opcode is _OP_WRITE and send.opcode is _OP_SEND
                     and len(send.sg_list) == 1
                     and len(sq) + 2 <= cap.max_send_wr and cap.max_send_sge >= 1
@@ -838,22 +857,29 @@ class SoftQP(QP):
             off += n
         return True
 
-    def _read_now(self) -> bool:
-        """Whether an RDMA READ through a shared region may copy at its post: no RDMA WRITE
-        this side sent through the socket (to a region not shared, or while held behind an
-        RNR NAK) waits for its ACK, so none the peer has yet to place can be overtaken."""
-        w = self._wpsn
+    def _copy_now(self) -> bool:
+        """Whether an RDMA READ or WRITE through a shared region may copy at its post: no
+        request whose data moves later waits for its answer, neither an RDMA WRITE this
+        side sent through the socket (to a region not shared, or while held behind an RNR
+        NAK), which the peer has yet to place, nor a READ answered later, which has yet to
+        read.  So a copy never overtakes them: a READ sees every WRITE posted before it,
+        a WRITE lands after every WRITE posted before it, and no READ posted before a
+        WRITE sees that WRITE's data, as a responder executes them in order."""
+        w = self._later_psn
         if w is None:
             return True
         if (self._acked - w) & M >= 0x80000000:
             return False
-        self._wpsn = None
+        self._later_psn = None
         return True
 
     def _read_done(self, e: _Entry) -> None:
         """An RDMA READ whose data :meth:`_build` copied from the peer's shared region:
         it completes in order, behind what was posted before it (taking that one's PSN, it
         completes with it), or at once when nothing is outstanding."""
+        if self._dead:      # a long copy's push found the peer gone: flushed, as the rest
+            self.send_cq.push(WC(e.wr_id, WcStatus.WR_FLUSH_ERR, _WC_READ, 0, self.qp_num))
+            return
         sq = self._sq
         if sq:
             prev = sq[-1]
@@ -920,14 +946,15 @@ class SoftQP(QP):
                 raise RdmaError(f"{total} B inline > max_inline_data {cap.max_inline_data}",
                                 errno=_errno.EINVAL)
             views = [b"".join(views)] if views else []   # inline: the WR carries a copy
-        if op == _OP_READ and now and self._peer and total and self._read_now():
+        if op == _OP_READ and now and self._peer and total and self._copy_now():
             src = self._peer_view(wr.rkey, wr.remote_addr, total, _REMOTE_READ)
             if src is not None:
                 # The peer's region is mapped here: the READ copies now, sends nothing
                 # and takes no PSN, and completes in order (see _read_done).
                 if total >= CORK_BYTES:
                     self.push()     # (as _to_peer)
-                _place(views, src)
+                if not self._dead:  # (else _read_done flushes it: the peer is gone)
+                    _place(views, src)
                 e.psn = e.size = 0
                 e.frame = []
                 e.src = None
@@ -948,12 +975,13 @@ class SoftQP(QP):
         if op == _OP_SEND:              # the per-I/O opcodes first
             e.frame = [_hdr(_MAGIC, _VERSION, _SEND, flags, psn, total, 0, 0, done, 0), *views]
         elif op == _OP_WRITE or op == _OP_WRITE_IMM:
-            if now and self._peer and self._to_peer(wr.rkey, wr.remote_addr, views, total):
+            if now and self._peer and self._copy_now() and \
+                    self._to_peer(wr.rkey, wr.remote_addr, views, total):
                 e.size = HDR
                 flags |= _F_SHM
                 views = []
             else:
-                self._wpsn = psn            # its data goes through the socket
+                self._later_psn = psn       # its data goes through the socket
             if op == _OP_WRITE:
                 e.frame = [_hdr(_MAGIC, _VERSION, _WRITE, flags, psn, total, wr.rkey, 0, done,
                                 wr.remote_addr), *views]
@@ -965,6 +993,7 @@ class SoftQP(QP):
                 e.src = self._peer_view(wr.rkey, wr.remote_addr, total, _REMOTE_READ)
                 if e.src is not None:
                     flags |= _F_SHM     # copied from the region when the answer comes
+            self._later_psn = psn       # its data moves when the answer comes
             e.frame = [_hdr(_MAGIC, _VERSION, _READ_REQ, flags, psn, total, wr.rkey, 0, done,
                             wr.remote_addr)]
         elif op == _OP_SEND_INV:
@@ -1279,7 +1308,9 @@ class SoftQP(QP):
         pos, end = self._spos, self._sfill
         rq = self._rq
         cq = self.recv_cq
-        fast = cq.raw            # (the per-I/O frame's path: an owner of raw completions)
+        # (the per-I/O frame's path: an owner of raw completions, its peer's CONN_RTU seen;
+        # before that, _on_header sees every frame)
+        fast = cq.raw and not self._rtu_due
         append = cq._q.append
         try:
             while pos < end:
@@ -1387,9 +1418,11 @@ class SoftQP(QP):
             _unpack_header(self._stage, at)
         if (magic != _MAGIC or version != _VERSION or extra
                 or (flags & _NOT_ACK and (ftype != _WRITE or flags & _NOT_ACK != _F_SHM))
-                or length > _MAX_MESSAGE or (ack and not flags)
+                or length > _MAX_MESSAGE or (ack and not flags & _F_ACK)
                 or not (ftype == _WRITE or (ftype == _SEND and not key and not addr))):
             ftype, flags, psn, length, key, extra, addr, ack = _decode(self._stage, at)
+        if self._rtu_due and ftype != _CONN_RTU:
+            raise wire.WireError(f"frame type {ftype} before the CONN_RTU that comes first")
         if flags & _F_ACK and self._state != _ERR:
             # the peer's request carries its ACK of ours (validated like an ACK frame)
             self._ack_upto(ack)
@@ -1527,8 +1560,10 @@ class SoftQP(QP):
             recv = self._take_recv(psn, 0 if shm else length)
             if recv is None:
                 return
-            self._rwc = WC(recv[0], WcStatus.SUCCESS, WcOpcode.RECV_RDMA_WITH_IMM, length,
-                           self.qp_num, WcFlags.WITH_IMM, imm_data=extra)
+            # (an owner of raw completions gets its tuple, as for a SEND: _rx_send)
+            self._rwc = (recv[0], 0, length) if self.recv_cq.raw else \
+                WC(recv[0], WcStatus.SUCCESS, WcOpcode.RECV_RDMA_WITH_IMM, length,
+                   self.qp_num, WcFlags.WITH_IMM, imm_data=extra)
         self._exp_psn = (psn + 1) & M
         self._rx_psn = psn
         if shm or not length:

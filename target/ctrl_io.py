@@ -88,7 +88,7 @@ class IoCommands(_Rest):
                                 "inaccessible on this gateway", nss[0].ana_status, dnr=False)
         if any(ns.paused for ns in nss):
             # A namespace is being resized: run the command once it is done.
-            next(ns for ns in nss if ns.paused).held.append(lambda: self.handle(cmd))
+            next(ns for ns in nss if ns.paused).held.append(lambda: self._rerun(cmd))
             return
         if op in resv.OPCODES:
             resvctl.execute(self, cmd, nss[0])  # type: ignore[arg-type]  # (a Controller)
@@ -194,7 +194,7 @@ class IoCommands(_Rest):
             return
         if ns.paused:
             # A namespace is being resized: run the command once it is done.
-            ns.held.append(lambda: self.handle(cmd))
+            ns.held.append(lambda: self._rerun(cmd))
             return
         write = cmd.opcode == _OP_WRITE
         if not ns.resv_open:        # something is reserved: may this host read/write?
@@ -252,6 +252,13 @@ class IoCommands(_Rest):
             return
         cmd.user = self._unpin_cmd              # undo, should the queue die before the READ
         queue.fetch_to(cmd, mr.addr + offset, length, mr.lkey, self._write_fetched)
+
+    def _rerun(self, cmd: Command) -> None:
+        """A command held while its namespace was resized, run now, unless its queue ended
+        meanwhile: nothing would take its answer, and what a Read or Write counts in flight
+        before it moves data would never be undone (the queue's cleanup ran already)."""
+        if not cmd.queue.closed:
+            self.handle(cmd)
 
     def _written(self, cmd: Command) -> None:
         """A write's data is in the volume's memory: count and answer."""

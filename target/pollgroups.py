@@ -317,9 +317,10 @@ class PollGroups:
         fd = queue.sock.fileno()
         remote = RemoteQueue(group, ctrl.cntlid, session.qid, queue.depth, peer,
                              f"{queue.name} g{group.index}")
-        # Out of this reactor, then over: the socket is the worker's from here.
-        queue.reactor.remove_reader(fd, queue.on_readable)  # type: ignore[union-attr]  # (attached)
-        queue.reactor = None
+        # Out of this reactor (its reader and its busy-poll, which would otherwise count
+        # the Connect's slot as in flight here for good), then over: the socket is the
+        # worker's from here.
+        queue.release_reactor()
         if not group.send(("queue", meta), (fd,)):
             queue.reactor = t.reactor
             t.registry.queue_broken(session, queue, f"poll group {group.index} is gone")

@@ -172,6 +172,12 @@ class PduConnection:
                 add_poller(self.poll, self.in_flight)
         reactor.call_sync(register)
 
+    def release_reactor(self) -> None:
+        """Leave the reactor, socket open: its reader and its busy-poll go (a queue handed
+        to another process, whose copy of the socket carries on).  On the reactor's
+        thread."""
+        self._detach()
+
     def _detach(self) -> None:
         reactor, self.reactor = self.reactor, None
         if reactor is None:
@@ -284,6 +290,7 @@ class PduConnection:
         plain = self._plain
         prechecked = self.prechecked
         start = 0
+        shown = 0                           # the header length of the PDU at ``start``
         capsules = 0                        # commands or answers: see note_arrivals
         try:
             if self._direct is not None:
@@ -292,10 +299,12 @@ class PduConnection:
                     return              # its data digest is not in yet
             while not self.closed:
                 start = pos
+                shown = 0
                 avail = filled - pos
                 if avail < tcp_pdu.COMMON_SIZE:
                     break
                 ptype, flags, hlen, pdo, plen = _unpack_header(view, pos)
+                shown = hlen
                 shape = plain.get(ptype)
                 if shape is not None and hlen == shape[0] and not flags & shape[1] and (
                         (pdo == hlen and 0 < plen - hlen <= shape[2])
@@ -345,8 +354,11 @@ class PduConnection:
                 limits = self.limits        # ICReq/ICResp change them
                 plain = self._plain
         except tcp_pdu.PduError as exc:
-            exc.offending = bytes(view[start:min(filled, start + tcp_pdu.TERM_MAX_PLEN
-                                                 - tcp_pdu.TERM_HLEN)])
+            # the offending PDU's header as far as it came, up to 128 bytes: not its data,
+            # nor the PDUs after it (and nothing when the error is not one PDU's here: a
+            # payload received straight into memory)
+            exc.offending = bytes(view[start:min(filled, start + shown, start
+                                                 + tcp_pdu.TERM_MAX_PLEN - tcp_pdu.TERM_HLEN)])
             raise
         finally:
             if capsules > 1:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
@@ -126,6 +127,10 @@ class TcpTargetQueue(PduConnection):
         #: it) until then.  The target sets limits.buffer_hold_timeout.
         self.data_timeout: Callable[[], float] | None = None
         self._hold_timer: Any = None
+        #: answers the socket did not take (a host that does not read): where the stream
+        #: stood and when, as last seen; the same bound applies (a Read's data is a view of
+        #: the volume's memory, its command in flight until written)
+        self._out_mark: tuple[int, float] | None = None
         self._cqes: list[bytearray] = []
         self._grow_slots(1)
         self.limits = tcp_pdu.Limits(max_capsule_data=self.inline_size)
@@ -282,6 +287,8 @@ class TcpTargetQueue(PduConnection):
             status = self._connect_sizes(slot)
         if status is not None:
             cmd = self.commands[free.pop()]
+            sqhd = self.sqhd + 1        # (fetched: the SQ head moves, as _on_capsule's)
+            self.sqhd = sqhd if sqhd < self.depth else 0
             cmd.recv_index = index
             cmd.responded = False
             cmd.on_fetched = cmd.on_released = cmd.user = None
@@ -390,10 +397,29 @@ class TcpTargetQueue(PduConnection):
             self._hold_timer = self.reactor.call_later(
                 bound() if delay is None else delay, self._check_data)
 
+    def _schedule_retry(self, moved: bool = True) -> None:
+        """:meth:`PduConnection._schedule_retry`; and the socket left answers unsent: watch
+        that the host reads them (see :meth:`_check_data`)."""
+        PduConnection._schedule_retry(self, moved)
+        if self._out_mark is not None or self.data_timeout is None:
+            return
+        self._out_mark = (self._sent_total, _monotonic())
+        reactor = self.reactor
+        if reactor is None:
+            return
+        if reactor.ident == threading.get_ident():
+            if self._hold_timer is None:
+                self._watch_data()
+        else:
+            reactor.call_soon_threadsafe(
+                lambda: self._watch_data() if self._hold_timer is None else None)
+
     def _check_data(self) -> None:
         """A host that owes an R2T's data and sent none of it for ``data_timeout`` seconds
         loses the queue (its commands are undone: the volume's memory, in-flight counts);
-        the kernel's nvmet has no such bound."""
+        the kernel's nvmet has no such bound.  So does one that reads none of its answers
+        for as long: a Read's data waits as a view of the volume, its command in flight,
+        until the socket takes it."""
         self._hold_timer = None
         if self.closed or self.data_timeout is None:
             return
@@ -401,11 +427,24 @@ class TcpTargetQueue(PduConnection):
         for x in self._xfer:
             if x is not None:
                 idle = max(idle, now - x[5])
+        unread = -1.0
+        mark = self._out_mark
+        if mark is not None:
+            if not self._out:
+                self._out_mark = None           # all written
+            elif self._sent_total != mark[0]:
+                self._out_mark = (self._sent_total, now)    # it reads: from now on
+                unread = 0.0
+            else:
+                unread = now - mark[1]
         if idle >= bound:
             self.on_lost(f"the host owed an R2T's data and sent none for {idle:.0f} s "
                          f"(limits.buffer_hold_timeout {bound:g} s)")
-        elif idle >= 0:
-            self._watch_data(bound - idle)
+        elif unread >= bound:
+            self.on_lost(f"the host read none of its answers for {unread:.0f} s "
+                         f"(limits.buffer_hold_timeout {bound:g} s)")
+        elif idle >= 0 or unread >= 0:
+            self._watch_data(bound - max(idle, unread))
 
     def respond(self, cmd: Command, status: int = StatusCode.SUCCESS, *, dnr: bool = False,
                 result: int = 0, data: Sequence[SGE] = (), cid: int | None = None) -> None:

@@ -402,7 +402,11 @@ def capsule_resp(cqe: Buffer, hdgst: bool) -> bytearray:
 
 def term_req(ptype: int, fes: int, fei: int, offending: Buffer = b"") -> bytes:
     """An H2C or C2H termination request: FES, FEI and up to 128 bytes of the offending
-    PDU's header; never digests."""
+    PDU's header; never digests.  FEI says where the error is only for FES 01h (Invalid
+    Header Field) and 06h (Unsupported Parameter); for the others it is reserved, so zero
+    (as SPDK sends it), whatever ``fei`` the error noted."""
+    if fes != Fes.INVALID_HEADER_FIELD and fes != Fes.UNSUPPORTED_PARAMETER:
+        fei = 0
     extra = bytes(offending[:TERM_MAX_PLEN - TERM_HLEN])
     out = bytearray(TERM_HLEN)
     COMMON.pack_into(out, 0, ptype, 0, TERM_HLEN, 0, TERM_HLEN + len(extra))

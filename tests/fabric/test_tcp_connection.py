@@ -237,24 +237,36 @@ def test_the_busy_poll_receives_only_while_an_answer_is_due():
         conn.close()
 
 
-def test_a_connection_is_the_reactors_poller_while_attached():
+@pytest.mark.parametrize("leave", ["close", "hand-over"])
+def test_a_connection_is_the_reactors_poller_while_attached(leave):
+    """Attached, a connection is its reactor's reader and busy-poll; closed, or released
+    for a hand-over (a target's I/O queue going to a poll group, target/pollgroups.py),
+    neither stays: a queue left polled would count its Connect's slot as in flight for
+    good, and past SPIN_MAX_DEPTH of them the loop would never spin again.  Released, its
+    socket stays open, for the worker."""
     a, b = tcp_pair()
     reactor = Reactor("test", spin_us=50)
     reactor.start()
     conn = Expecting(b)
     try:
         conn.attach(reactor)
-        assert conn.poll in reactor._pollers
+        assert conn.poll in reactor._pollers and conn.poll in reactor._depths
         conn.due = True
         a.sendall(capsules(2))
         deadline = time.monotonic() + 5
         while len(conn.got) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert len(conn.got) == 2
-        reactor.call_sync(conn.close)
-        assert conn.poll not in reactor._pollers
+        reactor.call_sync(conn.close if leave == "close" else conn.release_reactor)
+        assert conn.poll not in reactor._pollers and conn.poll not in reactor._depths
+        assert b.fileno() not in reactor._readers
+        if leave == "hand-over":
+            a.sendall(capsules(1))      # nothing here reads it now: the worker would
+            time.sleep(0.1)
+            assert len(conn.got) == 2 and b.recv(72) == capsules(1)
     finally:
         a.close()
+        b.close()
         reactor.stop()
         reactor.join(5)
         reactor.close()

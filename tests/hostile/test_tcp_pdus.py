@@ -41,8 +41,14 @@ class RawTcp:
     """A peer that speaks NVMe/TCP by hand."""
 
     def __init__(self, port: int, *, hdgst: bool = False, ddgst: bool = False,
-                 icreq: bytes | None = b"", maxr2t: int = 0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                 icreq: bytes | None = b"", maxr2t: int = 0, rcvbuf: int = 0) -> None:
+        if rcvbuf:                  # a small receive buffer (set before the handshake)
+            self.sock = socket.socket()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.settimeout(5)
+            self.sock.connect(("127.0.0.1", port))
+        else:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.hdgst, self.ddgst = hdgst, ddgst
         self.buf = b""
         self.align = 4
@@ -82,7 +88,16 @@ class RawTcp:
             last = pdu
         assert last and last[0] == tcp_pdu.C2H_TERM, f"no C2HTermReq before EOF: {last[:8]!r}"
         assert tcp_pdu.TERM_HLEN <= len(last) <= tcp_pdu.TERM_MAX_PLEN
-        return tcp_pdu.unpack_term(last)
+        fes, fei = tcp_pdu.unpack_term(last)
+        # FEI only where the FES gives it a meaning (01h, 06h: where the error is), reserved
+        # (zero) otherwise; after the header, the offending PDU's header alone (up to 128
+        # bytes): not its data, nor the PDUs after it (SPDK does the same)
+        if fes not in (Fes.INVALID_HEADER_FIELD, Fes.UNSUPPORTED_PARAMETER):
+            assert fei == 0, (fes, fei)
+        extra = last[tcp_pdu.TERM_HLEN:]
+        if len(extra) >= 8:         # (at most: a header cut short is sent as it came)
+            assert len(extra) <= min(extra[2], 128), (len(extra), bytes(extra[:8]))
+        return fes, fei
 
     def capsule(self, sqe: bytes, data: bytes = b"", *, bad_ddgst: bool = False,
                 bad_hdgst: bool = False, align: int | None = None) -> None:
@@ -560,34 +575,85 @@ def test_pdo_checked_against_the_listeners_cpda(target, transport, bystander):
     assert target.alive() and "Traceback" not in target.log
 
 
-HOLD = 2        # limits.buffer_hold_timeout of the next test, seconds
+def _admin_answers(session: RawSession) -> None:
+    sqe = bytearray(PropertyGet(attrib=0, offset=Property.CSTS).to_sqe(cid=9).pack())
+    struct.pack_into("<QQ", sqe, 24, 0, tcp_pdu.SGL_TRANSPORT << 56)
+    session.admin.capsule(bytes(sqe))
+    assert status_of(session.admin.read_pdu()) == 0
+
+
+HOLD = 2        # limits.buffer_hold_timeout of the tests that take it, seconds
+
+
+def _sq_head(peer: RawTcp) -> int:
+    """The SQ head of the next CapsuleResp (C2HData before it skipped)."""
+    while True:
+        pdu = peer.read_pdu()
+        assert pdu, "the connection ended"
+        if pdu[0] == tcp_pdu.CAPSULE_RESP:
+            return struct.unpack_from("<H", pdu, 16)[0]
+
+
+@pytest.mark.timeout(60)
+def test_every_capsule_fetched_moves_the_sq_head(target):
+    """With SQ flow control (the Connect's CATTR leaves it on), each CQE reports the SQ head
+    past every SQE the controller fetched, the ones it refuses included: a capsule the
+    NVMe/TCP layer refuses itself (an SGL that is not NVMe/TCP's) as one the command
+    decoding refuses (PSDT not SGL), else the host's view of free SQ slots falls behind by
+    one per refusal."""
+    session = RawSession(target.tcp_port)
+    try:
+        peer = session.io_queue()
+        sqe = bytearray(read_sqe(5, 0, 4096))
+        struct.pack_into("<QQ", sqe, 24, 0, 4096 | 0x40 << 56)   # a keyed (RDMA) SGL
+        peer.capsule(bytes(sqe))
+        first = _sq_head(peer)
+        sqe = bytearray(read_sqe(6, 0, 4096))
+        sqe[1] = 0                                              # PSDT: PRPs
+        peer.capsule(bytes(sqe))
+        second = _sq_head(peer)
+        peer.capsule(read_sqe(7, 0, 4096))
+        third = _sq_head(peer)
+        # (the Connect was SQE 0 of the queue: its answer said 1)
+        assert (first, second, third) == (2, 3, 4)
+        peer.close()
+    finally:
+        session.close()
+    assert target.alive() and "Traceback" not in target.log
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("target", [{"buffer_hold_timeout": HOLD}], indirect=True)
-def test_a_host_that_never_sends_an_r2ts_data_loses_the_queue(target, transport, bystander):
-    """A Write's R2T answered by nothing: the command holds the volume's memory and its
-    in-flight count (a resize or a Preempt and Abort would wait on it for ever; nvmet has
-    no bound).  After limits.buffer_hold_timeout without any of the data the queue is cut
-    and its command undone; the controller's admin queue and the bystander carry on."""
+@pytest.mark.parametrize("holds", ["an R2T's data", "its answers"])
+def test_a_host_that_holds_its_commands_in_flight_loses_the_queue(target, transport,
+                                                                   bystander, holds):
+    """A Write's R2T answered by nothing, or Reads whose data the host never reads off its
+    socket (it waits in the target's queue as views of the volume's memory): the commands
+    hold the volume's memory and their in-flight counts (a resize or a Preempt and Abort
+    would wait on them for ever; nvmet has no bound).  After limits.buffer_hold_timeout
+    without any of the data sent, or any of the answers read, the queue is cut and its
+    commands let go; the controller's admin queue and the bystander carry on."""
     probe = TargetProbe(target)
     session = RawSession(target.tcp_port)
     try:
-        peer = session.io_queue()
-        peer.capsule(write_sqe(5, 64, 64 << 10))
-        _r2t(peer.read_pdu())
+        if holds == "an R2T's data":
+            peer = session.io_queue()
+            peer.capsule(write_sqe(5, 64, 64 << 10))
+            _r2t(peer.read_pdu())
+            line = "the host owed an R2T's data and sent none"
+        else:
+            peer = session.io_queue(rcvbuf=4096)
+            for cid in range(16):           # 8 MiB of reads, never read
+                peer.capsule(read_sqe(cid + 10, cid * 128, 512 << 10))
+            line = "the host read none of its answers"
         started = time.monotonic()
-        assert not _closed_within(peer.sock, HOLD * 0.7), "cut before the bound"
-        assert _closed_within(peer.sock, HOLD + 4), "the queue was kept"
-        waited = time.monotonic() - started
-        assert HOLD * 0.7 <= waited < HOLD + 4, waited
-        assert target.wait_log("owed an R2T's data and sent none", 2), target.log
+        assert not target.wait_log(line, HOLD * 0.7), "cut before the bound"
+        assert target.wait_log(line, HOLD + 6), target.log
+        assert time.monotonic() - started < HOLD + 6
+        if holds == "an R2T's data":
+            assert _closed_within(peer.sock, 2), "logged but not cut"
         peer.close()
-        # the controller stays: its admin queue still answers
-        sqe = bytearray(PropertyGet(attrib=0, offset=Property.CSTS).to_sqe(cid=9).pack())
-        struct.pack_into("<QQ", sqe, 24, 0, tcp_pdu.SGL_TRANSPORT << 56)
-        session.admin.capsule(bytes(sqe))
-        assert status_of(session.admin.read_pdu()) == 0
+        _admin_answers(session)             # the controller stays
     finally:
         session.close()
     assert_undisturbed(bystander.finish(), bystander)

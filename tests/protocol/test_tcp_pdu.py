@@ -139,8 +139,13 @@ def test_term_req_layout():
     raw = tcp_pdu.term_req(tcp_pdu.C2H_TERM, Fes.HEADER_DIGEST, 72, b"\x04" * 200)
     assert len(raw) == tcp_pdu.TERM_MAX_PLEN
     assert raw[:8] == common(tcp_pdu.C2H_TERM, 0, 24, 0, 152)
-    assert tcp_pdu.unpack_term(raw) == (Fes.HEADER_DIGEST, 72)
+    # FEI is reserved for a header digest error (only 01h and 06h say where): zero
+    assert tcp_pdu.unpack_term(raw) == (Fes.HEADER_DIGEST, 0)
     assert check(raw, to_controller=False, limits=DIGESTS) == 128   # never digests
+    for fes in (Fes.INVALID_HEADER_FIELD, Fes.UNSUPPORTED_PARAMETER):
+        assert tcp_pdu.unpack_term(tcp_pdu.term_req(tcp_pdu.C2H_TERM, fes, 10)) == (fes, 10)
+    for fes in (Fes.SEQUENCE_ERROR, Fes.DATA_OUT_OF_RANGE, Fes.DATA_LIMIT_EXCEEDED):
+        assert tcp_pdu.unpack_term(tcp_pdu.term_req(tcp_pdu.C2H_TERM, fes, 12)) == (fes, 0)
 
 
 @pytest.mark.parametrize("name, raw, fes, fei, kw", [

@@ -430,10 +430,12 @@ class Worker:
             self.send(("lost", meta["cntlid"], qid, f"handover failed: {exc}"))
             return
         session.queue = queue
-        queue.initialized = True
-        queue.hdgst, queue.ddgst = meta["hdgst"], meta["ddgst"]
-        queue.tx_align = meta["tx_align"]
-        queue.limits = meta["limits"]
+        # what ICReq/ICResp settled in the coordinator, as negotiated() takes it there (it
+        # also turns on the receive path's inline check of the data path's plain headers)
+        limits = meta["limits"]
+        queue.negotiated(meta["hdgst"], meta["ddgst"], limits.max_capsule_data,
+                         limits.max_data, meta["cpda"], meta["tx_align"] // 4 - 1)
+        queue.limits = limits
         queue.r2t_max = meta["r2t_max"]
         queue.qid, queue.depth = qid, depth
         queue.max_unsent = meta["max_unsent"]

@@ -540,8 +540,9 @@ class PduConnection:
         out = self._out
         before = self._sent_total
         while out and not self.closed:
+            sliced = len(out) > IOV_MAX     # (one sendmsg takes IOV_MAX buffers at most)
             try:
-                sent = self.sock.sendmsg(out if len(out) <= IOV_MAX else out[:IOV_MAX])
+                sent = self.sock.sendmsg(out[:IOV_MAX] if sliced else out)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
@@ -565,6 +566,8 @@ class PduConnection:
                 del out[:i]
             if not out:
                 break
+            if sliced and i == IOV_MAX:     # the whole slice went: the socket has room
+                continue
             if sent:
                 out[0] = memoryview(out[0])[sent:]
             # The socket is full: copy what is left (it may reference memory that its

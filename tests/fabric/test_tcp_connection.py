@@ -15,7 +15,8 @@ import time
 import pytest
 
 from blockfabric.fabric.reactor import Reactor
-from blockfabric.fabric.tcp import STAGING_MAX, STAGING_START, PduConnection, local_pd, resolve
+from blockfabric.fabric.tcp import (IOV_MAX, STAGING_MAX, STAGING_START, PduConnection,
+                                    local_pd, resolve)
 from blockfabric.protocol import tcp_pdu
 
 
@@ -270,6 +271,26 @@ def test_a_connection_is_the_reactors_poller_while_attached(leave):
         reactor.stop()
         reactor.join(5)
         reactor.close()
+
+
+def test_more_buffers_than_one_sendmsg_takes_go_out_in_one_write():
+    """Past IOV_MAX buffers queued, a write sends them slice after slice while the socket
+    takes them, not one slice and then a retry later as if the socket were full."""
+    a, b = tcp_pair()
+    conn = Recorder(b)
+    try:
+        count = 3 * IOV_MAX + 7
+        conn.send([bytes([i % 251]) * 8 for i in range(count)])
+        conn.flush()                    # (no reactor: nothing would retry)
+        assert not conn._out and conn._retry is None
+        got = b""
+        a.settimeout(5)
+        while len(got) < 8 * count:
+            got += a.recv(1 << 16)
+        assert got == b"".join(bytes([i % 251]) * 8 for i in range(count))
+    finally:
+        a.close()
+        conn.close()
 
 
 class Placing(Recorder):

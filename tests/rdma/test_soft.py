@@ -356,6 +356,55 @@ def test_a_write_with_immediate_gives_a_raw_cq_its_tuple(passive):
     assert bytes(mr.buf[:4]) == b"abcd"
 
 
+def _quiet(peer, seconds: float = 0.1) -> bool:
+    """Nothing came from the provider for ``seconds``."""
+    peer.sock.settimeout(seconds)
+    try:
+        return not peer.sock.recv(1, socket.MSG_PEEK)  # (b"": it closed; not quiet either)
+    except TimeoutError:
+        return True
+    finally:
+        peer.sock.settimeout(5)
+
+
+@pytest.mark.parametrize("fence", [False, True])
+def test_a_fenced_wr_waits_for_the_reads_before_it(passive, fence):
+    """SendFlags.FENCE (verbs' IBV_SEND_FENCE): a SEND posted behind an RDMA READ that
+    has not got its data waits for it, and the WRs posted after it wait with it, then
+    all go out in order.  Without the flag the SEND goes at once (the responder executes
+    requests in order anyway); with nothing to wait for, the fence holds nothing."""
+    port, accept = passive
+    peer = RawPeer(port)
+    side = accept()
+    peer.established()
+    qp, cq = side["qp"], side["cq"]
+    mr = side["pd"].reg_mr(bytearray(b"S" * 64 + bytes(16)), RW)
+    flags = SendFlags.SIGNALED | (SendFlags.FENCE if fence else SendFlags(0))
+
+    def send(wr_id: int, how: SendFlags = SendFlags.SIGNALED) -> None:
+        qp.post_send(SendWR(wr_id, WrOpcode.SEND, [SGE(mr.addr, 8, mr.lkey)], how))
+
+    send(1, flags)                      # nothing outstanding: the fence holds nothing
+    assert peer.frame()[0:3:2] == (Frame.SEND, 0)
+    qp.post_send(SendWR(2, WrOpcode.RDMA_READ, [SGE(mr.addr + 64, 16, mr.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x5000, rkey=0x77))
+    assert peer.frame()[0:3:2] == (Frame.READ_REQ, 1)
+    send(3, flags)
+    send(4)                             # behind it: in order
+    if fence:
+        assert _quiet(peer, 0.2), "a fenced SEND went before the READ ahead of it had its data"
+        peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 16) + b"R" * 16)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 2)
+    assert peer.frame()[0:3:2] == (Frame.SEND, 3)
+    if not fence:
+        peer.sock.sendall(wire.pack(Frame.READ_RESP, 1, 16) + b"R" * 16)
+    peer.sock.sendall(wire.pack(Frame.ACK, 3))
+    wcs: list = []
+    assert _wait(lambda: wcs.extend(cq.poll()) or len(wcs) >= 4)
+    assert [(w.wr_id, w.status) for w in wcs] == [(i, WcStatus.SUCCESS) for i in (1, 2, 3, 4)]
+    assert bytes(mr.buf[64:80]) == b"R" * 16
+
+
 def test_silent_responder_gives_retry_exceeded():
     """A peer whose QP never answers: RETRY_EXC_ERR after ack_timeout x (retry_count+1)."""
     server = socket.create_server(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from blockfabric.rdma.soft.cm import shm_name
 from blockfabric.rdma.soft.memory import SHARE_SEALS
 from blockfabric.rdma.soft.wire import Frame, FrameFlags
 
-from .test_soft import RawPeer, _wait
+from .test_soft import RawPeer, _quiet, _wait
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 SHM = int(FrameFlags.SHM)
@@ -306,17 +306,6 @@ def test_a_peer_cannot_make_this_side_map_without_bound(passive, monkeypatch):
     assert _disconnected(side)
     assert not side["qp"]._peer and not side["qp"]._fds_in
     _bystander_works(port, accept)
-
-
-def _quiet(peer, seconds: float = 0.1) -> bool:
-    """Nothing came from the provider for ``seconds``."""
-    peer.sock.settimeout(seconds)
-    try:
-        return not peer.sock.recv(1, socket.MSG_PEEK)  # (b"": it closed; not quiet either)
-    except TimeoutError:
-        return True
-    finally:
-        peer.sock.settimeout(5)
 
 
 def test_a_shared_read_copies_at_its_post_unless_a_socket_write_is_ahead(passive):

@@ -155,10 +155,9 @@ Semantics, and where a choice was made (as an IB HCA does it unless said otherwi
   while the socket lives fails the oldest WR with RETRY_EXC_ERR after
   ``ack_timeout * (retry_count + 1)`` (2 s per retry by default).
 * Posting to a QP in ERR completes the WRs with WR_FLUSH_ERR.
-* SendFlags.FENCE is not honoured: a WR is not held until the RDMA READs before it have
-  their data (a SEND's payload is read when its frame leaves, at the end of the pass).
-  Nothing in this project sets it; an owner that SENDs what a READ fetched waits for the
-  READ's completion first, as the target does.
+* SendFlags.FENCE: the WR, and every WR posted after it, waits until the RDMA READs
+  posted before it have their data (a READ copied from a shared region at its post has
+  it at once); then they go out in order.  An RNR replay stops at it likewise.
 
 Progress: ``SoftProvider(progress="poll")`` (default) runs the engine on the thread that owns
 the queues, with no thread hand-off (measured 1.4x QD1 and 2.3x QD16 IOPS at library level,

@@ -104,6 +104,8 @@ _WC_OF = {_OP_SEND: WcOpcode.SEND, _OP_SEND_IMM: WcOpcode.SEND,
           _OP_WRITE_IMM: _WC_WRITE, _OP_READ: _WC_READ}
 # Flag bits as plain ints: ``int & IntFlag`` runs enum code in Python, per work request.
 _SIGNALED, _INLINE = int(SendFlags.SIGNALED), int(SendFlags.INLINE)
+_FENCE = int(SendFlags.FENCE)
+_NOT_FAST = _INLINE | _FENCE    # flags the per-I/O paths leave to the general one
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_READ, _REMOTE_WRITE = int(Access.REMOTE_READ), int(Access.REMOTE_WRITE)
 _F_IMM, _F_INV, _F_ACK = int(FrameFlags.WITH_IMM), int(FrameFlags.WITH_INV), int(FrameFlags.ACK)
@@ -228,6 +230,8 @@ class SoftQP(QP):
         self._next_psn = 0
         self._hold = False       # waiting out an RNR timer
         self._stall = False      # a WR failed local checks: send nothing after it
+        self._fence = False      # ... or a fenced WR waits for a READ before it (_release)
+        self._fenced: set[int] = set()     # PSNs of fenced WRs not sent yet
         self.rnr_deadline = 0.0
         self.rnr_retry = 7
         self.retry_count = 7
@@ -502,6 +506,8 @@ class SoftQP(QP):
         self._state = _ERR
         self._unreference("queue pair in error with frames unsent")
         self._hold = False
+        self._fence = False
+        self._fenced.clear()
         self.ctx.rnr_waiters.discard(self)
         self._abort_rx()
         self._flush_sq()
@@ -554,7 +560,7 @@ class SoftQP(QP):
                 if wr.opcode is _OP_SEND and self._post_send1(sq, cap, wr):
                     return
                 if (len(sq) < cap.max_send_wr and len(wr.sg_list) <= cap.max_send_sge
-                        and wr.opcode in _WC_OF):
+                        and wr.opcode in _WC_OF and not int(wr.send_flags) & _FENCE):
                     self.posted = now = _now()
                     if not sq:
                         self._last_progress = now
@@ -605,6 +611,12 @@ class SoftQP(QP):
             bufs: list = []
             end = self._tx_queued
             for wr in wrs:
+                fenced = int(wr.send_flags) & _FENCE
+                if fenced and go and self._reading():
+                    # it waits for the RDMA READs before it to have their data, and every
+                    # WR after it waits with it (_release sends them once they do)
+                    go = False
+                    self._stall = self._fence = True
                 # the first request that goes out now carries the ACK this side owes
                 e = self._build(wr, cap, go and self._ack_due, go)
                 if e.psn is not None and not e.size:
@@ -621,6 +633,8 @@ class SoftQP(QP):
                     e.sent = True
                     end += e.size
                     e.end = end
+                elif fenced:
+                    self._fenced.add(e.psn)
             if bufs:
                 self._xmit(bufs, end - self._tx_queued)
             if sq and sq[0].psn is None:
@@ -652,7 +666,7 @@ class SoftQP(QP):
         sge = sg[0]
         mr = self.ctx.lkeys.get(sge.lkey)
         addr, total = sge.addr, sge.length
-        if (flags & _INLINE or mr is None or mr.pd is not self.pd or addr < mr.addr
+        if (flags & _NOT_FAST or mr is None or mr.pd is not self.pd or addr < mr.addr
                 or addr + total > mr.end or total <= 0 or total > _MAX_MESSAGE):
             return False
         hflags, done = self._carry(sq)
@@ -686,7 +700,7 @@ class SoftQP(QP):
             return False
         wsg, ssg = write.sg_list, send.sg_list
         wflags, sflags = int(write.send_flags), int(send.send_flags)
-        if len(wsg) != 1 or len(ssg) != 1 or (wflags | sflags) & _INLINE:
+        if len(wsg) != 1 or len(ssg) != 1 or (wflags | sflags) & _NOT_FAST:
             return False
         lkeys, pd = self.ctx.lkeys, self.pd
         a, b = wsg[0], ssg[0]
@@ -786,7 +800,7 @@ class SoftQP(QP):
                 baddr, blen = b.addr, b.length
                 wflags, sflags = int(write.send_flags), int(send.send_flags)
                 if (ma is not None and mb is not None and ma.pd is pd and mb.pd is pd
-                        and not (wflags | sflags) & _INLINE
+                        and not (wflags | sflags) & _NOT_FAST
                         and ma.addr <= addr and addr + length <= ma.end
                         and mb.addr <= baddr and baddr + blen <= mb.end
                         and 0 < blen <= _MAX_MESSAGE):
@@ -1641,6 +1655,8 @@ class SoftQP(QP):
             if sq and sq[0].psn == e.psn:   # shared-memory WRITEs posted right behind it
                 self._ack_upto(e.psn)     # type: ignore[arg-type]
             self._retire()
+            if self._fence and self._state is _RTS and not self._dead:
+                self._release(False)            # a fenced WR may go now
 
     # requester ---------------------------------------------------------
     def _rx_read_resp(self, psn: int, flags: int, length: int) -> None:
@@ -1736,17 +1752,46 @@ class SoftQP(QP):
                 return
             self._hold = False
             self._last_progress = _now()
-            bufs: list = []
-            end = self._tx_queued
-            for e in self._sq:
-                if e.psn is None:
-                    break
-                bufs.extend(e.frame)
-                e.sent = True
-                end += e.size
-                e.end = end
-            if bufs:
-                self._xmit(bufs, end - self._tx_queued)
+            self._release(True)
+
+    def _reading(self) -> bool:
+        """An RDMA READ on the send queue still waits for its data (what a fence waits for:
+        a READ copied from a shared region at its post has it already)."""
+        for e in self._sq:
+            if e.opcode is _WC_READ and e.size:
+                return True
+        return False
+
+    def _release(self, replay: bool) -> None:
+        """Send the send queue's WRs in order: every one again after an RNR NAK
+        (``replay``), else those not sent yet; up to a WR that failed its local checks
+        (it moves the QP to ERR when it reaches the head), or a fenced WR with a READ
+        before it still waiting for its data (it goes once that READ has it: _end_payload
+        calls this again)."""
+        bufs: list = []
+        end = self._tx_queued
+        reads = False
+        for e in self._sq:
+            if e.psn is None:
+                break
+            if e.sent and not replay:
+                if e.opcode is _WC_READ and e.size:
+                    reads = True
+                continue
+            if reads and e.psn in self._fenced:
+                break
+            self._fenced.discard(e.psn)
+            bufs.extend(e.frame)
+            e.sent = True
+            end += e.size
+            e.end = end
+            if e.opcode is _WC_READ and e.size:
+                reads = True
+        else:
+            if self._fence:             # everything out: nothing waits for a READ now
+                self._fence = self._stall = False
+        if bufs:
+            self._xmit(bufs, end - self._tx_queued)
 
     def check_timeout(self, now: float) -> None:
         """Transport timer: a peer that stops answering (its QP in ERR, say) fails the head

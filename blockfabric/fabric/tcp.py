@@ -289,8 +289,7 @@ class PduConnection:
         limits = self.limits
         plain = self._plain
         prechecked = self.prechecked
-        start = 0
-        shown = 0                           # the header length of the PDU at ``start``
+        start = -1                          # where the PDU being parsed starts (-1: none)
         capsules = 0                        # commands or answers: see note_arrivals
         try:
             if self._direct is not None:
@@ -299,12 +298,10 @@ class PduConnection:
                     return              # its data digest is not in yet
             while not self.closed:
                 start = pos
-                shown = 0
                 avail = filled - pos
                 if avail < tcp_pdu.COMMON_SIZE:
                     break
                 ptype, flags, hlen, pdo, plen = _unpack_header(view, pos)
-                shown = hlen
                 shape = plain.get(ptype)
                 if shape is not None and hlen == shape[0] and not flags & shape[1] and (
                         (pdo == hlen and 0 < plen - hlen <= shape[2])
@@ -357,6 +354,7 @@ class PduConnection:
             # the offending PDU's header as far as it came, up to 128 bytes: not its data,
             # nor the PDUs after it (and nothing when the error is not one PDU's here: a
             # payload received straight into memory)
+            shown = view[start + 2] if 0 <= start and filled - start > 2 else 0   # its hlen
             exc.offending = bytes(view[start:min(filled, start + shown, start
                                                  + tcp_pdu.TERM_MAX_PLEN - tcp_pdu.TERM_HLEN)])
             raise

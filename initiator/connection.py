@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: In-capsule data a command may carry here at most, whatever the target's IOCCSZ allows
+#: (16 KiB: the targets of this project, SPDK and nvmet offer 4-16 KiB)
+MAX_INLINE_DATA = 16 << 10
+
 if TYPE_CHECKING:
     from blockfabric.initiator.parts import ControllerParts
 else:
@@ -216,7 +220,9 @@ class QueueSetup(ControllerParts):
             self.max_transfer = min(4096 << self.identify.mdts, 8 << 20)
         else:
             self.max_transfer = 8 << 20
-        self.inline_size = max(0, self.identify.ioccsz * 16 - 64)
+        # (capped: each command slot of every I/O queue keeps a buffer this large, and
+        # IOCCSZ is the target's to say, up to 64 GiB)
+        self.inline_size = min(max(0, self.identify.ioccsz * 16 - 64), MAX_INLINE_DATA)
         if kato_ms and opts.send_keep_alive:
             self._schedule_keep_alive(kato_ms)
         if opts.subnqn != DISCOVERY_NQN:

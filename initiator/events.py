@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 from typing import TYPE_CHECKING, Iterable
 
+from blockfabric.initiator.errors import NvmeError
 from blockfabric.initiator.namespace import HostNamespace
 
 from blockfabric.errors import BlockfabricError
@@ -15,6 +16,7 @@ from blockfabric.protocol import (CQE, OAES_NS_ATTR, ActiveNamespaceList, AsyncE
                                   IdentifyNamespace, LogPageId, PropertyGet, PropertySet,
                                   SetFeatures, StatusCode)
 from blockfabric.protocol.admin import OAES_ANA_CHANGE
+from blockfabric.protocol.errors import ProtocolError
 from blockfabric.protocol.identify import CMIC_ANA
 from blockfabric.protocol.logpages import ANA_LSP_RGO, unpack_ana_log
 from blockfabric.protocol.opcodes import FeatureId
@@ -30,6 +32,27 @@ else:
 #: Bytes of ANA log read: the header, 128 group descriptors and 1024 NSIDs (what the
 #: Linux host sizes its buffer to: 16 + NANAGRPID * 32 + MNAN * 4).
 ANA_LOG_READ = 16 + 128 * 32 + 1024 * 4
+#: Block sizes a namespace may have here: 512 B (LBADS 9) to 64 KiB (LBADS 16).  Smaller
+#: ones are not NVMe's (and would let one read need more blocks than a command's 16-bit
+#: count holds); larger ones would make a partial write allocate a whole block.
+MIN_LBADS, MAX_LBADS = 9, 16
+#: The largest namespace, in bytes, a file here can stand for (a signed 64-bit offset).
+MAX_NAMESPACE_BYTES = (1 << 63) - 1
+
+
+def unusable(ident: IdentifyNamespace) -> str | None:
+    """Why a namespace's Identify data makes it unusable here (None: it is usable): an
+    LBA format it names that is not there, a block size outside MIN_LBADS..MAX_LBADS, or
+    a size no file offset holds.  (The Linux host hides such namespaces likewise.)"""
+    try:
+        bs = ident.block_size
+    except ProtocolError as exc:
+        return str(exc)
+    if not 1 << MIN_LBADS <= bs <= 1 << MAX_LBADS:
+        return f"block size {bs} B, outside {1 << MIN_LBADS}..{1 << MAX_LBADS}"
+    if ident.nsze * bs > MAX_NAMESPACE_BYTES:
+        return f"{ident.nsze} blocks of {bs} B, more than a file offset holds"
+    return None
 
 
 class Events(ControllerParts):
@@ -46,8 +69,26 @@ class Events(ControllerParts):
             nsids = set(active) | set(self.namespaces)
         changed = set()
         for nsid in sorted(n for n in nsids if n):
-            ident = IdentifyNamespace.unpack_from(self._identify(IdentifyCNS.NAMESPACE, nsid))
+            # One namespace the host cannot use (its Identify refused, or data it cannot
+            # serve) costs that namespace only: skipped, the others served (only a failed
+            # admin queue fails the whole rescan).
+            why = None
+            try:
+                ident = IdentifyNamespace.unpack_from(
+                    self._identify(IdentifyCNS.NAMESPACE, nsid))
+            except (NvmeError, ProtocolError) as exc:
+                why = f"Identify Namespace failed: {exc}"
+            else:
+                if ident.nsze:
+                    why = unusable(ident)
             ns = self.namespaces.get(nsid)
+            if why is not None:
+                log.warning("%s: namespace %d skipped: %s", self.opts.subnqn, nsid, why)
+                if ns is not None:
+                    ns.active = False
+                    del self.namespaces[nsid]
+                    changed.add(nsid)
+                continue
             if ident.nsze == 0:                     # inactive: the all-zero page
                 if ns is not None:
                     ns.active = False
@@ -97,7 +138,13 @@ class Events(ControllerParts):
         if cqe.status != StatusCode.SUCCESS:        # 0x4006: the controller is going away
             log.debug("AER completed with %s", cqe.status)
             return
-        event = AsyncEvent.from_int(cqe.result & 0xFFFFFFFF)
+        try:
+            event = AsyncEvent.from_int(cqe.result & 0xFFFFFFFF)
+        except ProtocolError:       # a reserved event type: nothing to do but ask again
+            log.info("asynchronous event %#x of a reserved type ignored",
+                     cqe.result & 0xFFFFFFFF)
+            self._submit_aer()
+            return
         try:
             self._events.submit(  # type: ignore[union-attr]  # (AERs: _start_events made it)
                 self._handle_event, event)
@@ -162,16 +209,16 @@ class Events(ControllerParts):
                             f"Identify CNS {int(cns)}", data_in=4096)
         return data  # type: ignore[return-value]  # (data_in: bytes)
 
-    def property_get(self, offset: int, size: int) -> int:
+    def property_get(self, offset: int, size: int, timeout: float | None = None) -> int:
         cqe, _ = self.wait(self.admin,  # type: ignore[arg-type]  # (connected)
                            PropertyGet(attrib=1 if size == 8 else 0, offset=offset).to_sqe(),
-                           f"Property Get {offset:#x}")
+                           f"Property Get {offset:#x}", timeout=timeout)
         return cqe.result if size == 8 else cqe.result & 0xFFFFFFFF
 
-    def property_set(self, offset: int, value: int) -> None:
+    def property_set(self, offset: int, value: int, timeout: float | None = None) -> None:
         self.wait(self.admin,  # type: ignore[arg-type]  # (connected)
                   PropertySet(attrib=0, offset=offset, value=value).to_sqe(),
-                  f"Property Set {offset:#x}")
+                  f"Property Set {offset:#x}", timeout=timeout)
 
     def get_log_page(self, lid: int, length: int, offset: int = 0, nsid: int = 0,
                      rae: bool = False) -> bytes:

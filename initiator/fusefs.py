@@ -286,7 +286,9 @@ class VolumeFS:
     def statfs(self) -> dict[str, int]:
         total = sum(ns.size for ns in self.files.values())
         bsize = 4096
-        return {"f_bsize": bsize, "f_frsize": bsize, "f_blocks": total // bsize,
+        # (saturated: statfs's block count is a u64, and namespaces add up past it)
+        return {"f_bsize": bsize, "f_frsize": bsize,
+                "f_blocks": min(total // bsize, (1 << 64) - 1),
                 "f_bfree": 0, "f_bavail": 0, "f_files": len(self.files) + 1, "f_ffree": 0,
                 "f_namemax": 255}
 

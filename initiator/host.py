@@ -210,15 +210,20 @@ class Controller(QueueSetup, Events, IoPath, Recovery):
 
     # -- teardown ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 2.0) -> None:
-        """CC.SHN = normal, then wait for CSTS.SHST = complete (what nvme disconnect does)."""
+        """CC.SHN = normal, then wait for CSTS.SHST = complete (what nvme disconnect does),
+        ``timeout`` seconds at most in all: a target that answers neither (hung, or
+        lying) cannot hold a disconnect or an unmount."""
         if self.admin is None or self.admin.dead_reason:
             return
         try:
-            cc = CC(en=True, css=0, mps=0, ams=0, shn=1, iosqes=6, iocqes=4)
-            self.property_set(Property.CC, cc.to_int())
             deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if CSTS.from_int(self.property_get(Property.CSTS, 4)).shst == 2:
+            cc = CC(en=True, css=0, mps=0, ams=0, shn=1, iosqes=6, iocqes=4)
+            self.property_set(Property.CC, cc.to_int(), timeout=timeout)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if CSTS.from_int(self.property_get(Property.CSTS, 4, timeout=left)).shst == 2:
                     return
                 time.sleep(0.01)
         except (BlockfabricError, ConnectionError, TimeoutError) as exc:

@@ -369,9 +369,16 @@ class MultipathController(Controller):
     def _path_status(self, req: HeldCommand, word: int, result: int) -> None:
         """SCT 3 (ANA Inaccessible, Persistent Loss, Transition...): not through this path
         for now.  Its ANA log is read again (the event worker), the path leaves the route
-        for that namespace meanwhile, and the command goes to another path."""
+        for that namespace meanwhile, and the command goes to another path; with Do Not
+        Retry set, the command completes with that status instead."""
         pc = req.path
         self.recovery.path_errors += 1
+        if word & 0x8000:
+            # Do Not Retry: not through another path either; the caller gets the status
+            # (as the Linux host completes a path error with DNR, not fails it over)
+            # (req: an I/O command, as the queues hand them here)
+            Controller._path_status(self, req, word, result)  # type: ignore[arg-type]
+            return
         if pc is not None:
             index = self.path_ctrls.index(pc)
             key = (index, req.nsid)

@@ -105,13 +105,18 @@ def text(at: int, size: int, *, pad: bytes = b"\0") -> Any:
                  "")
 
 
-def array(at: int, fmt: str, count: int, *, elem: type[Bits] | None = None) -> Any:
-    """``count`` items of ``fmt`` as a tuple, trailing zero items trimmed (the spec's lists
-    end at the first unused, zero entry); ``elem`` converts items (``from_int``/``int``)."""
+def array(at: int, fmt: str, count: int, *, elem: type[Bits] | None = None,
+          list_end: bool = False) -> Any:
+    """``count`` items of ``fmt`` as a tuple, trailing zero items trimmed; ``list_end``: a
+    list that ends at its first zero entry (an NSID list: what follows it is unused, and
+    not read); ``elem`` converts items (``from_int``/``int``)."""
     def decode(*items: int) -> tuple[Any, ...]:
-        n = len(items)
-        while n and not items[n - 1]:
-            n -= 1
+        if list_end:
+            n = items.index(0) if 0 in items else len(items)
+        else:
+            n = len(items)
+            while n and not items[n - 1]:
+                n -= 1
         return tuple(elem.from_int(v) for v in items[:n]) if elem else items[:n]
 
     def encode(value: tuple[Any, ...]) -> tuple[int, ...]:

@@ -151,7 +151,7 @@ class ActiveNamespaceList(Packed):
     """Identify CNS 2: up to 1024 active NSIDs above the command's NSID, ascending; the list
     ends at the first zero entry."""
 
-    nsids: tuple[int, ...] = array(0, "I", MAX_NSID_LIST)  # @0 u32 each
+    nsids: tuple[int, ...] = array(0, "I", MAX_NSID_LIST, list_end=True)  # @0 u32 each
 
 
 class NidType(enum.IntEnum):

@@ -190,7 +190,7 @@ CHANGED_NS_OVERFLOW = 0xFFFFFFFF  # sole first entry when more than 1024 namespa
 class ChangedNamespaceList(Packed):
     """Changed Namespace List log (LID 0x04): up to 1024 NSIDs, ending at the first zero."""
 
-    nsids: tuple[int, ...] = array(0, "I", 1024)  # @0 u32 each
+    nsids: tuple[int, ...] = array(0, "I", 1024, list_end=True)  # @0 u32 each
 
     @property
     def overflowed(self) -> bool:

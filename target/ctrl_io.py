@@ -83,9 +83,13 @@ class IoCommands(_Rest):
         sqe = cmd.sqe
         op = sqe.opcode
         nss = self._io_namespace(sqe.nsid, flush=op == IOOpcode.FLUSH)
-        if nss[0].ana_status:       # this path may not serve it now (ANA): try another
-            raise ProtocolError(f"namespace {sqe.nsid}: ANA group {nss[0].ana_group} is "
-                                "inaccessible on this gateway", nss[0].ana_status, dnr=False)
+        if not nss:                 # a Flush of every namespace, and there is none
+            cmd.respond()
+            return
+        for ns in nss:
+            if ns.ana_status:       # this path may not serve it now (ANA): try another
+                raise ProtocolError(f"namespace {ns.nsid}: ANA group {ns.ana_group} is "
+                                    "inaccessible on this gateway", ns.ana_status, dnr=False)
         if any(ns.paused for ns in nss):
             # A namespace is being resized: run the command once it is done.
             next(ns for ns in nss if ns.paused).held.append(lambda: self._rerun(cmd))

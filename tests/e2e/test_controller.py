@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import random
 import time
@@ -100,6 +101,20 @@ def test_normal_shutdown_completes_and_flushes(start_target, tmp_path):
     ctrl.close()
     assert path.read_bytes()[:4096] == b"s" * 4096
     assert target.alive()
+
+
+def test_a_flush_of_every_namespace_with_none_succeeds(start_target):
+    """Flush with NSID FFFFFFFFh on a subsystem without namespaces (``namespaces: []``):
+    nothing to flush, so success, not an internal error (and no traceback)."""
+    port = free_port()
+    target = start_target(ram_config(port, namespaces=[]))
+    with connect(addr_of(), NQN, port, **via(), hostnqn=HOSTNQN, nr_io_queues=1) as ctrl:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        ctrl.submit(ctrl.io_queues[0], SQE(opcode=0x00, nsid=0xFFFFFFFF),
+                    lambda cqe, data, err: fut.set_result((cqe, err)))
+        cqe, err = fut.result(10)
+        assert err is None and cqe.status == StatusCode.SUCCESS, cqe
+    assert target.alive() and "Traceback" not in target.log
 
 
 def test_aer_limit(ram_target):

@@ -493,6 +493,10 @@ class AuthPolicy:
     dhgroup: int = DhGroup.NULL
 
 
+#: Negotiates a queue may send before a Reply that verifies: the first and one start over
+MAX_RESTARTS = 2
+
+
 class TargetAuth:
     """One queue's DH-HMAC-CHAP transaction on the controller side, step by step as nvmet
     (fabrics-cmd-auth.c): :meth:`send` takes an Authentication Send's data, :meth:`receive`
@@ -518,6 +522,8 @@ class TargetAuth:
         self._s2 = 0
         self._dh_private = 0
         self._session_key = b""
+        #: Negotiates taken since the last transaction that completed (see send)
+        self.restarts = 0
 
     @property
     def failed(self) -> bool:
@@ -557,7 +563,16 @@ class TargetAuth:
         if auth_type == AuthType.COMMON:
             if auth_id == AuthMsg.NEGOTIATE:
                 # (re)start; a queue that authenticated before keeps working meanwhile, and
-                # a failure of the new transaction ends the controller anyway
+                # a failure of the new transaction ends the controller anyway.  Once: each
+                # start costs a Diffie-Hellman key pair when the challenge is fetched, on
+                # the target's loop, and a peer that starts over and over without ever
+                # answering would keep it busy until auth_timeout (a Linux host starts
+                # over only when the first start went unanswered)
+                if self.restarts >= MAX_RESTARTS:
+                    self._fail_now(f"a transaction started {self.restarts + 1} times "
+                                   "without an answer")
+                    return
+                self.restarts += 1
                 self.step = AuthMsg.NEGOTIATE
             elif auth_id == AuthMsg.FAILURE2:
                 failure = failure_of(data)
@@ -587,6 +602,7 @@ class TargetAuth:
                 self._fail1(str(exc), exc.explanation)
             else:
                 self.step = AuthMsg.SUCCESS1
+                self.restarts = 0           # (a host that knows the secret)
         elif auth_id == AuthMsg.SUCCESS2:
             self.authenticated = True
             self.step = AuthMsg.NEGOTIATE           # done; a new transaction may follow

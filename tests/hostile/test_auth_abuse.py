@@ -103,14 +103,20 @@ def wait_lines(target, needle: str, count: int, timeout: float = 5) -> list[str]
 
 
 @pytest.mark.timeout(60)
-def test_repeated_wrong_answers_on_one_connection_end_it(target, bystander):
-    """Negotiate, a challenge, a wrong Reply, and instead of fetching Failure1, Negotiate
-    again ... (20 times on base).  The second Negotiate ends the controller."""
+@pytest.mark.parametrize("answer", ["wrong", "none"])
+def test_starting_over_on_one_connection_ends_it(target, bystander, answer):
+    """Negotiate, a challenge, then Negotiate again, ... (20 times on base):
+    - after a wrong Reply (instead of fetching Failure1), the second Negotiate ends the
+      controller;
+    - with no Reply at all, the third does (one start over is a host's whose first start
+      went unanswered).  Each challenge with a DH group costs a Diffie-Hellman key pair on
+      the target's loop: a peer that knows only a host NQN with a secret kept it busy
+      (about 160 ffdhe2048 challenges a second, 5 ms each) until auth_timeout."""
     probe = TargetProbe(target)
     ctrl = attacker(target.port, NQN, HOSTNQN)
-    answered = 0
+    rounds = 0
     try:
-        with bystander.attack("wrong DH-HMAC-CHAP answers on one connection"):
+        with bystander.attack(f"DH-HMAC-CHAP started over on one connection ({answer})"):
             queue, result = admin_connect(ctrl)
             assert result & auth.CONNECT_AUTHREQ_ATR
             # (the Receive may still get the Failure1 before the controller is gone)
@@ -118,14 +124,16 @@ def test_repeated_wrong_answers_on_one_connection_end_it(target, bystander):
                 for t_id in range(1, 21):
                     ctrl.auth_send(queue, auth.Negotiate.offer(t_id, (1,), (0,)).pack())
                     auth.Challenge.unpack(ctrl.auth_receive(queue, 4096))
-                    ctrl.auth_send(queue, auth.Reply(t_id, bytes(32)).pack())     # wrong
-                    answered += 1
-            assert answered == 1
+                    if answer == "wrong":
+                        ctrl.auth_send(queue, auth.Reply(t_id, bytes(32)).pack())
+                    rounds += 1
+            assert rounds == (1 if answer == "wrong" else 2)
     finally:
         ctrl.close()
     (line,) = wait_lines(target, "authentication failed:", 1)
     assert line.startswith("WARNING ") and f"hostnqn={HOSTNQN} " in line, line
-    assert f"peer={ATTACKER}:" in line and "does not match" in line, line
+    assert f"peer={ATTACKER}:" in line, line
+    assert ("does not match" if answer == "wrong" else "without an answer") in line, line
     assert wait_lines(target, "destroyed (authentication failed on qid 0)", 1)
     assert failures(target) == (1, 1)
     assert_undisturbed(bystander.finish(), bystander)

@@ -286,6 +286,13 @@ class Controller(AuthGate, IoCommands):
         if phase in (Phase.DISABLED, Phase.SHUTTING_DOWN, Phase.FAILED) \
                 and before.phase is Phase.READY:
             self._complete_aers(StatusCode.INTERNAL_ERROR)
+        if (phase is Phase.READY) is not (before.phase is Phase.READY):
+            # I/O queues a poll group serves: their worker answers as this controller
+            # does now (Command Sequence Error while it is not ready)
+            for queue in list(self.queues.values()):
+                tell = getattr(queue, "controller_ready", None)
+                if tell is not None:
+                    tell(phase is Phase.READY)
         if phase is Phase.SHUTTING_DOWN:
             # Every command before this one has been answered or is in the backend pool;
             # flushing the volumes is what makes a normal shutdown safe.

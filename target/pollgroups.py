@@ -83,6 +83,12 @@ class RemoteQueue:
         #: registry's part, nothing to send back
         self.gone = False
 
+    def controller_ready(self, ready: bool) -> None:
+        """Its controller was enabled (CC.EN with CSTS.RDY) or reset, shut down or failed:
+        the worker's I/O on it runs, or is refused, as the controller's would be."""
+        if not self.closed and self.cntlid:
+            self.group.send(("ready", self.cntlid, ready))
+
     def close(self) -> None:
         """End the queue (its controller is destroyed, the host is disconnected)."""
         if self.closed:

@@ -97,8 +97,9 @@ def apply_placement(index: int) -> None:
 
 
 class _IoState:
-    """What a worker's controller needs of the protocol's controller table: it is ready (a
-    queue is handed over only after CC.EN), and the admission rules of an I/O queue."""
+    """What a worker's controller needs of the protocol's controller table: whether it is
+    ready (a queue is handed over only after CC.EN; the coordinator says when a reset or
+    a shutdown changes that), and the admission rules of an I/O queue."""
 
     phase = Phase.READY
     ready = True
@@ -110,6 +111,12 @@ class _IoState:
 class WorkerController(Controller):
     """The I/O side of one controller, in a worker: its counters and the command logic of
     ctrl_io (Read/Write, Flush, Write Zeroes, DSM, reservations)."""
+
+    def set_ready(self, ready: bool) -> None:
+        """As the coordinator's controller is: its I/O runs only while it is ready (else
+        Command Sequence Error, as nvmet's), after a reset or a shutdown there."""
+        self._state.ready = ready  # type: ignore[misc]  # (an _IoState here: settable)
+        self.is_ready = ready
 
     def __init__(self, res: Resources, owner: Owner, meta: dict, subsystem: Any) -> None:
         # Not Controller.__init__: no admin state, keep-alive or AERs live here.
@@ -379,6 +386,10 @@ class Worker:
                 entry[1].set()
         elif kind == "resv":
             self.resv_changed(*msg[1:])
+        elif kind == "ready":               # the coordinator's controller: enabled or not
+            ctrl = self.controllers.get(msg[1])
+            if ctrl is not None:
+                ctrl.set_ready(bool(msg[2]))
         elif kind == "config":
             self.config = msg[1]
         elif kind == "drain":

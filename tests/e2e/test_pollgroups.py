@@ -4,6 +4,7 @@ counts add up, and what poll groups cannot serve is refused at load, naming the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import mmap
 import os
@@ -19,7 +20,7 @@ from blockfabric.errors import BlockfabricError
 from blockfabric.initiator import resv
 from blockfabric.initiator.host import (CAPSULE_CONNECT_DATA, ConnectOptions, Controller,
                                         NvmeError, connect)
-from blockfabric.protocol import ConnectCommand, ConnectData, StatusCode
+from blockfabric.protocol import SQE, ConnectCommand, ConnectData, StatusCode
 from blockfabric.target import config as cfg
 from blockfabric.target.backends import RamdiskBackend
 
@@ -82,6 +83,26 @@ def test_io_queues_of_one_controller_spread_over_groups_and_counts_add_up(two_gr
     assert 'blockfabric_poll_group_queues{group="1"} 0' in body, body     # disconnected
     assert 'blockfabric_poll_group_io_total{group="1",op="write"}' in body
     assert 'blockfabric_poll_group_cpu_seconds_total{group="1"}' in body
+
+
+def test_a_controller_reset_stops_io_on_every_group(two_groups):
+    """After the host disables the controller (CC.EN 1 -> 0, a reset) every I/O queue
+    answers Command Sequence Error, as nvmet does: those the coordinator serves and those
+    handed to the other poll group alike (its worker is told)."""
+    with connect("127.0.0.1", NQN, two_groups.port, transport="tcp", hostnqn=HOSTNQN,
+                 nr_io_queues=4) as ctrl:
+        ctrl.namespaces[1].write(0, b"\x11" * 4096)
+        ctrl.property_set(0x14, 0)          # CC: EN 1 -> 0
+        statuses = []
+        for queue in ctrl.io_queues:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            ctrl.submit(queue, SQE(opcode=0x02, nsid=1), lambda cqe, data, err:
+                        done.set_result((cqe, err)), data_in=4096)
+            cqe, err = done.result(10)
+            assert err is None
+            statuses.append(cqe.status)
+        assert statuses == [StatusCode.CMD_SEQ_ERROR] * 4, statuses
+    assert "Traceback" not in two_groups.log
 
 
 def test_killing_a_worker_fails_only_its_queues(two_groups):

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 
 _CHANGED_NS_SIZE = len(logpages.ChangedNamespaceList(nsids=()).pack())
 _RESV_NOTIFY_SIZE = len(resv.NotificationLog(0, 0, 0, 0).pack())
+#: Get Features of these mandatory features answers 0 (nothing to set here): arbitration,
+#: power management, temperature threshold, error recovery, write atomicity normal
+_ZERO_FEATURES = frozenset((0x01, 0x02, 0x04, 0x05, 0x0A))
+_AEC_KNOWN = OAES_NS_ATTR | OAES_ANA_CHANGE | OAES_DISCOVERY_CHANGE
 
 
 def _check_offset(lpo: int, size: int) -> None:
@@ -262,6 +266,7 @@ class Controller(AuthGate, IoCommands):
         elif op == AdminOpcode.GET_FEATURES:
             self._get_features(cmd, GetFeatures.from_sqe(sqe))
         elif op == AdminOpcode.KEEP_ALIVE:
+            self._check_length(cmd, 0)      # (it moves no data: nvmet refuses a buffer)
             cmd.respond()
         elif op == AdminOpcode.ASYNC_EVENT_REQUEST:
             self._aer(cmd)
@@ -447,6 +452,11 @@ class Controller(AuthGate, IoCommands):
             self.start_keep_alive()
             cmd.respond()
         elif sf.fid == FeatureId.ASYNC_EVENT:
+            # (bits of no event this target knows: refused, as nvmet refuses what is
+            # outside its NVMET_AEN_CFG_ALL; those this controller does not send: kept off)
+            if sf.value & ~_AEC_KNOWN:
+                raise ProtocolError(f"asynchronous event configuration {sf.value:#x} "
+                                    f"outside {_AEC_KNOWN:#x}", StatusCode.INVALID_FIELD, True)
             self.aec = sf.value & self._oaes()
             cmd.respond()
         elif sf.fid == FeatureId.HOST_ID:
@@ -474,6 +484,10 @@ class Controller(AuthGate, IoCommands):
             self.send_data(cmd, self.hostid)
         elif gf.fid in (FeatureId.RESV_MASK, FeatureId.RESV_PERSIST) and not self.is_discovery:
             resvctl.get_feature(self, cmd, gf.fid, gf.nsid)
+        elif gf.fid in _ZERO_FEATURES:
+            # mandatory features without a setting here (arbitration, power management,
+            # temperature threshold, error recovery, write atomicity): 0, as nvmet answers
+            cmd.respond()
         else:
             raise ProtocolError(f"Get Features {gf.fid:#x} not supported",
                                 StatusCode.INVALID_FIELD)

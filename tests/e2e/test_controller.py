@@ -117,6 +117,31 @@ def test_a_flush_of_every_namespace_with_none_succeeds(start_target):
     assert target.alive() and "Traceback" not in target.log
 
 
+@pytest.mark.parametrize("command, expected", [
+    *[(f"Get Features {fid:#04x}", (SQE(opcode=0x0A, cdw10=fid), 0, StatusCode.SUCCESS))
+      for fid in (0x01, 0x02, 0x04, 0x05, 0x0A)],
+    ("Set Features AEC, a bit of no event", (SQE(opcode=0x09, cdw10=0x0B, cdw11=0x1), 0,
+                                             StatusCode.INVALID_FIELD)),
+    ("Keep Alive with a data buffer", (SQE(opcode=0x18), 4096,
+                                       StatusCode.SGL_DATA_LENGTH_INVALID)),
+])
+def test_admin_commands_answer_as_nvmet(ram_target, command, expected):
+    """Statuses as the kernel's nvmet gives them: the mandatory features without a setting
+    here read 0, an asynchronous event configuration naming no event this target knows is
+    Invalid Field (DNR), and a Keep Alive with a data buffer is Data SGL Length Invalid."""
+    sqe, data_in, status = expected
+    with connect(addr_of(), NQN, ram_target.port, **via(), hostnqn=HOSTNQN,
+                 nr_io_queues=1) as ctrl:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        ctrl.submit(ctrl.admin, sqe, lambda cqe, data, err: done.set_result((cqe, err)),
+                    data_in=data_in)
+        cqe, err = done.result(10)
+        assert err is None and cqe.status == status, (command, cqe)
+        assert cqe.dnr == (status != StatusCode.SUCCESS)
+        ctrl.namespaces[1].write(0, b"n" * 4096)         # the controller carries on
+        assert ctrl.namespaces[1].read(0, 4096) == b"n" * 4096
+
+
 def test_aer_limit(ram_target):
     """AERs stay outstanding; past the advertised limit (aerl + 1) the target answers 0x105."""
     from blockfabric.protocol import AsyncEventRequest

@@ -319,13 +319,27 @@ def connect_entry(entry: DiscoveryLogEntry, **kwargs) -> Controller:
     return connect(entry.traddr, entry.subnqn, port, **kwargs)
 
 
+#: Reads of the discovery log before giving up on one that keeps changing (libnvme's)
+DISCOVERY_TRIES = 10
+
+
 def discover(traddr: str, trsvcid: int = DEFAULT_PORT, **kwargs) -> list[DiscoveryLogEntry]:
-    """Read the discovery log as ``nvme discover`` does: header, then every entry."""
+    """Read the discovery log as ``nvme discover`` does: the header, every entry, then the
+    header again; when the generation counter moved meanwhile, the log changed under the
+    read (entries may be missing or zero), so it is read again."""
     with connect(traddr, DISCOVERY_NQN, trsvcid, **kwargs) as ctrl:
-        header = DiscoveryLogHeader.unpack_from(
-            ctrl.get_log_page(LogPageId.DISCOVERY, 1024, rae=True))
-        if header.numrec == 0:
-            return []
-        size = 1024 * (header.numrec + 1)
-        page = ctrl.get_log_page(LogPageId.DISCOVERY, size)
-        return list(DiscoveryLogEntry.iter_from(page, header.numrec))
+        def header(rae: bool) -> DiscoveryLogHeader:
+            return DiscoveryLogHeader.unpack_from(
+                ctrl.get_log_page(LogPageId.DISCOVERY, 1024, rae=rae))
+        first = header(True)
+        for _ in range(DISCOVERY_TRIES):
+            if first.numrec == 0:
+                return []
+            page = ctrl.get_log_page(LogPageId.DISCOVERY, 1024 * (first.numrec + 1),
+                                     rae=True)
+            again = header(False)       # (the last read: it re-arms the change event)
+            if again.genctr == first.genctr == DiscoveryLogHeader.unpack_from(page).genctr:
+                return list(DiscoveryLogEntry.iter_from(page, first.numrec))
+            first = again
+        raise ConnectionError(f"the discovery log at {traddr}:{trsvcid} changed during "
+                              f"each of {DISCOVERY_TRIES} reads")

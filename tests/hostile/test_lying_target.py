@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from blockfabric.initiator.host import Controller, NvmeError
+from blockfabric.initiator.host import Controller, NvmeError, discover
 from blockfabric.initiator.recovery import CtrlState
-from blockfabric.protocol import IdentifyNamespace, LBAFormat
+from blockfabric.protocol import (DiscoveryLogEntry, IdentifyNamespace, LBAFormat,
+                                  pack_discovery_log)
 from blockfabric.protocol.logpages import AnaGroupDescriptor, AnaState, pack_ana_log
 
 from .liar_target import LiarTarget, connect_opts, word
@@ -142,6 +143,33 @@ def test_the_targets_in_capsule_size_is_bounded(target):
         ctrl.namespaces[1].submit_write(0, data).result(5)     # in the capsule
     finally:
         ctrl.close()
+
+
+def test_a_discovery_log_that_changes_under_the_read_is_read_again(target):
+    """The log changes between its header and its entries (GENCTR moves): the entries read
+    with the old count would include an all-zero record; the host reads it again, as
+    nvme-cli does, and returns what the log holds now."""
+    one = DiscoveryLogEntry(trtype=3, subnqn="nqn.2026-12.io.blockfabric:a", traddr="10.0.0.1",
+                            trsvcid="4420")
+    two = DiscoveryLogEntry(trtype=3, subnqn="nqn.2026-12.io.blockfabric:b", traddr="10.0.0.2",
+                            trsvcid="4420")
+    reads = [0]
+
+    def on_admin(conn, opcode, cid, sqe, data):
+        if opcode == 0x02 and sqe[40] == 0x70:      # Get Log Page, discovery
+            numd = (struct.unpack_from("<I", sqe, 40)[0] >> 16) | (
+                struct.unpack_from("<I", sqe, 44)[0] & 0xFFFF) << 16
+            page = pack_discovery_log(1, [one, two]) if reads[0] == 0 else \
+                pack_discovery_log(2, [one])
+            reads[0] += 1
+            conn.data(cid, (bytes(page) + bytes((numd + 1) * 4))[:(numd + 1) * 4])
+            conn.respond(cid)
+            return True
+        return False
+    target.on_admin = on_admin
+    entries = discover("127.0.0.1", target.port, transport="tcp", connect_timeout=2.0)
+    assert [(e.subnqn, e.traddr) for e in entries] == [(one.subnqn, "10.0.0.1")]
+    assert reads[0] == 5            # header, entries, header (it moved); entries, header
 
 
 @pytest.mark.timeout(60)

@@ -194,12 +194,22 @@ class Events(ControllerParts):
             except Exception:  # one subscriber must not starve the others
                 log.exception("namespace listener %r failed", ns_listener)
 
+    def ana_log_size(self) -> int:
+        """Bytes of ANA log to read: its header, a descriptor per ANA group and an NSID per
+        namespace the controller may have (NANAGRPID, MNAN or else NN), as the Linux host
+        sizes it; at least ANA_LOG_READ, at most what one command moves."""
+        ident = self.identify
+        if ident is None:
+            return ANA_LOG_READ
+        size = 16 + 32 * ident.nanagrpid + 4 * (ident.mnan or ident.nn)
+        return min(max(size, ANA_LOG_READ), self.max_transfer)
+
     def read_ana_log(self, rgo: bool = False) -> tuple[int, list[AnaGroupDescriptor]]:
         """Read the ANA log page (LID 0x0C): (chgcnt, [AnaGroupDescriptor])."""
+        size = self.ana_log_size()
         _, data = self.wait(self.admin, GetLogPage(  # type: ignore[arg-type]  # (connected)
             nsid=0xFFFFFFFF, lid=LogPageId.ANA, lsp=ANA_LSP_RGO if rgo else 0,
-            numd=GetLogPage.numd_for(ANA_LOG_READ)).to_sqe(), "Get Log Page 0xc",
-            data_in=ANA_LOG_READ)
+            numd=GetLogPage.numd_for(size)).to_sqe(), "Get Log Page 0xc", data_in=size)
         self.ana_log = unpack_ana_log(data)  # type: ignore[arg-type]  # (data_in: bytes)
         return self.ana_log
 

@@ -401,6 +401,9 @@ class MultipathController(Controller):
             except (BlockfabricError, ConnectionError, TimeoutError) as exc:
                 log.info("re-reading the ANA log of %s: %s", self._name(pc), exc)
                 return
+            except Exception:   # (never lost silently in the executor)
+                log.exception("re-reading the ANA log of %s failed", self._name(pc))
+                return
             self._ana_changed(pc, ana)
         try:
             pc._events.submit(read)

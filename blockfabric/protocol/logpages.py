@@ -234,13 +234,28 @@ def pack_ana_log(chgcnt: int, groups: Sequence[AnaGroupDescriptor],
 
 
 def unpack_ana_log(buf: bytes) -> tuple[int, list[AnaGroupDescriptor]]:
-    """(chgcnt, groups) from an ANA log page."""
+    """(chgcnt, groups) from an ANA log page; ProtocolError when what it says does not fit
+    the bytes read (more groups or NSIDs than there are) or names an unknown state."""
+    if len(buf) < ANA_LOG_HEADER.size:
+        raise ProtocolError(f"ANA log of {len(buf)} bytes, shorter than its header",
+                            StatusCode.INVALID_FIELD)
     chgcnt, ngrps = ANA_LOG_HEADER.unpack_from(buf, 0)
     at, groups = ANA_LOG_HEADER.size, []
     for _ in range(ngrps):
+        if at + ANA_GROUP_HEADER.size > len(buf):
+            raise ProtocolError(f"ANA log: {ngrps} groups do not fit its {len(buf)} bytes",
+                                StatusCode.INVALID_FIELD)
         grpid, n, gchg, state = ANA_GROUP_HEADER.unpack_from(buf, at)
         at += ANA_GROUP_HEADER.size
+        if at + 4 * n > len(buf):
+            raise ProtocolError(f"ANA log: group {grpid}'s {n} NSIDs do not fit its "
+                                f"{len(buf)} bytes", StatusCode.INVALID_FIELD)
+        try:
+            ana_state = AnaState(state)
+        except ValueError:
+            raise ProtocolError(f"ANA log: group {grpid} in state {state:#x}",
+                                StatusCode.INVALID_FIELD) from None
         nsids = struct.unpack_from(f"<{n}I", buf, at)
         at += 4 * n
-        groups.append(AnaGroupDescriptor(grpid, AnaState(state), gchg, nsids))
+        groups.append(AnaGroupDescriptor(grpid, ana_state, gchg, nsids))
     return chgcnt, groups

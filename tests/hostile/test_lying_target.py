@@ -145,6 +145,30 @@ def test_the_targets_in_capsule_size_is_bounded(target):
         ctrl.close()
 
 
+@pytest.mark.parametrize("nsids", [2100, 1 << 20])
+def test_the_ana_log_is_read_whole_and_checked(target, nsids):
+    """An ANA log longer than a fixed read (one group of 2100 namespaces, NN 2100) is read
+    whole: the read is sized from NANAGRPID and NN, as the Linux host sizes it.  One that
+    claims more NSIDs than it holds (2**20 in one group) is refused as malformed: the
+    connect says so, nothing is allocated for them."""
+    target.ctrl = dataclasses.replace(target.ctrl, cmic=0x0B, anagrpmax=1, nanagrpid=1,
+                                      nn=2100)
+    target.namespaces[1] = dataclasses.replace(target.namespaces[1], anagrpid=1)
+    group = AnaGroupDescriptor(1, AnaState.OPTIMIZED, 1, tuple(range(1, 2101)))
+    target.ana = pack_ana_log(1, [group])
+    if nsids != 2100:
+        target.ana = target.ana[:16] + struct.pack("<IIQB15x", 1, nsids, 1, 1) + \
+            target.ana[48:]
+        with pytest.raises(Exception, match="NSIDs do not fit"):
+            Controller(connect_opts(target)).connect()
+        return
+    ctrl = Controller(connect_opts(target)).connect()
+    try:
+        assert ctrl.ana_log[1][0].nsids == group.nsids
+    finally:
+        ctrl.close()
+
+
 def test_a_discovery_log_that_changes_under_the_read_is_read_again(target):
     """The log changes between its header and its entries (GENCTR moves): the entries read
     with the old count would include an all-zero record; the host reads it again, as

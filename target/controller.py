@@ -300,9 +300,18 @@ class Controller(AuthGate, IoCommands):
                     tell(phase is Phase.READY)
         if phase is Phase.SHUTTING_DOWN:
             # Every command before this one has been answered or is in the backend pool;
-            # flushing the volumes is what makes a normal shutdown safe.
-            self.owner.flush_subsystem(self.subsystem)
-            self.state = self.state.shutdown_complete()
+            # flushing the volumes is what makes a normal shutdown safe.  On the backend
+            # threads (a file's fdatasync, RBD's flush block): CSTS.SHST says 'in progress'
+            # meanwhile, and the host polls it, while this loop serves every other host.
+            subsystem = self.subsystem
+
+            def flushed(exc: BaseException | None) -> None:
+                if exc is not None:
+                    log.error("%s: flushing at shutdown: %s", self.name, exc)
+                if self.state.phase is Phase.SHUTTING_DOWN:
+                    self.state = self.state.shutdown_complete()
+            self.res.run_blocking(lambda: self.owner.flush_subsystem(subsystem), flushed,
+                                  self.hostnqn)
         cmd.respond()
 
     def _complete_aers(self, status: StatusCode) -> None:

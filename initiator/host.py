@@ -98,6 +98,10 @@ class ConnectOptions:
     reconnect_delay: float = 10.0
     ctrl_loss_tmo: float = 600.0
     connect_timeout: float = 5.0
+    #: seconds an admin command may go unanswered on a live controller before its caller
+    #: gets a TimeoutError (a rescan, an ANA log read, an event's handling): the Linux
+    #: host's admin_timeout (60 s)
+    admin_timeout: float = 60.0
     arena_size: int = DEFAULT_ARENA
     #: Connect CATTR bit 2 (nvme connect --disable-sqflow): the controller then reports no
     #: SQ head, which this host never reads.  None (the default): on NVMe/TCP, where the

@@ -251,8 +251,11 @@ class IoPath(ControllerParts):
             fut.set_result((cqe, data, error))
 
         self.submit(queue, sqe, cb, data_out=data_out, data_in=data_in, inline=inline)
-        if timeout is None and self.state != CtrlState.LIVE:
-            timeout = self.opts.connect_timeout     # (re)connecting to a target that hangs
+        if timeout is None:
+            # (re)connecting to a target that hangs, or one that stops answering: never
+            # for ever, or the one worker that handles events would wait with it
+            timeout = self.opts.admin_timeout if self.state == CtrlState.LIVE else \
+                self.opts.connect_timeout
         try:
             cqe, data, error = fut.result(timeout)
         except concurrent.futures.TimeoutError:

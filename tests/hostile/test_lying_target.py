@@ -103,6 +103,25 @@ def test_a_namespace_gone_bad_across_a_reconnect_costs_only_itself(target):
         ctrl.close()
 
 
+def test_an_admin_command_never_answered_times_out_and_events_go_on(target):
+    """A live target that answers Keep Alive but never an Identify: the rescan a namespace
+    notice starts fails after admin_timeout (the Linux host's admin_timeout), instead of
+    holding the one worker that handles events for good; the next event is handled."""
+    ctrl = Controller(connect_opts(target, admin_timeout=1.0)).connect()
+    try:
+        def on_admin(conn, opcode, cid, sqe, data):
+            if opcode == 0x02 and sqe[40] == 0x04:      # Changed Namespace List: [1]
+                conn.data(cid, struct.pack("<I", 1) + bytes(4092))
+                conn.respond(cid)
+                return True
+            return opcode == 0x06                       # Identify: swallowed
+        target.on_admin = on_admin
+        assert target.complete_aer(0x00040002)      # namespace attribute changed
+        assert target.complete_aer(0x00040002), "events stopped behind an unanswered command"
+    finally:
+        ctrl.close()
+
+
 def test_an_event_of_a_reserved_type_does_not_stop_the_events(target):
     """An AER completed with a reserved event type (4) is ignored, and the host asks for
     the next event again: a namespace notice after it still arrives."""

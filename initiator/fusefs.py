@@ -284,11 +284,9 @@ class VolumeFS:
             raise _fail(errno.EROFS)
 
     def statfs(self) -> dict[str, int]:
-        total = sum(ns.size for ns in self.files.values())
+        total = min(sum(ns.size for ns in self.files.values()), (1 << 76) - 1)  # (u64 blocks)
         bsize = 4096
-        # (saturated: statfs's block count is a u64, and namespaces add up past it)
-        return {"f_bsize": bsize, "f_frsize": bsize,
-                "f_blocks": min(total // bsize, (1 << 64) - 1),
+        return {"f_bsize": bsize, "f_frsize": bsize, "f_blocks": total // bsize,
                 "f_bfree": 0, "f_bavail": 0, "f_files": len(self.files) + 1, "f_ffree": 0,
                 "f_namemax": 255}
 

@@ -544,6 +544,8 @@ class HostQueue(Endpoint):
                 slot.owner = None
                 self._free.append(slot.index)
             self._space.notify_all()
+        if owners:
+            self._cut()
         for owner in owners:
             if owner is None:
                 continue
@@ -551,6 +553,16 @@ class HostQueue(Endpoint):
                 owner.complete(None, error)
             except Exception:
                 log.exception("%s: completion of %r failed", self.name, owner)
+
+    def _cut(self) -> None:
+        """Before the owners of failed commands get their memory back: nothing more of
+        this connection may land in it (an RDMA WRITE a slow or broken target sends late,
+        into a buffer a multipath host has already given another path).  Disconnected,
+        the QP leaves RTS, and the NIC drops what arrives after."""
+        try:
+            self.cmid.disconnect()
+        except Exception as exc:  # noqa: BLE001  (gone already, say)
+            log.debug("%s: disconnect on failure: %s", self.name, exc)
 
     @property
     def outstanding(self) -> int:

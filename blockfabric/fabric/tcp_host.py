@@ -454,6 +454,9 @@ class TcpHostQueue(PduConnection, HostQueue):
             self.detach_unsent(_NO_MARK)
         HostQueue.fail(self, reason, expected=expected)
 
+    def _cut(self) -> None:
+        """(fail() has ended the connection, or detached what it would send, already.)"""
+
     def on_lost(self, reason: str) -> None:
         if not self.closed:
             self.fail(reason, expected=False)

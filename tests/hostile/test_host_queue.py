@@ -204,6 +204,34 @@ def test_a_short_response_capsule_fails_only_this_queue_and_each_command_once(li
         submit(queue, Owner())
 
 
+def test_nothing_lands_in_a_failed_commands_memory_after_its_owner_has_it_back(link):
+    """Once the queue fails and a command's owner has its memory back (a multipath host
+    re-issues it on another path at once), nothing more of this connection may land in
+    it: the queue leaves the connection before it tells the owners, so an RDMA WRITE the
+    target sends late is refused, not placed."""
+    queue, target = link
+    memory = bytearray(b"o" * 4096)
+    mr = queue.pd.reg_mr(memory, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+    owners = [Owner(), Owner()]
+    for owner in owners:
+        queue.reactor.call_sync(lambda o=owner: queue.submit_rw(o, READ, 1, 0, 0, mr.addr,
+                                                               4096, mr.rkey))
+    cids = [target.command() for _ in owners]
+    target.respond(cids[0], length=CQE.size - 4)       # malformed: the queue fails
+    assert all(o.done.wait(5) for o in owners)
+    assert all(o.calls[0][1] for o in owners)
+    target.slab[:4096] = b"L" * 4096                  # a late read answer for the host
+    try:
+        target.qp.post_send([SendWR(7, WrOpcode.RDMA_WRITE, [SGE(target.mr.addr, 4096,
+                                                                  target.mr.lkey)],
+                                    SendFlags.SIGNALED, remote_addr=mr.addr, rkey=mr.rkey)])
+    except RdmaError:
+        pass                                          # refused at once: as good
+    time.sleep(0.3)
+    assert bytes(memory) == b"o" * 4096, "a late RDMA WRITE landed after the owners heard"
+    mr.close()
+
+
 def test_a_failed_work_completion_fails_the_queue_with_its_status(link):
     """An RDMA WRITE under a key the host never gave: the host's QP NAKs it and goes to ERR,
     its posted receives complete flushed.  Every outstanding command gets the one typed

@@ -67,7 +67,6 @@ _unpack_header = wire.HEADER.unpack_from
 _unpack_fast = struct.Struct("<IIIQIQ").unpack_from
 _W_SEND = wire.MAGIC | wire.VERSION << 8 | int(Frame.SEND) << 16
 _W_SEND_ACK = _W_SEND | int(FrameFlags.ACK) << 24
-_TYPE_AT = 2                    # the frame type's byte in a header (after magic, version)
 _MAX_MESSAGE = wire.MAX_MESSAGE
 _now = time.monotonic
 _get_ident = threading.get_ident
@@ -238,11 +237,10 @@ class SoftQP(QP):
         self.ack_timeout = DEFAULT_ACK_TIMEOUT
         self._last_progress = 0.0
         self._acked = M          # the last PSN completed by the peer's answer
-        #: the last RDMA WRITE whose data went through the socket (None: none, or it was
-        #: acknowledged): a READ through a shared region waits behind it (the region may
-        #: have been shared only since)
-        # the last request whose data moves after its post (an RDMA WRITE sent through the
-        # socket, a READ answered later): a copy at a post waits for it (_copy_now)
+        #: the last request whose data moves after its post (None: none, or it was
+        #: answered): an RDMA WRITE sent through the socket (to a region not shared, or
+        #: shared only since), a READ answered later; a copy at a post waits for it
+        #: (_copy_now)
         self._later_psn: int | None = None
         # responder
         self._rq: deque[tuple] = deque()

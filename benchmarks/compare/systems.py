@@ -208,9 +208,13 @@ class Workspace:
                 *(["--fuse-workers", str(workers)] if workers else []), mnt]
         proc, log = self.spawn(f"mount-{progress}", argv, env)
         wait_for(lambda: is_mounted(mnt), None, "blockfabric mount", log)
+        daemon: list[int] = []      # it outlives the command: unmount, then end it
+        self._undo.append(lambda: (unmount(mnt), [stop(p, None) for p in daemon]))
+        # the mount is visible before its runtime record is written (with FUSE workers, the
+        # record waits for them): the daemon's pid is the CPU this run measures, so wait for it
+        wait_for(lambda: mount_pid(mnt) is not None, None, "blockfabric mount's record", log)
         pid = mount_pid(mnt)
-        if pid is not None:   # the daemon outlives the command: unmount, then end it
-            self._undo.append(lambda: (unmount(mnt), stop(pid, None)))
+        daemon.append(pid)
         label = ("blockfabric (NVMe/TCP)" if transport == "tcp" else
                  f"blockfabric ({soft})") + (f", reactors {reactors_of(progress)}"
                                              if reactors_of(progress) > 1 else "") \

@@ -14,11 +14,13 @@ queue, through :meth:`Endpoint.on_fault`, and nothing else.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from blockfabric.fabric.buffers import BufferPool
 from blockfabric.fabric.reactor import Reactor
 from blockfabric.rdma import CQ, PD, QP, WC, Access, CMId, QPCap, QPState, RecvWR, SendWR
+
+_WR = TypeVar("_WR", RecvWR, SendWR)
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,12 @@ class Endpoint:
                 thing.close()
             raise
         self.recv_pools = [first]
+        #: the work requests posted again and again, whose resolved notes (the provider's
+        #: views of the pools) go before the pools close: opt_in()
+        self._noted: list[RecvWR | SendWR] = []
         #: the receive slots' buffers, by slot index (across every pool)
         self.recv_views: list[memoryview] = list(first.views)
-        self._recv_wrs = [RecvWR(wr_id(KIND_RECV, i), [first.sge(i)], False)
+        self._recv_wrs = [self.opt_in(RecvWR(wr_id(KIND_RECV, i), [first.sge(i)]))
                           for i in range(first.count)]
         self.reactor: Reactor | None = None
         self.on_cm_event: Callable[[], None] | None = None
@@ -102,10 +107,19 @@ class Endpoint:
         pool = BufferPool(self.pd, more, self.recv_size, Access.LOCAL_WRITE)
         self.recv_pools.append(pool)
         base = len(self._recv_wrs)
-        wrs = [RecvWR(wr_id(KIND_RECV, base + i), [pool.sge(i)], False) for i in range(more)]
+        wrs = [self.opt_in(RecvWR(wr_id(KIND_RECV, base + i), [pool.sge(i)]))
+               for i in range(more)]
         self.recv_views.extend(pool.views)
         self._recv_wrs.extend(wrs)
         self.qp.post_recv(wrs)
+
+    def opt_in(self, wr: _WR) -> _WR:
+        """``wr``, which this queue posts again and again as it is (only a SEND's length
+        changes), opted in to the provider's note of what it resolved to (RecvWR.resolved,
+        SendWR.resolved), dropped when the queue closes."""
+        wr.resolved = False
+        self._noted.append(wr)
+        return wr
 
     def repost(self, index: int) -> None:
         if not self.closed:
@@ -236,7 +250,7 @@ class Endpoint:
             return
         self._detach()      # before any fd closes: a reused fd number must not be shadowed
         self.closed = True
-        for wr in self._recv_wrs:
+        for wr in self._noted:
             wr.resolved = False     # the provider's views of the pools: gone before they close
         for step in (self.cmid.disconnect, self.cmid.close, self.cq.close,
                      *(pool.close for pool in self.recv_pools), self.send_pool.close):

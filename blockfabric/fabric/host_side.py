@@ -97,7 +97,7 @@ class _CallbackOwner:
 
 class Slot:
     __slots__ = ("index", "gen", "cid", "owner", "sent", "raw", "busy", "seq", "view", "sge",
-                 "wrs")
+                 "wr")
 
     def __init__(self, index: int, view: memoryview, wr: SendWR) -> None:
         self.index = index
@@ -109,8 +109,8 @@ class Slot:
         self.busy = False
         self.seq = 0            # submission order on this queue, to count overtakes
         self.view = view        # the slot's registered send buffer (capsule)
-        self.wrs = [wr]         # its SEND (as post_send's list), reused: only the SGE's
-        self.sge = wr.sg_list[0]    # length changes
+        self.wr = wr            # its SEND, reused: only the SGE's length changes (and
+        self.sge = wr.sg_list[0]    # the provider may note the rest: SendWR.resolved)
 
 
 def inline_mismatch(data: Any, length: int) -> str:
@@ -160,8 +160,8 @@ class HostQueue(Endpoint):
                          max_send_wr=depth, max_send_sge=2, name=name or f"q{qid}")
         pool = self.send_pool
         self._init_slots([Slot(i, pool.views[i],
-                               SendWR(wr_id(KIND_SEND, i), WrOpcode.SEND,
-                                      [pool.sge(i, SQE_SIZE)], SendFlags.SIGNALED))
+                               self.opt_in(SendWR(wr_id(KIND_SEND, i), WrOpcode.SEND,
+                                                  [pool.sge(i, SQE_SIZE)], SendFlags.SIGNALED)))
                           for i in range(depth)])
         self.on_cm_event = self._on_cm_event
 
@@ -253,7 +253,7 @@ class HostQueue(Endpoint):
         if inflight > stats.max_inflight:
             stats.max_inflight = inflight
         try:
-            self.qp.post_send(slot.wrs)
+            self.qp.post_send(slot.wr)
         except Exception as exc:
             raise self._post_failed(slot, False, exc) from exc
         return cid
@@ -363,7 +363,7 @@ class HostQueue(Endpoint):
         slot.sge.length = length
         self._count(slot, locked)
         try:
-            self.post_send(slot.wrs)
+            self.post_send(slot.wr)
         except Exception as exc:
             raise self._post_failed(slot, locked, exc) from exc
         return slot.cid

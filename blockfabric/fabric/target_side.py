@@ -135,8 +135,10 @@ class Command:
     def arm(self) -> None:
         """Make the slot's work requests (once, before its first command)."""
         index = self.index
-        self.send_wr = SendWR(wr_id(KIND_SEND, index), WrOpcode.SEND,
-                              [self.queue.send_pool.sge(index, CQE_SIZE)], SendFlags.SIGNALED)
+        queue = self.queue
+        self.send_wr = queue.opt_in(SendWR(wr_id(KIND_SEND, index), WrOpcode.SEND,
+                                           [queue.send_pool.sge(index, CQE_SIZE)],
+                                           SendFlags.SIGNALED))
         self.data_sge = SGE(0, 0, 0)
         self.data_wr = SendWR(wr_id(KIND_WRITE, index), WrOpcode.RDMA_WRITE, [self.data_sge],
                               _UNSIGNALED)

@@ -180,6 +180,13 @@ class SendWR:
     rkey: int = 0             # RDMA_WRITE / RDMA_READ
     invalidate_rkey: int = 0  # SEND_WITH_INV
     imm_data: int = 0         # *_WITH_IMM
+    #: None, or (opt-in, as :attr:`RecvWR.resolved`) False: the provider may keep a note
+    #: of what its SGE resolved to (the soft provider: for a SEND of one SGE, the registered
+    #: bytes from its address on) and reuse it on later posts of this WR.  Opcode, flags and
+    #: the SGE's length are read at every post; its address and key are not: to point the
+    #: WR elsewhere, set this back to False first.  The note holds views of the memory: set
+    #: it back to False (or None) before closing what backs the region.
+    resolved: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(slots=True)
@@ -190,8 +197,10 @@ class RecvWR:
     sg_list: Sequence[SGE] = ()
     #: None, or (opt-in, for an owner that posts the same WR again and again) False: the
     #: provider may keep a note here (the soft provider: the memory views it resolved to,
-    #: reused while the SGE and its region are unchanged).  The note holds views of the
-    #: memory: set it back to False (or None) before closing what backs the region.
+    #: reused while the region stays registered and the WR keeps its ``sg_list``).  Its
+    #: SGEs are not read again: to change them, set this back to False first (or give the
+    #: WR a new list).  The note holds views of the memory: set it back to False (or None)
+    #: before closing what backs the region.
     resolved: Any = field(default=None, repr=False, compare=False)
 
 

@@ -8,6 +8,7 @@ import os
 import random
 import select
 import socket
+import threading
 import time
 
 import pytest
@@ -405,8 +406,10 @@ def test_a_fenced_wr_waits_for_the_reads_before_it(passive, fence):
     assert bytes(mr.buf[64:80]) == b"R" * 16
 
 
-def test_silent_responder_gives_retry_exceeded():
-    """A peer whose QP never answers: RETRY_EXC_ERR after ack_timeout x (retry_count+1)."""
+@pytest.fixture
+def hand_peer():
+    """A QP connected (retry_count 1, ack_timeout 0.1 s) to a peer that answers only what
+    the test sends by hand on ``conn``: (qp, pd, cq, conn)."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     p = SoftProvider(progress="thread")     # nobody polls: the engine's own timer must fire
@@ -414,28 +417,51 @@ def test_silent_responder_gives_retry_exceeded():
     cmid.resolve("127.0.0.1", port)
     pd, cq = cmid.context.alloc_pd(), cmid.context.create_cq()
     qp = cmid.create_qp(pd, cq, cq)
-    import threading
+    took: list = []
 
     def answer():
         conn, _ = server.accept()
         conn.recv(wire.HEADER_SIZE)
         conn.sendall(wire.pack(Frame.CONN_REP))
-        answer.conn = conn          # keep it open, answer nothing
+        took.append(conn)           # kept open; it answers what the test sends
 
     t = threading.Thread(target=answer)
     t.start()
     cmid.connect(b"", retry_count=1, ack_timeout=0.1)
     t.join()
+    yield qp, pd, cq, took[0]
+    cmid.close()
+    took[0].close()
+    server.close()
+    p.close()
+
+
+def test_a_slow_but_steady_responder_is_not_timed_out(hand_peer):
+    """The transport timer counts from the last request the peer answered, not from the
+    oldest one posted: six SENDs posted at once, acknowledged one at a time every 0.1 s,
+    take 0.6 s in all against a 0.2 s timeout, and every one succeeds."""
+    qp, pd, cq, conn = hand_peer
+    mr = pd.reg_mr(bytearray(16), RW)
+    for i in range(6):
+        qp.post_send(SendWR(i, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)]))
+    wcs: list = []
+    for psn in range(6):
+        time.sleep(0.1)
+        conn.sendall(wire.pack(Frame.ACK, psn))
+    assert _wait(lambda: wcs.extend(cq.poll()) or len(wcs) >= 6, 2)
+    assert [(w.wr_id, w.status) for w in wcs] == [(i, WcStatus.SUCCESS) for i in range(6)]
+    assert qp.state != QPState.ERR
+
+
+def test_silent_responder_gives_retry_exceeded(hand_peer):
+    """A peer whose QP never answers: RETRY_EXC_ERR after ack_timeout x (retry_count+1)."""
+    qp, pd, cq, _conn = hand_peer
     mr = pd.reg_mr(bytearray(16), RW)
     t0 = time.monotonic()
     qp.post_send(SendWR(1, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)]))
     assert _wait(lambda: qp.state == QPState.ERR, 5)
     assert [w.status for w in cq.poll()] == [WcStatus.RETRY_EXC_ERR]
     assert 0.15 < time.monotonic() - t0 < 2
-    cmid.close()
-    answer.conn.close()
-    server.close()
-    p.close()
 
 
 def test_killed_peer_process_is_a_disconnect():
@@ -499,7 +525,6 @@ def test_an_older_host_is_refused_with_a_rejection_of_its_version(caplog, versio
 def test_connecting_to_a_version_1_target_names_the_version():
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    import threading
 
     def old_target():
         conn, _ = server.accept()
@@ -623,7 +648,6 @@ def test_push_sends_what_the_pass_queued_so_far(reactor_side, push):
     """An owner answering 8 SENDs in one pass pushes after the first 4: the peer has those
     4 answers while the pass still runs (it waits in the middle for them, up to 1 s); the
     other 4 leave at the end of the pass.  Without the push, nothing leaves before."""
-    import threading
 
     port, accept, state = reactor_side
     early = threading.Event()
@@ -772,9 +796,10 @@ def _raw_owner(passive) -> tuple:
 
 def test_a_reposted_receive_follows_its_sge_and_region_and_raw_completions(passive):
     """The fast path of the reactor's queues: a RecvWR posted with ``resolved=False`` keeps
-    the views it resolved to, and a raw CQ hands out (wr_id, status, byte_len).  A changed
-    SGE lands the next SEND in the new place; a closed region fails it (LOC_PROT_ERR), never
-    writes through an old view."""
+    the views it resolved to, and a raw CQ hands out (wr_id, status, byte_len).  An SGE
+    changed as RecvWR.resolved says (the note set back to False, or a new list) lands the
+    next SEND in the new place; a closed region fails it (LOC_PROT_ERR), never writes
+    through an old view."""
     peer, made = _raw_owner(passive)
     qp, cq, pd = made["qp"], made["cq"], made["pd"]
     bufs = [bytearray(64), bytearray(64)]
@@ -792,13 +817,86 @@ def test_a_reposted_receive_follows_its_sge_and_region_and_raw_completions(passi
     assert one_send(0, 1) == (7, WcStatus.SUCCESS, 16) and bufs[0][:16] == b"\x01" * 16
     assert rwr.resolved                                     # noted: reused on the next post
     assert one_send(1, 2) == (7, WcStatus.SUCCESS, 16) and bufs[0][:16] == b"\x02" * 16
-    sge.addr, sge.lkey = mrs[1].addr, mrs[1].lkey           # the same SGE, pointed elsewhere
+    rwr.resolved = False                                    # the same SGE, pointed elsewhere
+    sge.addr, sge.lkey = mrs[1].addr, mrs[1].lkey
     assert one_send(2, 3) == (7, WcStatus.SUCCESS, 16)
     assert bufs[1][:16] == b"\x03" * 16 and bufs[0][:16] == b"\x02" * 16
-    mrs[1].close()                                          # deregistered: no old view used
-    assert one_send(3, 4) == (7, WcStatus.LOC_PROT_ERR, 0)
-    assert bufs[0][:16] == b"\x02" * 16
-    mrs[0].close()
+    rwr.sg_list = [SGE(mrs[0].addr, 64, mrs[0].lkey)]       # a new list: back to the first
+    assert one_send(3, 4) == (7, WcStatus.SUCCESS, 16)
+    assert bufs[0][:16] == b"\x04" * 16 and bufs[1][:16] == b"\x03" * 16
+    mrs[0].close()                                          # deregistered: no old view used
+    assert one_send(4, 5) == (7, WcStatus.LOC_PROT_ERR, 0)
+    assert bufs[0][:16] == b"\x04" * 16
+    mrs[1].close()
+
+
+def test_a_noted_send_reads_what_may_change_and_nothing_else(passive):
+    """A SendWR posted with ``resolved=False`` is noted at its first post (its region's
+    bytes from its address on) and its later posts read only what SendWR.resolved says an
+    owner may change: the SGE's length, the opcode, the flags.  A length past its region,
+    another opcode or a closed region each take the general path and get what it gives;
+    the note set back to False points the WR elsewhere."""
+    peer, made = _raw_owner(passive)
+    qp, cq, pd = made["qp"], made["cq"], made["pd"]
+    bufs = [bytearray(b"a" * 64), bytearray(b"b" * 64)]
+    mrs = [pd.reg_mr(b, RW) for b in bufs]
+    sge = SGE(mrs[0].addr + 8, 16, mrs[0].lkey)
+    wr = SendWR(5, WrOpcode.SEND, [sge], resolved=False)
+    psn = 0
+    got: list = []
+
+    def post_and_see() -> tuple:
+        nonlocal psn
+        qp.post_send(wr)
+        while (f := peer.frame())[0] == Frame.ACK:
+            pass
+        assert f[2] == psn, f
+        peer.sock.sendall(wire.pack(Frame.ACK, psn))
+        psn += 1
+        assert _wait(lambda: got.extend(cq.poll()) or got)
+        assert got.pop() == (5, WcStatus.SUCCESS, sge.length)
+        return f
+
+    f = post_and_see()
+    assert f[0] == Frame.SEND and f[-1] == b"a" * 16 and wr.resolved     # noted
+    bufs[0][8:12] = b"AAAA"
+    sge.length = 40                                         # a length the owner may change
+    assert post_and_see()[-1] == b"AAAA" + b"a" * 36
+    wr.opcode, wr.imm_data = WrOpcode.SEND_WITH_IMM, 0x1234  # another opcode: read again
+    f = post_and_see()
+    assert f[1] & wire.FrameFlags.WITH_IMM and f[-1] == b"AAAA" + b"a" * 36
+    wr.opcode = WrOpcode.SEND
+    wr.resolved = False                                     # pointed elsewhere, as it says
+    sge.addr, sge.lkey, sge.length = mrs[1].addr, mrs[1].lkey, 16
+    assert post_and_see()[-1] == b"b" * 16
+    sge.length = 65                                         # past its region: as any WR
+    qp.post_send(wr)
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    assert got.pop()[:2] == (5, WcStatus.LOC_PROT_ERR) and qp.state == QPState.ERR
+    for mr in mrs:
+        mr.close()
+
+
+def test_a_noted_send_of_a_closed_region_fails_as_any(passive):
+    """A noted SEND whose region was deregistered is never sent from the old view: it
+    fails LOC_PROT_ERR, as a WR naming an unknown lkey does."""
+    peer, made = _raw_owner(passive)
+    qp, cq, pd = made["qp"], made["cq"], made["pd"]
+    buf = bytearray(b"z" * 64)
+    mr = pd.reg_mr(buf, RW)
+    wr = SendWR(9, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)], resolved=False)
+    qp.post_send(wr)
+    while (f := peer.frame())[0] == Frame.ACK:
+        pass
+    assert f[0] == Frame.SEND and f[-1] == b"z" * 16 and wr.resolved
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))
+    got: list = []
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    assert got.pop() == (9, WcStatus.SUCCESS, 16)
+    mr.close()
+    qp.post_send(wr)
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    assert got.pop()[:2] == (9, WcStatus.LOC_PROT_ERR)
 
 
 @pytest.mark.parametrize("case", ["ahead", "behind", "acks-unsent", "ack-without-flag",

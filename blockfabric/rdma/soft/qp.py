@@ -141,7 +141,7 @@ class _Entry:
     status: int                     # a WcStatus; 0 when it passed its local checks
     frame: list[bytes | memoryview]     # header and payload views (unset: psn None)
     views: list[memoryview] | list[bytes]
-    rnr: int                        # RNR NAKs it met
+    rnr: int                        # RNR NAKs it met (may be unset: none)
     sent: bool
     size: int                       # its frame's bytes
     end: int                        # _tx_queued when its frame was queued whole
@@ -203,6 +203,7 @@ class SoftQP(QP):
         self.send_cq = send_cq
         self.recv_cq = recv_cq
         self.cap = cap if cap is not None else QPCap()
+        self._sq_max, self._rq_max = self.cap.max_send_wr, self.cap.max_recv_wr
         self.sig_all = sq_sig_all
         self.qp_num = self.ctx.new_qp_num()
         self.cmid = cmid
@@ -214,7 +215,8 @@ class SoftQP(QP):
         self.closed = False
         self._outq: deque = deque()
         self._blocked = False
-        self._dirty = False      # on the dirty list of the pass that queued frames here
+        #: on the dirty list of the pass that queued frames here: that thread's ident (0: not)
+        self._dirty = 0
         self._tx_queued = 0      # bytes handed to the socket queue since the start ...
         self._tx_sent = 0        # ... and how many of them the kernel took
         self._last_ack: bytes | None = None     # the ACK at the tail of _outq, if any
@@ -237,6 +239,7 @@ class SoftQP(QP):
         self.ack_timeout = DEFAULT_ACK_TIMEOUT
         self._last_progress = 0.0
         self._acked = M          # the last PSN completed by the peer's answer
+        self._swept = M          # ... as check_timeout last saw it
         #: the last request whose data moves after its post (None: none, or it was
         #: answered): an RDMA WRITE sent through the socket (to a region not shared, or
         #: shared only since), a READ answered later; a copy at a post waits for it
@@ -546,6 +549,23 @@ class SoftQP(QP):
 
     def post_send(self, wrs: SendWR | Sequence[SendWR]) -> None:
         if isinstance(wrs, SendWR):
+            c = wrs.resolved
+            if c and c[0] is self:
+                # A SEND posted again (a host's capsule, per I/O) as its first post noted
+                # (_note_send): of the WR, only what an opted-in owner may change is read
+                # again (SendWR.resolved), and checked; anything else takes the paths below.
+                _, sg, mr, whole, most, flags, signaled = c
+                if (wrs.opcode is _OP_SEND and wrs.send_flags is flags and wrs.sg_list is sg
+                        and not mr.closed):
+                    length = sg[0].length
+                    if 0 < length <= most:
+                        with self._lock:
+                            sq = self._sq
+                            if (self._state is _RTS and not (self._hold or self._stall)
+                                    and len(sq) < self._sq_max):
+                                self._send_view(sq, wrs.wr_id, whole[:length], length,
+                                                signaled)
+                                return
             wrs = (wrs,)
         cap = self.cap
         with self._lock:
@@ -654,11 +674,11 @@ class SoftQP(QP):
     def _post_send1(self, sq: deque, cap: QPCap, wr: SendWR) -> bool:
         """The SEND of every I/O (a host's capsule, a target's response to a write): one
         SGE read from registered memory, not inline.  Checked, then built and sent as
-        _build does, with no step the general path takes for other WRs.  False, with
-        nothing done, for any other SEND or one that fails a check (the general path then
-        says why)."""
+        _build does, with no step the general path takes for other WRs (and noted, for an
+        owner that opted in: SendWR.resolved).  False, with nothing done, for any other
+        SEND or one that fails a check (the general path then says why)."""
         sg = wr.sg_list
-        if len(sg) != 1 or len(sq) >= cap.max_send_wr or cap.max_send_sge < 1:
+        if len(sg) != 1 or len(sq) >= self._sq_max or cap.max_send_sge < 1:
             return False
         flags = int(wr.send_flags)
         sge = sg[0]
@@ -667,25 +687,55 @@ class SoftQP(QP):
         if (flags & _NOT_FAST or mr is None or mr.pd is not self.pd or addr < mr.addr
                 or addr + total > mr.end or total <= 0 or total > _MAX_MESSAGE):
             return False
-        hflags, done = self._carry(sq)
         off = addr - mr.addr
-        view = mr.buf[off:off + total]
+        signaled = self.sig_all or bool(flags & _SIGNALED)
+        if wr.resolved is not None:
+            self._note_send(wr, mr, off, signaled)
+        self._send_view(sq, wr.wr_id, mr.buf[off:off + total], total, signaled)
+        return True
+
+    def _note_send(self, wr: SendWR, mr: SoftMR, off: int, signaled: bool) -> None:
+        """Note for an opted-in SEND (one SGE, at ``off`` in ``mr``, checked) what its
+        later posts reuse (see post_send): the region's bytes from there on."""
+        whole = mr.buf[off:]
+        wr.resolved = (self, wr.sg_list, mr, whole, min(len(whole), _MAX_MESSAGE),
+                       wr.send_flags, signaled)
+
+    def _send_view(self, sq: deque, wr_id: int, view: memoryview, length: int,
+                   signaled: bool) -> None:
+        """Post a SEND of ``view`` (``length`` bytes of registered memory, checked; the lock
+        held, room on ``sq``): its entry, and its frame carrying the ACK this side owes, out
+        with the pass (at once when there is none)."""
+        self.posted = now = _now()
+        if not sq:
+            self._last_progress = now
         psn = self._next_psn
         self._next_psn = (psn + 1) & M
-        e = _Entry()
-        e.psn, e.wr_id, e.opcode, e.byte_len = psn, wr.wr_id, _WC_SEND, total
-        e.signaled = self.sig_all or bool(flags & _SIGNALED)
-        e.status = e.rnr = 0
-        e.views = [view]
-        frame: list[bytes | memoryview] = [
-            _hdr(_MAGIC, _VERSION, _SEND, hflags, psn, total, 0, 0, done, 0), view]
-        e.frame = frame
+        if self._ack_due:
+            self._ack_due = False
+            if self.ack_group is not None:     # it waited for this request (defer_ack)
+                self.ack_group.carried(self)
+            hdr = _hdr(_MAGIC, _VERSION, _SEND, _F_ACK, psn, length, 0, 0, self._done_psn, 0)
+        else:
+            hdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn, length, 0, 0, 0, 0)
+        e = _Entry()        # (status and rnr unset: read only after psn None, an RNR NAK)
+        e.psn, e.wr_id, e.opcode, e.byte_len, e.signaled = psn, wr_id, _WC_SEND, length, signaled
+        e.frame = [hdr, view]
         e.sent = True
-        e.size = size = HDR + total
-        e.end = self._tx_queued + size
+        e.size = size = HDR + length
+        e.end = tq = self._tx_queued + size
         sq.append(e)
-        self._xmit(frame, size)
-        return True
+        if self._dirty == _get_ident():
+            # listed in this thread's pass already: out at its end (_xmit's usual case)
+            self._tx_queued = tq
+            q = self._outq
+            q.append(hdr)
+            q.append(view)
+            queued = tq - self._tx_sent + QUEUED_BUFFER_COST * len(q)
+            if queued >= CORK_BYTES or self.max_unsent and queued > self.max_unsent:
+                self._pressed()
+            return
+        self._xmit(e.frame, size)
 
     def _post_pair(self, sq: deque, cap: QPCap, write: SendWR, send: SendWR) -> bool:
         """The target's answer to a read, per I/O: an RDMA WRITE of the data, then the SEND
@@ -709,7 +759,6 @@ class SoftQP(QP):
                 or baddr < mb.addr or baddr + blen > mb.end or blen <= 0
                 or alen > _MAX_MESSAGE or blen > _MAX_MESSAGE):
             return False
-        flags, done = self._carry(sq)   # (on the WRITE, or the SEND when it goes alone)
         off = aaddr - ma.addr
         data = ma.buf[off:off + alen]
         if self._peer and self._copy_now() and \
@@ -717,9 +766,10 @@ class SoftQP(QP):
             if self._dead:      # a long copy's push found the peer gone: the general path
                 return False    # flushes both (as post_write_send)
             # The data is in the peer's shared region already: the rest as post_write_send
-            self._answer_send(send, sflags, wflags, write.wr_id, alen, flags, done, mb.buf,
-                              baddr - mb.addr, blen)
+            self._answer(sq, write.wr_id, wflags, alen, send, sflags, mb, baddr - mb.addr,
+                         blen)
             return True
+        flags, done = self._carry(sq)   # (on the WRITE)
         sig_all = self.sig_all
         off = baddr - mb.addr
         resp = mb.buf[off:off + blen]
@@ -773,74 +823,54 @@ class SoftQP(QP):
     def post_write_send(self, write: SendWR, send: SendWR, addr: int, length: int, lkey: int,
                         remote_addr: int, rkey: int) -> None:
         """:meth:`QP.post_write_send`.  Over a same-host connection whose peer shares the
-        target region, and with nothing out of the ordinary (a plain SEND of one SGE, no
-        inline data, room on the send queue), the data is copied into the peer's region
-        now and only the SEND goes on the wire, from the numbers given, with no read of
-        ``write``'s SGE and no step of the general path (what _post_pair does for this
-        chain, in one frame).  Anything else takes the general path, which says what is
-        wrong."""
-        with self._lock:
-            sq = self._sq
-            cap = self.cap
-            got = self._peer.get(rkey) if self._peer else None
-            if (got is not None and self._state is _RTS and not (self._hold or self._stall)
-                    and (self._later_psn is None or self._copy_now())
-                    and write.opcode is _OP_WRITE and send.opcode is _OP_SEND
-                    and len(send.sg_list) == 1
-                    and len(sq) + 2 <= cap.max_send_wr and cap.max_send_sge >= 1
-                    and got[2] & _REMOTE_WRITE and got[0] <= remote_addr
-                    and remote_addr + length <= got[1] and 0 < length <= _MAX_MESSAGE):
-                ssg = send.sg_list
-                lkeys, pd = self.ctx.lkeys, self.pd
-                ma = lkeys.get(lkey)
-                b = ssg[0]
-                mb = lkeys.get(b.lkey)
-                baddr, blen = b.addr, b.length
-                wflags, sflags = int(write.send_flags), int(send.send_flags)
-                if (ma is not None and mb is not None and ma.pd is pd and mb.pd is pd
-                        and not (wflags | sflags) & _NOT_FAST
-                        and ma.addr <= addr and addr + length <= ma.end
-                        and mb.addr <= baddr and baddr + blen <= mb.end
-                        and 0 < blen <= _MAX_MESSAGE):
-                    flags, done = self._carry(sq)   # (the SEND carries the ACK owed)
-                    if length >= CORK_BYTES:
-                        self.push()     # what the pass queued leaves first
-                    if not self._dead:  # (that send may have found the peer gone: ERR)
-                        off = addr - ma.addr
-                        at = remote_addr - got[0]
-                        got[3][at:at + length] = ma.buf[off:off + length]
-                        self._answer_send(send, sflags, wflags, write.wr_id, length, flags,
-                                          done, mb.buf, baddr - mb.addr, blen)
-                        return
+        target region, for a SEND its first post noted (an opted-in owner's: see post_send)
+        and a WRITE with nothing out of the ordinary (room on the send queue, no inline
+        data, no fence), the data is copied into the peer's region now and only the SEND
+        goes on the wire, with no read of ``write``'s SGE and no step of the general path
+        (what _post_pair does for this chain, in one frame).  Anything else takes the
+        general path, which says what is wrong."""
+        c = send.resolved
+        if c and c[0] is self:
+            _, sg, smr, whole, most, sflags, signaled = c
+            ma = self.ctx.lkeys.get(lkey)
+            if (send.opcode is _OP_SEND and send.send_flags is sflags and send.sg_list is sg
+                    and not smr.closed and write.opcode is _OP_WRITE
+                    and not int(write.send_flags) & _NOT_FAST and ma is not None
+                    and ma.pd is self.pd and ma.addr <= addr and addr + length <= ma.end
+                    and 0 < length <= _MAX_MESSAGE and 0 < (blen := sg[0].length) <= most):
+                with self._lock:
+                    sq = self._sq
+                    got = self._peer.get(rkey) if self._peer else None
+                    if (got is not None and got[2] & _REMOTE_WRITE and got[0] <= remote_addr
+                            and remote_addr + length <= got[1] and self._state is _RTS
+                            and not (self._hold or self._stall) and len(sq) + 2 <= self._sq_max
+                            and (self._later_psn is None or self._copy_now())):
+                        if length >= CORK_BYTES:
+                            self.push()     # what the pass queued leaves first
+                        if not self._dead:  # (that send may have found the peer gone: ERR)
+                            off = addr - ma.addr
+                            at = remote_addr - got[0]
+                            got[3][at:at + length] = ma.buf[off:off + length]
+                            if self.sig_all or int(write.send_flags) & _SIGNALED:
+                                self._shared_write_done(write.wr_id, length)
+                            self._send_view(sq, send.wr_id, whole[:blen], blen, signaled)
+                            return
         QP.post_write_send(self, write, send, addr, length, lkey, remote_addr, rkey)
 
-    def _answer_send(self, send: SendWR, sflags: int, wflags: int, write_id: int,
-                     length: int, flags: int, done: int, buf: memoryview, off: int,
-                     blen: int) -> None:
-        """The last step of a read answer whose WRITE was copied into the peer's shared
-        region (post_write_send's, _post_pair's), its checks made: the WRITE completes as
-        _shared_write_done says, and the SEND of ``blen`` bytes at ``buf[off:]`` goes out
-        carrying ``flags`` and ``done`` (_carry's)."""
-        sq = self._sq
-        # The WRITE takes no PSN and sends nothing: its data is in place already.
+    def _answer(self, sq: deque, write_id: int, wflags: int, length: int, send: SendWR,
+                sflags: int, mr: SoftMR, off: int, blen: int) -> None:
+        """The last step of a read answer whose WRITE (``write_id``, ``length`` bytes) was
+        copied into the peer's shared region, its checks made (_post_pair's): the WRITE
+        completes as _shared_write_done says (it takes no PSN and sends nothing: its data
+        is in place already), and ``send`` goes out, of ``blen`` bytes at ``off`` in
+        ``mr`` (noted, for an owner that opted in)."""
         sig_all = self.sig_all
         if sig_all or wflags & _SIGNALED:
             self._shared_write_done(write_id, length)
-        psn = self._next_psn
-        self._next_psn = (psn + 1) & M
-        resp = buf[off:off + blen]
-        frame: list[bytes | memoryview] = [
-            _hdr(_MAGIC, _VERSION, _SEND, flags, psn, blen, 0, 0, done, 0), resp]
-        e = _Entry()
-        e.psn, e.wr_id, e.opcode, e.byte_len = psn, send.wr_id, _WC_SEND, blen
-        e.signaled = sig_all or bool(sflags & _SIGNALED)
-        e.status = e.rnr = 0
-        e.views, e.frame = [resp], frame
-        e.sent = True
-        e.size = size = HDR + blen
-        e.end = self._tx_queued + size
-        sq.append(e)
-        self._xmit(frame, size)
+        signaled = sig_all or bool(sflags & _SIGNALED)
+        if send.resolved is not None:
+            self._note_send(send, mr, off, signaled)
+        self._send_view(sq, send.wr_id, mr.buf[off:off + blen], blen, signaled)
 
     def _peer_view(self, rkey: int, raddr: int, total: int, need: int) -> memoryview | None:
         """The bytes [raddr, raddr+total) of the peer's shared region ``rkey``, if it is one
@@ -904,11 +934,12 @@ class SoftQP(QP):
                 self._asked = psn
                 self._want_ack = True
                 if not self._dirty:
-                    dirty = self.ctx.corks.get(_get_ident())
+                    ident = _get_ident()
+                    dirty = self.ctx.corks.get(ident)
                     if dirty is None:
                         self._ask_ack()
                     else:
-                        self._dirty = True
+                        self._dirty = ident
                         dirty.append(self)
         elif e.signaled:
             self.send_cq.push(WC(e.wr_id, _WC_OK, _WC_READ, e.byte_len, self.qp_num))
@@ -1022,12 +1053,10 @@ class SoftQP(QP):
             # good (see _post_recvs): its receive-queue entry appended again as it was.
             c = wrs.resolved
             if c and c[0] is self:
-                _, sg, sge, addr, length, lkey, mr, entry = c
-                if (wrs.sg_list is sg and len(sg) == 1 and sg[0] is sge and sge.addr == addr
-                        and sge.length == length and sge.lkey == lkey and not mr.closed
-                        and entry[0] == wrs.wr_id):
+                _, sg, mr, entry = c
+                if wrs.sg_list is sg and not mr.closed and entry[0] == wrs.wr_id:
                     with self._lock:
-                        if self._state is not _ERR and len(self._rq) < self.cap.max_recv_wr:
+                        if self._state is not _ERR and len(self._rq) < self._rq_max:
                             self._rq.append(entry)
                             return
             wrs = (wrs,)
@@ -1042,23 +1071,22 @@ class SoftQP(QP):
                                          self.qp_num))
                 return
             rq = self._rq
-            if len(rq) + len(wrs) > cap.max_recv_wr:
+            if len(rq) + len(wrs) > self._rq_max:
                 raise RdmaError(f"receive queue full ({cap.max_recv_wr} WRs)",
                                 errno=_errno.ENOMEM)
             entries: list[tuple | None] = []
             append = entries.append
             fresh = False
             for wr in wrs:
-                # The entry a WR of one SGE made when last posted on this QP, while that SGE
-                # still says the same and its region is still registered (a closed region
-                # is never reached through an old view); else its views resolved afresh.
-                # (All checked before any is posted: a bad one posts none.)
+                # The entry a WR of one SGE made when last posted on this QP, while it keeps
+                # its SGE list (whose SGEs an opted-in owner leaves as they are: RecvWR)
+                # and its region is still registered (a closed region is never reached
+                # through an old view); else its views resolved afresh.  (All checked
+                # before any is posted: a bad one posts none.)
                 c = wr.resolved
                 if c and c[0] is self:
-                    _, sg, sge, addr, length, lkey, mr, entry = c
-                    if (wr.sg_list is sg and len(sg) == 1 and sg[0] is sge
-                            and sge.addr == addr and sge.length == length and sge.lkey == lkey
-                            and not mr.closed and entry[0] == wr.wr_id):
+                    _, sg, mr, entry = c
+                    if wr.sg_list is sg and not mr.closed and entry[0] == wr.wr_id:
                         append(entry)
                         continue
                 if len(wr.sg_list) > cap.max_recv_sge:
@@ -1074,9 +1102,7 @@ class SoftQP(QP):
                 entry = entries[i] = (wr.wr_id, views, total, status)
                 c = wr.resolved
                 if c is not None and not status and len(sg) == 1:      # opted in
-                    sge = sg[0]
-                    wr.resolved = (self, sg, sge, sge.addr, sge.length, sge.lkey,
-                                   self.ctx.lkeys[sge.lkey], entry)
+                    wr.resolved = (self, sg, self.ctx.lkeys[sg[0].lkey], entry)
             rq.extend(entries)  # type: ignore[arg-type]  # (each None replaced above)
 
     # ------------------------------------------------------------------ transmit
@@ -1093,18 +1119,17 @@ class SoftQP(QP):
         q = self._outq
         corks = self.ctx.corks
         if corks:
-            dirty = corks.get(_get_ident())
+            ident = _get_ident()
+            dirty = corks.get(ident)
             if dirty is not None:       # in a pass: out at its end, with everything else
                 q.extend(bufs)
                 if not self._dirty:
-                    self._dirty = True
+                    self._dirty = ident
                     dirty.append(self)
                 # (one test for the usual case: little queued, no limit below CORK_BYTES)
                 queued = self._tx_queued - self._tx_sent + QUEUED_BUFFER_COST * len(q)
                 if queued >= CORK_BYTES or self.max_unsent and queued > self.max_unsent:
-                    if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
-                        self._flush()   # a long pass: let the peer start on this much
-                    self._check_unsent()
+                    self._pressed()
                 return
         if not q and len(bufs) <= IOV_BATCH:
             try:
@@ -1130,6 +1155,14 @@ class SoftQP(QP):
             if self._blocked:   # the socket is full: the engine flushes when it is writable
                 bufs = None  # type: ignore[assignment]  # (from here: whether to flush)
         if bufs is not None:
+            self._flush()
+        self._check_unsent()
+
+    def _pressed(self) -> None:
+        """A pass has queued CORK_BYTES or ``max_unsent`` here: what it queued goes out
+        now (a long pass: the peer starts on this much), and a peer that reads none of it
+        is cut off at the bound."""
+        if self._tx_queued - self._tx_sent >= CORK_BYTES and not self._blocked:
             self._flush()
         self._check_unsent()
 
@@ -1184,7 +1217,7 @@ class SoftQP(QP):
         An acknowledgement that would leave alone (no other frame for this peer) may wait
         for traffic instead, up to the reactor's ACK_DELAY (see SoftContext.defer_ack)."""
         with self._lock:
-            self._dirty = False
+            self._dirty = 0
             if self._dead:
                 return
             if self._ack_due and (self._outq or self._ack_asked or self._want_ack
@@ -1250,13 +1283,14 @@ class SoftQP(QP):
         there is no pass: never left owed)."""
         self._ack_due = True
         if not self._dirty:
-            dirty = self.ctx.corks.get(_get_ident())
+            ident = _get_ident()
+            dirty = self.ctx.corks.get(ident)
             if dirty is None:
                 self._queue_ack()
                 if not self._blocked:
                     self._flush()
                 return
-            self._dirty = True
+            self._dirty = ident
             dirty.append(self)
 
     def on_writable(self) -> None:
@@ -1360,7 +1394,7 @@ class SoftQP(QP):
                     if ((word == _W_SEND and not ack) or word == _W_SEND_ACK) and not (
                             keys or addr) and 0 < length <= end - pos - HDR \
                             and self._state is not _ERR:
-                        if word != _W_SEND:
+                        if word != _W_SEND and ack != self._acked:
                             self._ack_upto(ack)
                         # (after an ACK, a WR that failed its checks at the head of the
                         # send queue goes first: _on_header retires it)
@@ -1690,8 +1724,8 @@ class SoftQP(QP):
     def _ack_upto(self, psn: int) -> None:
         """Complete every WR up to ``psn`` (READs complete with their data).  Each must have
         gone out whole: a peer acknowledging what it cannot have received, or past a READ
-        it has not answered, is lying, and the connection ends (WireError)."""
-        self._last_progress = _now()
+        it has not answered, is lying, and the connection ends (WireError).  (What it
+        completes is the progress check_timeout looks for: _acked moves.)"""
         sq, cq, qpn = self._sq, self.send_cq, self.qp_num
         append, raw = cq._q.append, cq.raw
         sent = self._tx_sent
@@ -1734,12 +1768,12 @@ class SoftQP(QP):
         if e.opcode == _WC_READ or (e.opcode == _WC_WRITE
                                     and not e.frame[0][wire.FLAGS_AT] & _F_IMM):
             raise wire.WireError(f"RNR NAK for PSN {psn}, which consumes no receive")
-        e.rnr += 1
-        if self.rnr_retry != 7 and e.rnr > self.rnr_retry:
+        e.rnr = rnr = getattr(e, "rnr", 0) + 1     # (unset until its first: _send_view)
+        if self.rnr_retry != 7 and rnr > self.rnr_retry:
             self._fail_head(WcStatus.RNR_RETRY_EXC_ERR)
             return
         self._hold = True
-        self.rnr_deadline = _now() + min(RNR_FIRST * (1 << min(e.rnr - 1, 16)), RNR_MAX)
+        self.rnr_deadline = _now() + min(RNR_FIRST * (1 << min(rnr - 1, 16)), RNR_MAX)
         self.ctx.rnr_waiters.add(self)
         self.ctx.timer_pending()
 
@@ -1795,6 +1829,11 @@ class SoftQP(QP):
         """Transport timer: a peer that stops answering (its QP in ERR, say) fails the head
         WR with RETRY_EXC_ERR after ``ack_timeout * (retry_count + 1)``, as an HCA does."""
         if not self._sq or self._hold or self._state != _RTS:
+            return
+        if self._acked != self._swept:
+            # the peer answered a request since the last sweep (_ack_upto reads no clock)
+            self._swept = self._acked
+            self._last_progress = now
             return
         if now - self._last_progress <= self.ack_timeout * (self.retry_count + 1):
             return

@@ -946,3 +946,30 @@ def test_raw_receives_check_each_send_as_any(passive, case):
         assert made["cmid"].get_event(5).type == CMEventType.DISCONNECTED
     assert qp.state == QPState.ERR
     assert buf[:16] == b"A" * 16 and b"X" not in buf
+
+
+@pytest.mark.parametrize("fields", [
+    {"flags": int(wire.FrameFlags.ACK)}, {"length": 4}, {"key": 1}, {"extra": 1},
+    {"addr": 8}, {"ack": 5}, {"flags": int(wire.FrameFlags.ACK_REQ | wire.FrameFlags.SHM)},
+], ids=["ack-flag", "length", "key", "extra", "addr", "ack", "flags"])
+def test_a_bare_ack_outside_its_fields_ends_the_connection(passive, fields):
+    """A bare ACK frame is checked inline on the receive path (the per-I/O case): every
+    field it may not use still ends the connection, as wire.decode would."""
+    peer, made = _raw_owner(passive)
+    qp = made["qp"]
+    peer.sock.sendall(wire.pack(Frame.ACK, wire.PSN_MASK, **fields))   # ("none yet")
+    assert made["cmid"].get_event(5).type == CMEventType.DISCONNECTED
+    assert qp.state == QPState.ERR
+
+
+def test_a_bare_ack_of_nothing_sent_ends_the_connection_and_a_good_one_does_not(passive):
+    """An ACK of what was acknowledged already passes (asking or not); one of a request
+    never sent ends the connection."""
+    peer, made = _raw_owner(passive)
+    qp = made["qp"]
+    peer.sock.sendall(wire.pack(Frame.ACK, wire.PSN_MASK))  # "none yet": allowed
+    peer.sock.sendall(wire.pack(Frame.ACK, wire.PSN_MASK, flags=int(wire.FrameFlags.ACK_REQ)))
+    assert made["cmid"].get_event(0.3) is None and qp.state != QPState.ERR
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))              # PSN 0 was never sent
+    assert made["cmid"].get_event(5).type == CMEventType.DISCONNECTED
+    assert qp.state == QPState.ERR

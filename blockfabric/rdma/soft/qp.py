@@ -1457,12 +1457,16 @@ class SoftQP(QP):
         self._expect(None, length, RX_DISCARD)
 
     def _on_header(self, at: int) -> None:
-        # The per-I/O frames (a SEND, a WRITE, no flag but ACK) are checked here, inline:
-        # a subset of what wire.decode accepts, with the same values; anything else (other
-        # types, flags, fields) goes through decode, which says what is wrong with it.
+        # The per-I/O frames (a SEND, a WRITE, no flag but ACK; a bare ACK) are checked
+        # here, inline: a subset of what wire.decode accepts, with the same values; anything
+        # else (other types, flags, fields) goes through decode, which says what is wrong.
         magic, version, ftype, flags, psn, length, key, extra, ack, addr = \
             _unpack_header(self._stage, at)
-        if (magic != _MAGIC or version != _VERSION or extra
+        if ftype == _ACK:
+            if (magic != _MAGIC or version != _VERSION or flags & ~_F_ACK_REQ or length
+                    or key or extra or ack or addr):
+                _decode(self._stage, at)        # (it raises: says what is wrong)
+        elif (magic != _MAGIC or version != _VERSION or extra
                 or (flags & _NOT_ACK and (ftype != _WRITE or flags & _NOT_ACK != _F_SHM))
                 or length > _MAX_MESSAGE or (ack and not flags & _F_ACK)
                 or not (ftype == _WRITE or (ftype == _SEND and not key and not addr))):

@@ -348,17 +348,16 @@ class IoPath(ControllerParts):
             cmd = cmds[0]
             bs = ns.block_size
             cmd.opcode = opcode
-            cmd.nsid = ns.nsid
-            cmd.slba = offset // bs
-            cmd.nlb = length // bs - 1
+            cmd.nsid = nsid = ns.nsid
+            cmd.slba = slba = offset // bs
+            cmd.nlb = nlb = length // bs - 1
             cmd.addr = addr
             cmd.length = length
             cmd.rkey = rkey
             cmd.data = data
             cmd.gen = self._gen
             try:
-                queue.submit_rw(cmd, cmd.opcode, cmd.nsid, cmd.slba, cmd.nlb, cmd.addr,
-                                cmd.length, cmd.rkey, cmd.data)
+                queue.submit_rw(cmd, opcode, nsid, slba, nlb, addr, length, rkey, data)
             except ConnectionError as exc:
                 self._hold(cmd, exc)
             except Exception as exc:  # noqa: BLE001 - not sent: the piece fails

@@ -554,17 +554,18 @@ class SoftQP(QP):
                 # A SEND posted again (a host's capsule, per I/O) as its first post noted
                 # (_note_send): of the WR, only what an opted-in owner may change is read
                 # again (SendWR.resolved), and checked; anything else takes the paths below.
-                _, sg, mr, whole, most, flags, signaled = c
+                _, sg, mr, view, vlen, flags, signaled, whole, most = c
                 if (wrs.opcode is _OP_SEND and wrs.send_flags is flags and wrs.sg_list is sg
                         and not mr.closed):
                     length = sg[0].length
-                    if 0 < length <= most:
+                    if length != vlen:      # (else the view of the first post's length)
+                        view = whole[:length] if 0 < length <= most else None
+                    if view is not None:
                         with self._lock:
                             sq = self._sq
                             if (self._state is _RTS and not (self._hold or self._stall)
                                     and len(sq) < self._sq_max):
-                                self._send_view(sq, wrs.wr_id, whole[:length], length,
-                                                signaled)
+                                self._send_view(sq, wrs.wr_id, view, length, signaled)
                                 return
             wrs = (wrs,)
         cap = self.cap
@@ -690,16 +691,19 @@ class SoftQP(QP):
         off = addr - mr.addr
         signaled = self.sig_all or bool(flags & _SIGNALED)
         if wr.resolved is not None:
-            self._note_send(wr, mr, off, signaled)
+            self._note_send(wr, mr, off, total, signaled)
         self._send_view(sq, wr.wr_id, mr.buf[off:off + total], total, signaled)
         return True
 
-    def _note_send(self, wr: SendWR, mr: SoftMR, off: int, signaled: bool) -> None:
-        """Note for an opted-in SEND (one SGE, at ``off`` in ``mr``, checked) what its
-        later posts reuse (see post_send): the region's bytes from there on."""
+    def _note_send(self, wr: SendWR, mr: SoftMR, off: int, length: int,
+                   signaled: bool) -> None:
+        """Note for an opted-in SEND (one SGE of ``length`` bytes at ``off`` in ``mr``,
+        checked) what its later posts reuse (see post_send): the view of those bytes (a
+        post of the same length takes it as it is), and the region's bytes from there on
+        (a post of another length, up to them, takes a slice)."""
         whole = mr.buf[off:]
-        wr.resolved = (self, wr.sg_list, mr, whole, min(len(whole), _MAX_MESSAGE),
-                       wr.send_flags, signaled)
+        wr.resolved = (self, wr.sg_list, mr, whole[:length], length, wr.send_flags, signaled,
+                       whole, min(len(whole), _MAX_MESSAGE))
 
     def _send_view(self, sq: deque, wr_id: int, view: memoryview, length: int,
                    signaled: bool) -> None:
@@ -831,13 +835,16 @@ class SoftQP(QP):
         general path, which says what is wrong."""
         c = send.resolved
         if c and c[0] is self:
-            _, sg, smr, whole, most, sflags, signaled = c
+            _, sg, smr, view, vlen, sflags, signaled, whole, most = c
             ma = self.ctx.lkeys.get(lkey)
+            blen = sg[0].length
+            if blen != vlen:
+                view = whole[:blen] if 0 < blen <= most else None
             if (send.opcode is _OP_SEND and send.send_flags is sflags and send.sg_list is sg
                     and not smr.closed and write.opcode is _OP_WRITE
                     and not int(write.send_flags) & _NOT_FAST and ma is not None
                     and ma.pd is self.pd and ma.addr <= addr and addr + length <= ma.end
-                    and 0 < length <= _MAX_MESSAGE and 0 < (blen := sg[0].length) <= most):
+                    and 0 < length <= _MAX_MESSAGE and view is not None):
                 with self._lock:
                     sq = self._sq
                     got = self._peer.get(rkey) if self._peer else None
@@ -853,7 +860,7 @@ class SoftQP(QP):
                             got[3][at:at + length] = ma.buf[off:off + length]
                             if self.sig_all or int(write.send_flags) & _SIGNALED:
                                 self._shared_write_done(write.wr_id, length)
-                            self._send_view(sq, send.wr_id, whole[:blen], blen, signaled)
+                            self._send_view(sq, send.wr_id, view, blen, signaled)
                             return
         QP.post_write_send(self, write, send, addr, length, lkey, remote_addr, rkey)
 
@@ -869,7 +876,7 @@ class SoftQP(QP):
             self._shared_write_done(write_id, length)
         signaled = sig_all or bool(sflags & _SIGNALED)
         if send.resolved is not None:
-            self._note_send(send, mr, off, signaled)
+            self._note_send(send, mr, off, blen, signaled)
         self._send_view(sq, send.wr_id, mr.buf[off:off + blen], blen, signaled)
 
     def _peer_view(self, rkey: int, raddr: int, total: int, need: int) -> memoryview | None:

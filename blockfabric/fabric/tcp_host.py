@@ -57,6 +57,8 @@ _CQE_RAW = struct.Struct("<QHHHH")
 _pack_capsule_rw = TCP_CAPSULE_RW.pack_into
 _unpack_data_fields = tcp_pdu.DATA_FIELDS.unpack_from
 _CAPSULE_CMD = tcp_pdu.CAPSULE_CMD
+_C2H_DATA = tcp_pdu.C2H_DATA
+_F_SUCCESS, _F_LAST = tcp_pdu.F_DATA_SUCCESS, tcp_pdu.F_DATA_LAST
 _C2H_DATA, _R2T = tcp_pdu.C2H_DATA, tcp_pdu.R2T
 _TRANSPORT_WORD = tcp_pdu.SGL_TRANSPORT << 56
 _INCAPSULE_WORD = tcp_pdu.SGL_INCAPSULE << 56
@@ -321,7 +323,7 @@ class TcpHostQueue(PduConnection, HostQueue):
         if data is None:
             raise tcp_pdu.PduError(f"PDU type {ptype:#x} for cid {cccid:#x}, which moves no data",
                                    tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
-        if ptype == tcp_pdu.C2H_DATA:
+        if ptype == _C2H_DATA:
             if not data[3]:
                 raise tcp_pdu.PduError(f"C2HData for cid {cccid:#x}, a write",
                                        tcp_pdu.Fes.INVALID_HEADER_FIELD, 8)
@@ -331,12 +333,13 @@ class TcpHostQueue(PduConnection, HostQueue):
             if offset != data[2] or offset + length > data[1]:
                 raise tcp_pdu.PduError(f"C2HData {offset}+{length}: expected offset {data[2]} of "
                                        f"{data[1]}", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 12)
-            if flags & tcp_pdu.F_DATA_SUCCESS and not flags & tcp_pdu.F_DATA_LAST:
-                raise tcp_pdu.PduError("C2HData SUCCESS without LAST",
-                                       tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
-            if flags & tcp_pdu.F_DATA_SUCCESS and offset + length != data[1]:
-                raise tcp_pdu.PduError("C2HData SUCCESS before all the data (no short reads)",
-                                       tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
+            if flags & _F_SUCCESS:
+                if not flags & _F_LAST:
+                    raise tcp_pdu.PduError("C2HData SUCCESS without LAST",
+                                           tcp_pdu.Fes.INVALID_HEADER_FIELD, tcp_pdu.FEI_FLAGS)
+                if offset + length != data[1]:
+                    raise tcp_pdu.PduError("C2HData SUCCESS before all the data (no short "
+                                           "reads)", tcp_pdu.Fes.DATA_OUT_OF_RANGE, 16)
             # _c2h (next for this PDU: nothing is parsed between) takes them from here
             self._checked = (cccid, data, offset + length)
             return data[0][offset:offset + length]  # type: ignore[no-any-return]  # (a memoryview)

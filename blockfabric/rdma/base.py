@@ -182,10 +182,11 @@ class SendWR:
     imm_data: int = 0         # *_WITH_IMM
     #: None, or (opt-in, as :attr:`RecvWR.resolved`) False: the provider may keep a note
     #: of what its SGE resolved to (the soft provider: for a SEND of one SGE, the registered
-    #: bytes from its address on) and reuse it on later posts of this WR.  Opcode, flags and
-    #: the SGE's length are read at every post; its address and key are not: to point the
-    #: WR elsewhere, set this back to False first.  The note holds views of the memory: set
-    #: it back to False (or None) before closing what backs the region.
+    #: bytes from its address on) and reuse it on later posts of this WR.  Opcode, flags,
+    #: the number of SGEs and the SGE's length are read at every post; its address and key
+    #: are not: to point the WR elsewhere, set this back to False first.  The note holds
+    #: views of the memory: set it back to False (or None) before closing what backs the
+    #: region.
     resolved: Any = field(default=None, repr=False, compare=False)
 
 

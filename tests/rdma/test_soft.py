@@ -407,9 +407,11 @@ def test_a_fenced_wr_waits_for_the_reads_before_it(passive, fence):
 
 
 @pytest.fixture
-def hand_peer():
-    """A QP connected (retry_count 1, ack_timeout 0.1 s) to a peer that answers only what
-    the test sends by hand on ``conn``: (qp, pd, cq, conn)."""
+def hand_peer(request):
+    """A QP connected (retry_count 1, ack_timeout 0.1 s, or the test's indirect parameter)
+    to a peer that answers only what the test sends by hand on ``conn``: (qp, pd, cq,
+    conn)."""
+    ack_timeout = getattr(request, "param", 0.1)
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     p = SoftProvider(progress="thread")     # nobody polls: the engine's own timer must fire
@@ -427,7 +429,7 @@ def hand_peer():
 
     t = threading.Thread(target=answer)
     t.start()
-    cmid.connect(b"", retry_count=1, ack_timeout=0.1)
+    cmid.connect(b"", retry_count=1, ack_timeout=ack_timeout)
     t.join()
     yield qp, pd, cq, took[0]
     cmid.close()
@@ -451,6 +453,31 @@ def test_a_slow_but_steady_responder_is_not_timed_out(hand_peer):
     assert _wait(lambda: wcs.extend(cq.poll()) or len(wcs) >= 6, 2)
     assert [(w.wr_id, w.status) for w in wcs] == [(i, WcStatus.SUCCESS) for i in range(6)]
     assert qp.state != QPState.ERR
+
+
+@pytest.mark.parametrize("hand_peer", [0.3], indirect=True)
+def test_a_read_whose_answer_is_arriving_is_not_timed_out(hand_peer):
+    """An answer is progress even before it completes anything, as every response packet
+    restarts an HCA's transport timer: a READ answered 0.45 s after its post, whose data
+    takes another 0.4 s, succeeds against a 0.6 s timeout (it would fail mid-answer if
+    only completed requests counted)."""
+    qp, pd, cq, conn = hand_peer
+    dst = pd.reg_mr(bytearray(4096), RW)
+    qp.post_send(SendWR(1, WrOpcode.RDMA_READ, [SGE(dst.addr, 4096, dst.lkey)],
+                        SendFlags.SIGNALED, remote_addr=0x1000, rkey=0x77))
+    conn.settimeout(5)
+    got = b""
+    while len(got) < wire.HEADER_SIZE or wire.unpack(got[-wire.HEADER_SIZE:])[0] != \
+            Frame.READ_REQ:
+        got += conn.recv(wire.HEADER_SIZE)          # (the CONN_RTU, then the READ_REQ)
+    time.sleep(0.45)
+    conn.sendall(wire.pack(Frame.READ_RESP, 0, 4096) + b"D" * 1024)
+    time.sleep(0.4)
+    conn.sendall(b"D" * 3072)
+    wcs: list = []
+    assert _wait(lambda: wcs.extend(cq.poll()) or wcs, 3)
+    assert [(w.wr_id, w.status) for w in wcs] == [(1, WcStatus.SUCCESS)]
+    assert bytes(dst.buf) == b"D" * 4096 and qp.state != QPState.ERR
 
 
 def test_silent_responder_gives_retry_exceeded(hand_peer):
@@ -875,6 +902,29 @@ def test_a_noted_send_reads_what_may_change_and_nothing_else(passive):
     assert got.pop()[:2] == (5, WcStatus.LOC_PROT_ERR) and qp.state == QPState.ERR
     for mr in mrs:
         mr.close()
+
+
+def test_a_noted_send_given_a_second_sge_sends_both(passive):
+    """The number of SGEs is read at every post of a noted SEND (SendWR.resolved): a second
+    SGE appended to the same list goes out with the first, as any provider sends it."""
+    peer, made = _raw_owner(passive)
+    qp, cq, pd = made["qp"], made["cq"], made["pd"]
+    buf = bytearray(b"a" * 16 + b"b" * 16)
+    mr = pd.reg_mr(buf, RW)
+    wr = SendWR(5, WrOpcode.SEND, [SGE(mr.addr, 16, mr.lkey)], resolved=False)
+    qp.post_send(wr)
+    while (f := peer.frame())[0] != Frame.SEND:
+        pass
+    assert f[-1] == b"a" * 16 and wr.resolved
+    peer.sock.sendall(wire.pack(Frame.ACK, 0))
+    got: list = []
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    wr.sg_list.append(SGE(mr.addr + 16, 16, mr.lkey))      # a second SGE, the same list
+    qp.post_send(wr)
+    while (f := peer.frame())[0] != Frame.SEND:
+        pass
+    assert (f[3], f[-1]) == (32, b"a" * 16 + b"b" * 16)
+    mr.close()
 
 
 def test_a_noted_send_of_a_closed_region_fails_as_any(passive):

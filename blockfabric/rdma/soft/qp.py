@@ -556,7 +556,7 @@ class SoftQP(QP):
                 # again (SendWR.resolved), and checked; anything else takes the paths below.
                 _, sg, mr, view, vlen, flags, signaled, whole, most = c
                 if (wrs.opcode is _OP_SEND and wrs.send_flags is flags and wrs.sg_list is sg
-                        and not mr.closed):
+                        and len(sg) == 1 and not mr.closed):
                     length = sg[0].length
                     if length != vlen:      # (else the view of the first post's length)
                         view = whole[:length] if 0 < length <= most else None
@@ -837,7 +837,7 @@ class SoftQP(QP):
         if c and c[0] is self:
             _, sg, smr, view, vlen, sflags, signaled, whole, most = c
             ma = self.ctx.lkeys.get(lkey)
-            blen = sg[0].length
+            blen = sg[0].length if len(sg) == 1 else 0
             if blen != vlen:
                 view = whole[:blen] if 0 < blen <= most else None
             if (send.opcode is _OP_SEND and send.send_flags is sflags and send.sg_list is sg
@@ -1448,6 +1448,7 @@ class SoftQP(QP):
             n = sock.recvmsg_into(views)[0]
         if n == 0:
             raise ConnectionResetError("peer closed the connection")
+        self._last_progress = _now()    # (a long payload arriving: progress, as an answer)
         self._rleft -= n
         if self._rleft == 0:
             self._end_payload()
@@ -1724,7 +1725,10 @@ class SoftQP(QP):
 
     def _answered(self, psn: int, what: str) -> _Entry:
         """The request a NAK, RNR NAK or READ_RESP for ``psn`` answers: everything before it
-        is acknowledged by it, and it must be at the head, its header sent."""
+        is acknowledged by it, and it must be at the head, its header sent.  An answer is
+        progress for the transport timer even when it completes nothing yet (a READ's data
+        still arriving), as every response packet restarts an HCA's."""
+        self._last_progress = _now()
         self._ack_upto((psn - 1) & M)
         sq = self._sq
         e = sq[0] if sq else None

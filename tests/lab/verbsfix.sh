@@ -52,6 +52,15 @@ connect_kernel() {
     nvme connect -t rdma -a "$IP" -s "$PORT" -n "$NQN" -q "$HOSTNQN" -i 2 "$@" || return 1
     POLL_MAX=100 poll ns_dev "$NQN" 2 > /dev/null || { echo "no namespace 2"; return 1; }
 }
+# read a block of every namespace: a volume's memory is registered at its first read, which
+# the kernel's partition scan may or may not have made yet (so both counts see it)
+read_all() {
+    local n d
+    for n in 1 2; do
+        d=$(ns_dev "$NQN" "$n") || { echo "no namespace $n"; return 1; }
+        dd if="$d" of=/dev/null bs=4k count=1 iflag=direct status=none || return 1
+    done
+}
 
 case_resources() {
     local ok=OK pds=() mrs=() i
@@ -59,6 +68,7 @@ case_resources() {
     start_target || { result V/resources FAIL "target did not start"; return; }
     for i in 1 2; do
         connect_kernel || { result V/resources FAIL "nvme connect $i failed"; stop_target; return; }
+        read_all || { result V/resources FAIL "reads after connect $i failed"; stop_target; return; }
         pds+=("$(mr_pds)/$(res pd)"); mrs+=("$(mr_bytes)")
         echo "connection $i: $(res qp) QPs, ${pds[-1]} PDs (with memory/all), ${mrs[-1]} B registered"
         rdma res show pd 2> /dev/null | grep " pid $TGT_PID "

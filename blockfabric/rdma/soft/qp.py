@@ -565,7 +565,7 @@ class SoftQP(QP):
                             sq = self._sq
                             if (self._state is _RTS and not (self._hold or self._stall)
                                     and len(sq) < self._sq_max):
-                                self._send_view(sq, wrs.wr_id, view, length, signaled)
+                                self._post_view(sq, wrs.wr_id, view, length, signaled)
                                 return
             wrs = (wrs,)
         cap = self.cap
@@ -692,7 +692,7 @@ class SoftQP(QP):
         signaled = self.sig_all or bool(flags & _SIGNALED)
         if wr.resolved is not None:
             self._note_send(wr, mr, off, total, signaled)
-        self._send_view(sq, wr.wr_id, mr.buf[off:off + total], total, signaled)
+        self._post_view(sq, wr.wr_id, mr.buf[off:off + total], total, signaled)
         return True
 
     def _note_send(self, wr: SendWR, mr: SoftMR, off: int, length: int,
@@ -705,11 +705,13 @@ class SoftQP(QP):
         wr.resolved = (self, wr.sg_list, mr, whole[:length], length, wr.send_flags, signaled,
                        whole, min(len(whole), _MAX_MESSAGE))
 
-    def _send_view(self, sq: deque, wr_id: int, view: memoryview, length: int,
-                   signaled: bool) -> None:
-        """Post a SEND of ``view`` (``length`` bytes of registered memory, checked; the lock
-        held, room on ``sq``): its entry, and its frame carrying the ACK this side owes, out
-        with the pass (at once when there is none)."""
+    def _post_view(self, sq: deque, wr_id: int, view: memoryview, length: int,
+                   signaled: bool, ftype: int = _SEND, opcode: WcOpcode = _WC_SEND,
+                   rkey: int = 0, raddr: int = 0) -> int:
+        """Post a SEND (or an RDMA WRITE: ``ftype``, ``opcode``, ``rkey``, ``raddr``) of
+        ``view`` (``length`` bytes of registered memory, checked; the lock held, room on
+        ``sq``): its entry, and its frame carrying the ACK this side owes, out with the pass
+        (at once when there is none).  Returns its PSN."""
         self.posted = now = _now()
         if not sq:
             self._last_progress = now
@@ -719,11 +721,12 @@ class SoftQP(QP):
             self._ack_due = False
             if self.ack_group is not None:     # it waited for this request (defer_ack)
                 self.ack_group.carried(self)
-            hdr = _hdr(_MAGIC, _VERSION, _SEND, _F_ACK, psn, length, 0, 0, self._done_psn, 0)
+            hdr = _hdr(_MAGIC, _VERSION, ftype, _F_ACK, psn, length, rkey, 0, self._done_psn,
+                       raddr)
         else:
-            hdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn, length, 0, 0, 0, 0)
+            hdr = _hdr(_MAGIC, _VERSION, ftype, 0, psn, length, rkey, 0, 0, raddr)
         e = _Entry()        # (status and rnr unset: read only after psn None, an RNR NAK)
-        e.psn, e.wr_id, e.opcode, e.byte_len, e.signaled = psn, wr_id, _WC_SEND, length, signaled
+        e.psn, e.wr_id, e.opcode, e.byte_len, e.signaled = psn, wr_id, opcode, length, signaled
         e.frame = [hdr, view]
         e.sent = True
         e.size = size = HDR + length
@@ -738,8 +741,9 @@ class SoftQP(QP):
             queued = tq - self._tx_sent + QUEUED_BUFFER_COST * len(q)
             if queued >= CORK_BYTES or self.max_unsent and queued > self.max_unsent:
                 self._pressed()
-            return
+            return psn
         self._xmit(e.frame, size)
+        return psn
 
     def _post_pair(self, sq: deque, cap: QPCap, write: SendWR, send: SendWR) -> bool:
         """The target's answer to a read, per I/O: an RDMA WRITE of the data, then the SEND
@@ -773,36 +777,11 @@ class SoftQP(QP):
             self._answer(sq, write.wr_id, wflags, alen, send, sflags, mb, baddr - mb.addr,
                          blen)
             return True
-        flags, done = self._carry(sq)   # (on the WRITE)
-        sig_all = self.sig_all
-        off = baddr - mb.addr
-        resp = mb.buf[off:off + blen]
-        psn = self._next_psn
-        psn2 = (psn + 1) & M
-        self._next_psn = (psn + 2) & M
-        self._later_psn = psn           # its data goes through the socket
-        whdr = _hdr(_MAGIC, _VERSION, _WRITE, flags, psn, alen, write.rkey, 0, done,
-                    write.remote_addr)
-        shdr = _hdr(_MAGIC, _VERSION, _SEND, 0, psn2, blen, 0, 0, 0, 0)
-        e = _Entry()
-        e.psn, e.wr_id, e.opcode, e.byte_len = psn, write.wr_id, _WC_WRITE, alen
-        e.signaled = sig_all or bool(wflags & _SIGNALED)
-        e.status = e.rnr = 0
-        e.views, e.frame = [data], [whdr, data]
-        e.sent = True
-        e.size = HDR + alen
-        e.end = end = self._tx_queued + HDR + alen
-        sq.append(e)
-        e = _Entry()
-        e.psn, e.wr_id, e.opcode, e.byte_len = psn2, send.wr_id, _WC_SEND, blen
-        e.signaled = sig_all or bool(sflags & _SIGNALED)
-        e.status = e.rnr = 0
-        e.views, e.frame = [resp], [shdr, resp]
-        e.sent = True
-        e.size = HDR + blen
-        e.end = end + HDR + blen
-        sq.append(e)
-        self._xmit([whdr, data, shdr, resp], e.end - self._tx_queued)
+        # Through the socket: the WRITE (carrying the ACK owed), then the SEND, one pass
+        self._later_psn = self._post_view(sq, write.wr_id, data, alen,
+                                          self.sig_all or bool(wflags & _SIGNALED), _WRITE,
+                                          _WC_WRITE, write.rkey, write.remote_addr)
+        self._respond(sq, send, sflags, mb, baddr - mb.addr, blen)
         return True
 
     def _shared_write_done(self, wr_id: int, length: int) -> None:
@@ -826,13 +805,14 @@ class SoftQP(QP):
 
     def post_write_send(self, write: SendWR, send: SendWR, addr: int, length: int, lkey: int,
                         remote_addr: int, rkey: int) -> None:
-        """:meth:`QP.post_write_send`.  Over a same-host connection whose peer shares the
-        target region, for a SEND its first post noted (an opted-in owner's: see post_send)
-        and a WRITE with nothing out of the ordinary (room on the send queue, no inline
-        data, no fence), the data is copied into the peer's region now and only the SEND
-        goes on the wire, with no read of ``write``'s SGE and no step of the general path
-        (what _post_pair does for this chain, in one frame).  Anything else takes the
-        general path, which says what is wrong."""
+        """:meth:`QP.post_write_send`.  For a SEND its first post noted (an opted-in
+        owner's: see post_send) and a WRITE with nothing out of the ordinary (room on the
+        send queue, no inline data, no fence), with no read of ``write``'s SGE and no step
+        of the general path (what _post_pair does for this chain): over a same-host
+        connection whose peer shares the target region, the data is copied into it now and
+        only the SEND goes on the wire; to a region this side does not map (a peer on
+        another host), the WRITE and the SEND go through the socket.  Anything else takes
+        the general path, which says what is wrong."""
         c = send.resolved
         if c and c[0] is self:
             _, sg, smr, view, vlen, sflags, signaled, whole, most = c
@@ -840,28 +820,39 @@ class SoftQP(QP):
             blen = sg[0].length if len(sg) == 1 else 0
             if blen != vlen:
                 view = whole[:blen] if 0 < blen <= most else None
+            wflags = int(write.send_flags)
             if (send.opcode is _OP_SEND and send.send_flags is sflags and send.sg_list is sg
                     and not smr.closed and write.opcode is _OP_WRITE
-                    and not int(write.send_flags) & _NOT_FAST and ma is not None
+                    and not wflags & _NOT_FAST and ma is not None
                     and ma.pd is self.pd and ma.addr <= addr and addr + length <= ma.end
                     and 0 < length <= _MAX_MESSAGE and view is not None):
                 with self._lock:
                     sq = self._sq
-                    got = self._peer.get(rkey) if self._peer else None
-                    if (got is not None and got[2] & _REMOTE_WRITE and got[0] <= remote_addr
-                            and remote_addr + length <= got[1] and self._state is _RTS
-                            and not (self._hold or self._stall) and len(sq) + 2 <= self._sq_max
-                            and (self._later_psn is None or self._copy_now())):
-                        if length >= CORK_BYTES:
-                            self.push()     # what the pass queued leaves first
-                        if not self._dead:  # (that send may have found the peer gone: ERR)
-                            off = addr - ma.addr
-                            at = remote_addr - got[0]
-                            got[3][at:at + length] = ma.buf[off:off + length]
-                            if self.sig_all or int(write.send_flags) & _SIGNALED:
-                                self._shared_write_done(write.wr_id, length)
-                            self._send_view(sq, send.wr_id, view, blen, signaled)
+                    if (self._state is _RTS and not (self._hold or self._stall)
+                            and len(sq) + 2 <= self._sq_max):
+                        got = self._peer.get(rkey) if self._peer else None
+                        off = addr - ma.addr
+                        if got is None:
+                            # a region this side does not map (another host's): the WRITE
+                            # through the socket, carrying the ACK owed, then the SEND
+                            self._later_psn = self._post_view(
+                                sq, write.wr_id, ma.buf[off:off + length], length,
+                                self.sig_all or bool(wflags & _SIGNALED), _WRITE, _WC_WRITE,
+                                rkey, remote_addr)
+                            self._post_view(sq, send.wr_id, view, blen, signaled)
                             return
+                        if (got[2] & _REMOTE_WRITE and got[0] <= remote_addr
+                                and remote_addr + length <= got[1]
+                                and (self._later_psn is None or self._copy_now())):
+                            if length >= CORK_BYTES:
+                                self.push()     # what the pass queued leaves first
+                            if not self._dead:  # (that send may have found the peer gone)
+                                at = remote_addr - got[0]
+                                got[3][at:at + length] = ma.buf[off:off + length]
+                                if self.sig_all or wflags & _SIGNALED:
+                                    self._shared_write_done(write.wr_id, length)
+                                self._post_view(sq, send.wr_id, view, blen, signaled)
+                                return
         QP.post_write_send(self, write, send, addr, length, lkey, remote_addr, rkey)
 
     def _answer(self, sq: deque, write_id: int, wflags: int, length: int, send: SendWR,
@@ -871,13 +862,18 @@ class SoftQP(QP):
         completes as _shared_write_done says (it takes no PSN and sends nothing: its data
         is in place already), and ``send`` goes out, of ``blen`` bytes at ``off`` in
         ``mr`` (noted, for an owner that opted in)."""
-        sig_all = self.sig_all
-        if sig_all or wflags & _SIGNALED:
+        if self.sig_all or wflags & _SIGNALED:
             self._shared_write_done(write_id, length)
-        signaled = sig_all or bool(sflags & _SIGNALED)
+        self._respond(sq, send, sflags, mr, off, blen)
+
+    def _respond(self, sq: deque, send: SendWR, sflags: int, mr: SoftMR, off: int,
+                 blen: int) -> None:
+        """A read answer's SEND, checked (_post_pair's): ``blen`` bytes at ``off`` in
+        ``mr``, noted for an owner that opted in."""
+        signaled = self.sig_all or bool(sflags & _SIGNALED)
         if send.resolved is not None:
             self._note_send(send, mr, off, blen, signaled)
-        self._send_view(sq, send.wr_id, mr.buf[off:off + blen], blen, signaled)
+        self._post_view(sq, send.wr_id, mr.buf[off:off + blen], blen, signaled)
 
     def _peer_view(self, rkey: int, raddr: int, total: int, need: int) -> memoryview | None:
         """The bytes [raddr, raddr+total) of the peer's shared region ``rkey``, if it is one

@@ -26,15 +26,31 @@ pytestmark = pytest.mark.timeout(60)
 BIN = pathlib.Path(sys.executable).parent
 
 
+AFTER = 1.0     # s the load goes on at least after fault() returned
+
+
 def run_with_fault(ctrl, fault, seconds: float = 5.0, at: float = 1.0, **kw) -> dict:
-    """The verify load for ``seconds``, with ``fault()`` called ``at`` seconds in."""
+    """The verify load for ``seconds`` (and AFTER s at least once ``fault()`` returned: a
+    target that restarts slowly, as in a lab guest, still meets load afterwards), with
+    ``fault()`` called ``at`` seconds in; the result also counts the I/Os completed before
+    the fault began and after ``fault()`` returned ("before", "after")."""
     result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(verify_load(ctrl, seconds, **kw)))
+    done: list[float] = []
+    stop = threading.Event()
+    start = time.monotonic()
+    runner = threading.Thread(target=lambda: result.update(
+        verify_load(ctrl, seconds + 120, stop=stop, completions=done, **kw)))
     runner.start()
     time.sleep(at)
+    began = time.monotonic()
     fault()
-    runner.join(seconds + 30)
+    over = time.monotonic()
+    time.sleep(max(start + seconds - over, AFTER))
+    stop.set()
+    runner.join(30)
     assert not runner.is_alive(), "the workload hung"
+    result["before"] = sum(1 for t in done if t < began)
+    result["after"] = sum(1 for t in done if t > over)
     return result
 
 
@@ -42,14 +58,18 @@ def assert_held_and_retried(result: dict, multipath: bool = False) -> None:
     """``multipath``: the other path was connected all along, so the I/O moved to it
     without any reconnect (the lost path keeps reconnecting in the background)."""
     rec = result["recovery"]
-    print(f"\nobserved: ios {result['ios']} errors {result['errors']} mismatches "
-          f"{result['mismatches']} recovery {rec}")     # for docs/reliability.md (pytest -s)
+    print(f"\nobserved: ios {result['ios']} (before the fault {result['before']}, after it "
+          f"{result['after']}) errors {result['errors']} mismatches {result['mismatches']} "
+          f"recovery {rec}")     # for docs/reliability.md (pytest -s)
     assert result["mismatches"] == 0, result
     assert result["errors"] == 0, result
     moved = rec["failovers"] if multipath else rec["reconnects"]
     assert moved >= 1 and rec["held"] >= 1 and rec["retried"] >= 1, rec
     assert rec["state"] == "live" and rec["held_now"] == 0, rec
-    assert result["ios"] > 100, result
+    # the load ran before the fault and went on after it (counts, not a rate: a lab guest
+    # under TCG, whose target restarts in seconds, makes a few dozen I/Os where a host
+    # makes thousands)
+    assert result["before"] >= 8 and result["after"] >= 8, result
 
 
 def test_target_sigkill_and_restart_loses_nothing(any_file_target):

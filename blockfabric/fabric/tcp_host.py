@@ -57,7 +57,6 @@ _CQE_RAW = struct.Struct("<QHHHH")
 _pack_capsule_rw = TCP_CAPSULE_RW.pack_into
 _unpack_data_fields = tcp_pdu.DATA_FIELDS.unpack_from
 _CAPSULE_CMD = tcp_pdu.CAPSULE_CMD
-_C2H_DATA = tcp_pdu.C2H_DATA
 _F_SUCCESS, _F_LAST = tcp_pdu.F_DATA_SUCCESS, tcp_pdu.F_DATA_LAST
 _C2H_DATA, _R2T = tcp_pdu.C2H_DATA, tcp_pdu.R2T
 _TRANSPORT_WORD = tcp_pdu.SGL_TRANSPORT << 56

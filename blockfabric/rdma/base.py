@@ -198,10 +198,10 @@ class RecvWR:
     sg_list: Sequence[SGE] = ()
     #: None, or (opt-in, for an owner that posts the same WR again and again) False: the
     #: provider may keep a note here (the soft provider: the memory views it resolved to,
-    #: reused while the region stays registered and the WR keeps its ``sg_list``).  Its
-    #: SGEs are not read again: to change them, set this back to False first (or give the
-    #: WR a new list).  The note holds views of the memory: set it back to False (or None)
-    #: before closing what backs the region.
+    #: reused while the region stays registered and the WR keeps its ``sg_list``, of as
+    #: many SGEs).  Its SGEs are not read again: to change them, set this back to False
+    #: first (or give the WR a new list).  The note holds views of the memory: set it
+    #: back to False (or None) before closing what backs the region.
     resolved: Any = field(default=None, repr=False, compare=False)
 
 

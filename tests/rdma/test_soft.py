@@ -927,6 +927,28 @@ def test_a_noted_send_given_a_second_sge_sends_both(passive):
     mr.close()
 
 
+def test_a_noted_receive_given_a_second_sge_is_checked_as_any(passive):
+    """As a noted SEND's, a noted receive's SGE count is read at every post: a second SGE
+    appended to the same list is refused as any receive of two SGEs is on this QP
+    (max_recv_sge 1), not posted from the note of one."""
+    peer, made = _raw_owner(passive)
+    qp, cq, pd = made["qp"], made["cq"], made["pd"]
+    bufs = [bytearray(16), bytearray(16)]
+    mrs = [pd.reg_mr(b, RW) for b in bufs]
+    rwr = RecvWR(7, [SGE(mrs[0].addr, 16, mrs[0].lkey)], False)
+    got: list = []
+    qp.post_recv(rwr)
+    peer.sock.sendall(wire.pack(Frame.SEND, 0, 16) + b"A" * 16)
+    assert _wait(lambda: got.extend(cq.poll()) or got)
+    assert got.pop() == (7, WcStatus.SUCCESS, 16) and rwr.resolved
+    rwr.sg_list.append(SGE(mrs[1].addr, 16, mrs[1].lkey))     # a second SGE, same list
+    with pytest.raises(RdmaError) as exc:
+        qp.post_recv(rwr)
+    assert exc.value.errno == errno.EINVAL
+    for mr in mrs:
+        mr.close()
+
+
 def test_a_noted_send_of_a_closed_region_fails_as_any(passive):
     """A noted SEND whose region was deregistered is never sent from the old view: it
     fails LOC_PROT_ERR, as a WR naming an unknown lkey does."""

@@ -688,11 +688,7 @@ class SoftQP(QP):
         if (flags & _NOT_FAST or mr is None or mr.pd is not self.pd or addr < mr.addr
                 or addr + total > mr.end or total <= 0 or total > _MAX_MESSAGE):
             return False
-        off = addr - mr.addr
-        signaled = self.sig_all or bool(flags & _SIGNALED)
-        if wr.resolved is not None:
-            self._note_send(wr, mr, off, total, signaled)
-        self._post_view(sq, wr.wr_id, mr.buf[off:off + total], total, signaled)
+        self._send_from(sq, wr, flags, mr, addr - mr.addr, total)
         return True
 
     def _note_send(self, wr: SendWR, mr: SoftMR, off: int, length: int,
@@ -781,7 +777,7 @@ class SoftQP(QP):
         self._later_psn = self._post_view(sq, write.wr_id, data, alen,
                                           self.sig_all or bool(wflags & _SIGNALED), _WRITE,
                                           _WC_WRITE, write.rkey, write.remote_addr)
-        self._respond(sq, send, sflags, mb, baddr - mb.addr, blen)
+        self._send_from(sq, send, sflags, mb, baddr - mb.addr, blen)
         return True
 
     def _shared_write_done(self, wr_id: int, length: int) -> None:
@@ -864,12 +860,12 @@ class SoftQP(QP):
         ``mr`` (noted, for an owner that opted in)."""
         if self.sig_all or wflags & _SIGNALED:
             self._shared_write_done(write_id, length)
-        self._respond(sq, send, sflags, mr, off, blen)
+        self._send_from(sq, send, sflags, mr, off, blen)
 
-    def _respond(self, sq: deque, send: SendWR, sflags: int, mr: SoftMR, off: int,
-                 blen: int) -> None:
-        """A read answer's SEND, checked (_post_pair's): ``blen`` bytes at ``off`` in
-        ``mr``, noted for an owner that opted in."""
+    def _send_from(self, sq: deque, send: SendWR, sflags: int, mr: SoftMR, off: int,
+                   blen: int) -> None:
+        """A SEND of one SGE, checked (_post_send1's, _post_pair's): ``blen`` bytes at
+        ``off`` in ``mr``, noted for an owner that opted in."""
         signaled = self.sig_all or bool(sflags & _SIGNALED)
         if send.resolved is not None:
             self._note_send(send, mr, off, blen, signaled)
@@ -1057,7 +1053,8 @@ class SoftQP(QP):
             c = wrs.resolved
             if c and c[0] is self:
                 _, sg, mr, entry = c
-                if wrs.sg_list is sg and not mr.closed and entry[0] == wrs.wr_id:
+                if (wrs.sg_list is sg and len(sg) == 1 and not mr.closed
+                        and entry[0] == wrs.wr_id):
                     with self._lock:
                         if self._state is not _ERR and len(self._rq) < self._rq_max:
                             self._rq.append(entry)
@@ -1082,14 +1079,15 @@ class SoftQP(QP):
             fresh = False
             for wr in wrs:
                 # The entry a WR of one SGE made when last posted on this QP, while it keeps
-                # its SGE list (whose SGEs an opted-in owner leaves as they are: RecvWR)
+                # that one-SGE list (whose SGEs an opted-in owner leaves as they are: RecvWR)
                 # and its region is still registered (a closed region is never reached
                 # through an old view); else its views resolved afresh.  (All checked
                 # before any is posted: a bad one posts none.)
                 c = wr.resolved
                 if c and c[0] is self:
                     _, sg, mr, entry = c
-                    if wr.sg_list is sg and not mr.closed and entry[0] == wr.wr_id:
+                    if (wr.sg_list is sg and len(sg) == 1 and not mr.closed
+                            and entry[0] == wr.wr_id):
                         append(entry)
                         continue
                 if len(wr.sg_list) > cap.max_recv_sge:
@@ -1779,7 +1777,7 @@ class SoftQP(QP):
         if e.opcode == _WC_READ or (e.opcode == _WC_WRITE
                                     and not e.frame[0][wire.FLAGS_AT] & _F_IMM):
             raise wire.WireError(f"RNR NAK for PSN {psn}, which consumes no receive")
-        e.rnr = rnr = getattr(e, "rnr", 0) + 1     # (unset until its first: _send_view)
+        e.rnr = rnr = getattr(e, "rnr", 0) + 1     # (unset until its first: _post_view)
         if self.rnr_retry != 7 and rnr > self.rnr_retry:
             self._fail_head(WcStatus.RNR_RETRY_EXC_ERR)
             return
